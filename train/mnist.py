@@ -1,0 +1,175 @@
+"""Train a small ConvNet on MNIST or Fashion-MNIST with Hugging Face Accelerate.
+
+The same file runs on a laptop CPU, one or many GPUs, or several nodes; the layout comes from the
+accelerate config alone:
+
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml train/mnist.py \
+        --dataset fashion_mnist --output_dir runs/fashion_mnist
+
+Writes model.safetensors, all_results.json (final metrics) and args.json to --output_dir.
+"""
+import argparse
+import os
+import sys
+import time
+
+if __package__ in (None, ""):  # run as a file: Python put train/ on sys.path, not the repo root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from data import DATASETS, DataError, collate_batch, load_dataset, normalize_images
+from train.common import (add_common_args, describe, make_accelerator, make_scheduler, plan_steps,
+                          positive_float, positive_int, write_json)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dataset", choices=sorted(DATASETS), default="fashion_mnist", help="Which dataset.")
+    parser.add_argument("--data_dir", type=str, default=None,
+                        help="Folder with the four idx files (raw or .gz); default: system copy, then download.")
+    parser.add_argument("--max_train_samples", type=positive_int, default=None,
+                        help="Train on the first N training samples only (quick runs, tests).")
+    parser.add_argument("--max_eval_samples", type=positive_int, default=None,
+                        help="Evaluate on the first N test samples only.")
+    parser.add_argument("--per_device_train_batch_size", type=positive_int, default=64,
+                        help="Batch size per process; the global batch is this x processes x accumulation.")
+    parser.add_argument("--per_device_eval_batch_size", type=positive_int, default=500,
+                        help="Evaluation batch size per process.")
+    parser.add_argument("--learning_rate", type=positive_float, default=2e-3, help="Peak AdamW learning rate.")
+    parser.add_argument("--weight_decay", type=float, default=0.0, help="AdamW weight decay.")
+    parser.add_argument("--lr_scheduler_type", choices=["constant", "linear", "cosine"], default="cosine",
+                        help="Learning-rate schedule after warmup.")
+    parser.add_argument("--num_warmup_steps", type=int, default=0, help="Linear warmup steps.")
+    parser.add_argument("--dataloader_num_workers", type=int, default=0,
+                        help="DataLoader workers; 0 is fastest for in-memory tensors.")
+    parser.add_argument("--logging_steps", type=positive_int, default=20,
+                        help="Update the progress bar's loss every N steps (each read is a device sync).")
+    add_common_args(parser)
+    parser.set_defaults(output_dir="runs/mnist")
+    return parser.parse_args(argv)
+
+
+class ConvNet(nn.Module):
+    """2 x [conv5x5, BN, ReLU, maxpool] with 16 -> 32 channels, then linear to 10 (the seed notes' model)."""
+
+    def __init__(self, num_classes=10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 16, 5, padding=2), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 5, padding=2), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+        )
+        self.classifier = nn.Linear(7 * 7 * 32, num_classes)
+
+    def forward(self, x):
+        return self.classifier(self.features(x).flatten(1))
+
+
+def evaluate(model, loader, accelerator, mean, std):
+    """Accuracy and loss over exactly the eval set: gather_for_metrics drops the samples that
+    the prepared loader repeats to give every process the same number of batches."""
+    model.eval()
+    correct = loss_sum = count = 0
+    with torch.no_grad():
+        for images, labels in loader:
+            logits = model(normalize_images(images, mean, std))
+            losses = F.cross_entropy(logits, labels, reduction="none")
+            preds, labels, losses = accelerator.gather_for_metrics((logits.argmax(-1), labels, losses))
+            correct += (preds == labels).sum()
+            loss_sum += losses.sum()
+            count += labels.numel()
+    model.train()
+    return {"eval_accuracy": (correct / count).item(), "eval_loss": (loss_sum / count).item(), "eval_samples": count}
+
+
+def main(args):
+    # ---------------------------------------------------------------- accelerator
+    accelerator = make_accelerator(args)
+    set_seed(args.seed)  # same initial weights on every process; DDP also broadcasts them
+    global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
+    accelerator.print(describe(accelerator, global_batch_size))
+
+    # ---------------------------------------------------------------- data
+    try:
+        with accelerator.main_process_first():  # one process downloads, the others then read
+            train_set, eval_set, source = load_dataset(args.dataset, args.data_dir)
+    except DataError as e:
+        raise SystemExit(f"error: {e}") from None
+    accelerator.print(f"dataset={args.dataset} train={len(train_set)} test={len(eval_set)} source={source}")
+    train_set, eval_set = train_set.subset(args.max_train_samples), eval_set.subset(args.max_eval_samples)
+    mean, std = train_set.mean, train_set.std
+    # drop_last: every optimizer step sees one full global batch; the dropped tail differs each epoch.
+    train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True, drop_last=True,
+                              collate_fn=collate_batch, num_workers=args.dataloader_num_workers)
+    eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, collate_fn=collate_batch,
+                             num_workers=args.dataloader_num_workers)
+
+    # ---------------------------------------------------------------- model, optimizer, schedule
+    model = ConvNet()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+
+    # ---------------------------------------------------------------- prepare
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    max_train_steps, num_train_epochs = plan_steps(args, len(train_loader))
+    lr_scheduler = accelerator.prepare(make_scheduler(optimizer, args.lr_scheduler_type, args.num_warmup_steps,
+                                                      max_train_steps, accelerator.num_processes))
+    accelerator.print(f"train_samples={len(train_set)} eval_samples={len(eval_set)} epochs={num_train_epochs} "
+                      f"steps={max_train_steps} steps_per_epoch={len(train_loader) // args.gradient_accumulation_steps}")
+
+    # ---------------------------------------------------------------- train
+    progress = tqdm(total=max_train_steps * global_batch_size, unit="samples", unit_scale=True,
+                    disable=not accelerator.is_local_main_process, dynamic_ncols=True)
+    completed_steps, epoch_seconds, history = 0, [], []
+    t_start = time.perf_counter()
+    for epoch in range(num_train_epochs):
+        train_loader.set_epoch(epoch)  # a new shuffle per epoch, identical on every rank
+        t_epoch = time.perf_counter()
+        for images, labels in train_loader:
+            with accelerator.accumulate(model):
+                loss = F.cross_entropy(model(normalize_images(images, mean, std)), labels)
+                accelerator.backward(loss)
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            if not accelerator.sync_gradients:
+                continue
+            completed_steps += 1
+            progress.update(global_batch_size)
+            if completed_steps % args.logging_steps == 0:
+                progress.set_postfix(loss=f"{loss.item():.4f}", lr=f"{lr_scheduler.get_last_lr()[0]:.2e}")
+            if completed_steps >= max_train_steps:
+                break
+        epoch_seconds.append(time.perf_counter() - t_epoch)
+        metrics = evaluate(model, eval_loader, accelerator, mean, std)
+        history.append({"epoch": epoch + 1, "step": completed_steps, "train_seconds": epoch_seconds[-1], **metrics})
+        if accelerator.is_main_process:
+            progress.write(f"epoch {epoch + 1}: eval_accuracy={metrics['eval_accuracy']:.4f} "
+                           f"eval_loss={metrics['eval_loss']:.4f} eval_samples={metrics['eval_samples']} "
+                           f"epoch_seconds={epoch_seconds[-1]:.1f}")
+    progress.close()
+    wall_seconds = time.perf_counter() - t_start
+
+    # ---------------------------------------------------------------- save
+    results = {**history[-1], "world_size": accelerator.num_processes, "global_batch_size": global_batch_size,
+               "dataset": args.dataset, "data_source": source, "epoch_seconds": epoch_seconds,
+               "wall_seconds": wall_seconds, "history": history,
+               "train_samples_per_second": completed_steps * global_batch_size / sum(epoch_seconds)}
+    accelerator.wait_for_everyone()
+    accelerator.save_model(model, args.output_dir)  # model.safetensors, written by the main process
+    if accelerator.is_main_process:
+        write_json(os.path.join(args.output_dir, "all_results.json"), results)
+        write_json(os.path.join(args.output_dir, "args.json"), vars(args))
+    accelerator.print(f"final eval_accuracy={results['eval_accuracy']:.4f} eval_samples={results['eval_samples']} "
+                      f"wall_seconds={wall_seconds:.1f} samples_per_second={results['train_samples_per_second']:.0f} "
+                      f"-> {args.output_dir}")
+    accelerator.end_training()
+    return results
+
+
+if __name__ == "__main__":
+    main(parse_args())
