@@ -123,7 +123,7 @@ def _read_idx(path, reader):
                 dst.write(src.read())
             return reader(raw)
     except (AssertionError, ValueError, TypeError, RuntimeError, KeyError, OSError, EOFError, IndexError) as e:
-        raise DataError(f"{path} is not a valid idx file ({type(e).__name__}: {e or 'bad header'}); "
+        raise DataError(f"{path} is not a valid idx file ({type(e).__name__}: {str(e) or 'bad header or size'}); "
                         "delete it and fetch the dataset again") from None
 
 
@@ -150,7 +150,8 @@ def _download(spec, download_root):
     try:
         cls(download_root, train=True, download=True)
     except Exception as e:  # torchvision raises RuntimeError/URLError/OSError depending on what failed
-        return f"download failed: {str(e).splitlines()[0]}"
+        # torchvision's message is one block per mirror; its last line is the underlying cause
+        return f"download failed: {[l for l in str(e).splitlines() if l.strip()][-1].strip()}"
     return None
 
 
@@ -164,7 +165,7 @@ def load_dataset(name, data_dir=None, download_root=DEFAULT_DOWNLOAD_ROOT):
     spec = DATASETS[name]
     if data_dir is not None:
         if not os.path.isdir(data_dir):
-            raise DataError(f"--data_dir {data_dir} does not exist; {spec.how_to_get}")
+            raise DataError(f"--data_dir {data_dir} does not exist; fix the path, or to get the data: {spec.how_to_get}")
         folder = _find_idx_folder(data_dir, spec)
         if folder is None:
             wanted = ", ".join(stem + "[.gz]" for stems in SPLIT_FILES.values() for stem in stems)

@@ -63,12 +63,15 @@ def make_accelerator(args, **kwargs):
     )
 
 
-def describe(accelerator, global_batch_size):
-    """One header line: what is really running, so a wrong launch (world size 1 twice) is visible."""
-    return (f"world_size={accelerator.num_processes} device={accelerator.device} "
-            f"distributed_type={accelerator.distributed_type.value} "
-            f"mixed_precision={accelerator.mixed_precision} global_batch_size={global_batch_size} "
-            f"threads_per_process={torch.get_num_threads()}")
+def announce(accelerator, global_batch_size):
+    """One line per process, then a header from the main process: what is really running, so a
+    wrong launch (two independent world-size-1 runs, say) shows at once."""
+    print(f"process {accelerator.process_index}/{accelerator.num_processes} device={accelerator.device}", flush=True)
+    accelerator.wait_for_everyone()
+    accelerator.print(f"world_size={accelerator.num_processes} device={accelerator.device.type} "
+                      f"distributed_type={accelerator.distributed_type.value} "
+                      f"mixed_precision={accelerator.mixed_precision} global_batch_size={global_batch_size} "
+                      f"threads_per_process={torch.get_num_threads()}")
 
 
 def plan_steps(args, batches_per_epoch):

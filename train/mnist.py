@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from data import DATASETS, DataError, collate_batch, load_dataset, normalize_images
-from train.common import (add_common_args, describe, make_accelerator, make_scheduler, plan_steps,
+from train.common import (add_common_args, announce, make_accelerator, make_scheduler, plan_steps,
                           positive_float, positive_int, write_json)
 
 
@@ -92,7 +92,7 @@ def main(args):
     accelerator = make_accelerator(args)
     set_seed(args.seed)  # same initial weights on every process; DDP also broadcasts them
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
-    accelerator.print(describe(accelerator, global_batch_size))
+    announce(accelerator, global_batch_size)
 
     # ---------------------------------------------------------------- data
     try:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
-from train.common import add_common_args, describe, make_accelerator, plan_steps, positive_float, positive_int, write_json
+from train.common import add_common_args, announce, make_accelerator, plan_steps, positive_float, positive_int, write_json
 
 NUM_FEATURES = 20
 
@@ -58,7 +58,7 @@ def main(args):
     accelerator = make_accelerator(args)
     set_seed(args.seed)
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
-    accelerator.print(describe(accelerator, global_batch_size))
+    announce(accelerator, global_batch_size)
 
     # ---------------------------------------------------------------- data
     train_set, eval_set = make_data(args.num_train_samples, args.num_eval_samples, args.seed)

@@ -1,0 +1,55 @@
+"""Shared fixtures: paths, an `accelerate launch` runner, and accelerate state isolation for
+in-process runs of the scripts' main()."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = os.path.join(REPO, "accelerate_configs")
+FASHION_DIR = "/usr/share/datasets/fashion-mnist"
+
+
+def clean_env(**extra):
+    """The environment a user's shell would have: no PYTHONPATH help, no leftover launcher state."""
+    env = {k: v for k, v in os.environ.items()
+           if k != "PYTHONPATH" and not k.startswith(("ACCELERATE_", "LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_"))}
+    env.update(PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def launch(config, script, *args, timeout=300, **env):
+    """`accelerate launch --config_file accelerate_configs/CONFIG.yaml train/SCRIPT.py ARGS` from the
+    repo root, as users run it. The timeout is the failure mode of a hang."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           os.path.join(CONFIGS, config + ".yaml"), os.path.join("train", script + ".py"), *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, env=clean_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def run_script(script, *args, timeout=120):
+    """`python train/SCRIPT.py ARGS` in one process, without accelerate launch."""
+    cmd = [sys.executable, os.path.join("train", script + ".py"), *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def output_of(proc):
+    return proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="session")
+def fashion_dir():
+    if not os.path.isdir(FASHION_DIR):
+        pytest.fail(f"{FASHION_DIR} is missing: apt-get install dataset-fashion-mnist (make setup does it)")
+    return FASHION_DIR
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate keeps process-wide singletons; reset them so in-process runs do not leak into each other."""
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()

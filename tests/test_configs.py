@@ -1,0 +1,43 @@
+"""Every config in accelerate_configs/ is valid for accelerate's own loader and says what it means."""
+import glob
+import os
+import re
+
+import pytest
+from accelerate.commands.config.config_args import load_config_from_file
+from accelerate.utils import DistributedType
+
+from conftest import CONFIGS
+
+CONFIG_FILES = sorted(glob.glob(os.path.join(CONFIGS, "*.yaml")))
+EXPECTED = {  # name: (distributed_type, num_processes, num_machines)
+    "cpu": (DistributedType.NO, 1, 1),
+    "cpu_2proc": (DistributedType.MULTI_GPU, 2, 1),
+    "1gpu": (DistributedType.NO, 1, 1),
+    "4gpu": (DistributedType.MULTI_GPU, 4, 1),
+    "8gpu": (DistributedType.MULTI_GPU, 8, 1),
+    "2node_8gpu": (DistributedType.MULTI_GPU, 16, 2),
+}
+
+
+def test_the_zoo_is_complete():
+    names = {os.path.basename(f)[:-5] for f in CONFIG_FILES}
+    assert set(EXPECTED) <= names, f"missing configs: {set(EXPECTED) - names}"
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=os.path.basename)
+def test_config_loads_through_accelerate(path):
+    config = load_config_from_file(path)  # raises on unknown keys and bad values
+    # an unquoted NO is parsed as False by YAML and would not be a DistributedType
+    assert isinstance(config.distributed_type, DistributedType)
+    assert config.mixed_precision in ("no", "fp16", "bf16")
+    name = os.path.basename(path)[:-5]
+    if name in EXPECTED:
+        assert (config.distributed_type, config.num_processes, config.num_machines) == EXPECTED[name]
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=os.path.basename)
+def test_every_key_has_a_comment(path):
+    for line in open(path):
+        if re.match(r"^\s*[A-Za-z_]+:", line):
+            assert "#" in line, f"{os.path.basename(path)}: key without a comment: {line.strip()}"

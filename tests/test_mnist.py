@@ -1,0 +1,78 @@
+"""train/mnist.py on real Fashion-MNIST: 2 real processes through accelerate launch, and in-process."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import FASHION_DIR, launch, output_of
+from train import mnist
+
+EVAL_SAMPLES = 1001  # odd: with 2 processes and eval batch 500 the last batch is padded, padding must not count
+
+
+def test_two_processes_train_and_count_eval_exactly(fashion_dir, tmp_path):
+    proc = launch("cpu_2proc", "mnist", "--dataset", "fashion_mnist", "--max_train_samples", 3000,
+                  "--max_eval_samples", EVAL_SAMPLES, "--num_train_epochs", 1, "--per_device_train_batch_size", 32,
+                  "--output_dir", tmp_path)
+    out = output_of(proc)
+    assert proc.returncode == 0, out
+    assert "process 0/2 " in proc.stdout and "process 1/2 " in proc.stdout, out
+    assert "world_size=2 " in proc.stdout and "distributed_type=MULTI_CPU" in proc.stdout, out
+    assert f"source={fashion_dir}" in proc.stdout  # it says which data it used
+
+    results = json.load(open(tmp_path / "all_results.json"))
+    assert results["world_size"] == 2
+    assert results["eval_samples"] == EVAL_SAMPLES
+    assert results["eval_accuracy"] > 0.6  # chance is 0.1
+    assert results["step"] == 3000 // 64  # drop_last: whole global batches of 2 x 32
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    assert weights["classifier.weight"].shape == (10, 7 * 7 * 32)
+    assert json.load(open(tmp_path / "args.json"))["max_eval_samples"] == EVAL_SAMPLES
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("layout", ["raw_torchvision_layout", "gz_flat"])
+def test_in_process_smoke_from_data_dir(tmp_path, fashion_dir, layout):
+    data_dir = tmp_path / "data"
+    if layout == "gz_flat":
+        data_dir.mkdir()
+        for name in os.listdir(fashion_dir):
+            os.symlink(os.path.join(fashion_dir, name), data_dir / name)
+    else:  # torchvision's download layout, uncompressed
+        import gzip
+        raw = data_dir / "FashionMNIST" / "raw"
+        raw.mkdir(parents=True)
+        for name in os.listdir(fashion_dir):
+            (raw / name[:-3]).write_bytes(gzip.open(os.path.join(fashion_dir, name)).read())
+    args = mnist.parse_args(["--data_dir", str(data_dir), "--max_train_samples", "640", "--max_eval_samples", "333",
+                             "--max_train_steps", "5", "--per_device_train_batch_size", "64",
+                             "--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "out")])
+    results = mnist.main(args)
+    assert results["eval_samples"] == 333 and results["step"] == 5 and results["world_size"] == 1
+    assert results["data_source"].startswith(str(data_dir))
+    assert (tmp_path / "out" / "model.safetensors").exists()
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_gradient_accumulation_is_one_step_per_n_batches(tmp_path, fashion_dir):
+    args = mnist.parse_args(["--max_train_samples", "640", "--max_eval_samples", "10", "--num_train_epochs", "1",
+                             "--per_device_train_batch_size", "32", "--gradient_accumulation_steps", "4",
+                             "--output_dir", str(tmp_path)])
+    results = mnist.main(args)
+    assert results["step"] == 640 // 32 // 4
+    assert results["global_batch_size"] == 128
+
+
+def test_loaded_tensors_are_uint8_in_memory(fashion_dir):
+    from data import load_dataset, normalize_images
+
+    train, test, source = load_dataset("fashion_mnist")
+    assert (len(train), len(test)) == (60000, 10000) and fashion_dir in source
+    assert train.images.dtype == torch.uint8 and train.images.shape == (60000, 28, 28)
+    images, labels = train.__getitems__([3, 1, 4])
+    assert torch.equal(images[1], train.images[1]) and labels.tolist() == train.labels[[3, 1, 4]].tolist()
+    x = normalize_images(train.images[:2000], train.mean, train.std)
+    assert x.shape == (2000, 1, 28, 28)
+    assert abs(x.mean().item()) < 0.05 and abs(x.std().item() - 1) < 0.05  # the stored mean/std fit the data
