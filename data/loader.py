@@ -1,0 +1,61 @@
+"""ShardedLoader: a DataLoader over a ShardedIterableDataset that accelerate treats as its own.
+
+Why not `accelerator.prepare(loader)`: accelerate 1.15 has no way to say "already sharded". A
+prepared loader over an IterableDataset is either dispatched from rank 0 (only rank 0's shard is
+ever used) or wrapped in IterableDatasetShard (sharded a second time: half the data silently lost).
+This wrapper does the three things prepare would have done for us, and nothing else:
+- puts batches on the device;
+- registers with accelerate's GradientState and flags the last batch, so `accelerator.accumulate`
+  syncs and steps at the end of the loader even when the batch count is not a multiple of the
+  accumulation steps;
+- tracks the position (state_dict/load_state_dict), so `accelerator.register_for_checkpointing`
+  makes `save_state` carry it.
+"""
+from accelerate.data_loader import DataLoaderStateMixin
+from accelerate.state import GradientState
+from accelerate.utils import send_to_device
+from torch.utils.data import DataLoader
+
+
+class ShardedLoader(DataLoaderStateMixin):
+    def __init__(self, dataset, device=None, num_workers=0, pin_memory=False):
+        self.dataset, self.device = dataset, device
+        self.loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
+                                 persistent_workers=False)
+        self.gradient_state = GradientState()
+        # begin() then leaves `remainder` at -1, so gather_for_metrics never trims: padded samples
+        # are excluded through each batch's `valid` mask instead.
+        self._drop_last = True
+        self.next_batch = dataset.start_batch
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def set_epoch(self, epoch):
+        if epoch != self.dataset.epoch:  # the epoch a resume restored keeps its position
+            self.dataset.set_epoch(epoch)
+            self.next_batch = 0
+
+    def __iter__(self):
+        self.begin()
+        try:
+            start = self.next_batch = self.dataset.start_batch
+            iterator = iter(self.loader)
+            current = next(iterator, None)
+            k = 0
+            while current is not None:
+                following = next(iterator, None)  # look ahead one batch to flag the last one
+                self.end_of_dataloader = following is None
+                self.next_batch = start + k + 1  # the batch being handed out counts as consumed
+                yield send_to_device(current, self.device, non_blocking=True) if self.device is not None else current
+                current, k = following, k + 1
+            self.dataset.start_batch = 0  # a second pass over this epoch starts at its beginning
+        finally:
+            self.end()
+
+    def state_dict(self):
+        return self.dataset.state_dict(self.next_batch)
+
+    def load_state_dict(self, state):
+        self.dataset.load_state_dict(state)
+        self.next_batch = self.dataset.start_batch

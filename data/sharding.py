@@ -1,0 +1,278 @@
+"""Exact, even, elastic-deterministic, resumable sharding of one dataset across ranks and workers.
+
+One idea covers every case: a plan maps (seed, epoch, dataset size, global batch size) to a list of
+global batches. Rank r of W takes slice r of every global batch; the rank's batches are dealt
+round-robin to its K DataLoader workers, and the DataLoader hands them back in the same order.
+Because nothing in the plan depends on W or K:
+
+- every sample appears exactly once per epoch (`drop` leaves out only the declared tail; `pad`
+  repeats samples from the start of the epoch, marked `valid=False`);
+- every rank yields the same number of batches, so no rank waits in an all-reduce for another;
+- the samples of global batch b are the same for any W and K, and a rank's order does not depend on K;
+- the shuffle changes per epoch and is the same on every rank without communication;
+- a position (epoch, next global batch) resumes exactly, also with a different W.
+
+Shuffling is two-level: whole read units (parquet row groups, or chunks of an in-memory tensor) are
+shuffled, then rows inside each unit. When the unit size divides the per-rank batch, every unit
+belongs to exactly one rank and one worker, so each rank reads only its 1/W of the rows. Units
+shorter than the others (a shard's tail) go last so they do not shift every later unit off that
+alignment.
+"""
+import hashlib
+import json
+import math
+import os
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+POLICIES = ("drop", "pad")
+
+
+class PlanError(ValueError):
+    """A plan or state that cannot be right; the message names the problem and the fix."""
+
+
+def epoch_order(unit_sizes, seed, epoch, shuffle=True):
+    """Sample ids of one epoch, in plan order: shuffled full units, then the short ones."""
+    starts = np.concatenate([[0], np.cumsum(unit_sizes)[:-1]]).astype(np.int64) if len(unit_sizes) else []
+    if not shuffle:
+        return np.arange(int(np.sum(unit_sizes)), dtype=np.int64)
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch])))
+    full = max(unit_sizes) if len(unit_sizes) else 0
+    order = [u for u in rng.permutation(len(unit_sizes)) if unit_sizes[u] == full]
+    order += [u for u in range(len(unit_sizes)) if unit_sizes[u] != full]
+    pieces = [starts[u] + (rng.permutation(unit_sizes[u]) if unit_sizes[u] > 1 else np.zeros(1, np.int64))
+              for u in order]
+    return np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
+
+
+class BatchPlan:
+    """Which sample ids rank `rank` of `world_size` gets in each global batch of an epoch."""
+
+    def __init__(self, unit_sizes, global_batch_size, world_size=1, rank=0, seed=0, shuffle=True, policy="drop"):
+        if global_batch_size < 1 or global_batch_size % world_size:
+            raise PlanError(f"global batch size {global_batch_size} is not divisible by world size {world_size}; "
+                            f"use a multiple of {world_size}")
+        if not 0 <= rank < world_size:
+            raise PlanError(f"rank {rank} is outside world size {world_size}")
+        if policy not in POLICIES:
+            raise PlanError(f"unknown policy {policy!r}; use one of {POLICIES}")
+        self.unit_sizes = [int(u) for u in unit_sizes]
+        self.num_samples = sum(self.unit_sizes)
+        if policy == "drop" and 0 < self.num_samples < global_batch_size:
+            raise PlanError(f"{self.num_samples} samples are fewer than one global batch of {global_batch_size} "
+                            "with policy 'drop' (nothing would be yielded); use policy 'pad' or a smaller batch")
+        self.global_batch_size, self.world_size, self.rank = global_batch_size, world_size, rank
+        self.seed, self.shuffle, self.policy = seed, shuffle, policy
+        self.per_rank_batch_size = global_batch_size // world_size
+
+    def num_batches(self):
+        """Global batches per epoch, the same on every rank."""
+        if self.policy == "drop":
+            return self.num_samples // self.global_batch_size
+        return math.ceil(self.num_samples / self.global_batch_size)
+
+    def rank_batches(self, epoch, start=0):
+        """Yield (global_batch_index, sample_ids, valid) for this rank, from global batch `start` on."""
+        order = epoch_order(self.unit_sizes, self.seed, epoch, self.shuffle)
+        n, g, b = self.num_samples, self.global_batch_size, self.per_rank_batch_size
+        for batch in range(start, self.num_batches()):
+            positions = np.arange(batch * g + self.rank * b, batch * g + (self.rank + 1) * b)
+            valid = positions < n
+            # pad: positions past the end wrap to the start of this epoch's order, as DistributedSampler does
+            yield batch, torch.from_numpy(order[positions % max(n, 1)]), torch.from_numpy(valid)
+
+    def identity(self):
+        """What every rank must agree on for the plans to fit together."""
+        return {"num_samples": self.num_samples, "global_batch_size": self.global_batch_size, "seed": self.seed,
+                "shuffle": self.shuffle, "policy": self.policy, "world_size": self.world_size}
+
+
+# ---------------------------------------------------------------------------------------- sources
+
+class TensorSource:
+    """Rows of in-memory tensors (all with the same first dimension), read by index."""
+
+    def __init__(self, tensors, unit_size=1):
+        lengths = {len(t) for t in tensors.values()}
+        if len(lengths) != 1:
+            raise PlanError(f"tensors have different lengths {sorted(lengths)}; give one row per sample in each")
+        self.tensors, self.num_rows = tensors, lengths.pop()
+        self.unit_sizes = [min(unit_size, self.num_rows - s) for s in range(0, self.num_rows, unit_size)]
+        self.rows_read = 0
+        self._fingerprint = None
+
+    def read(self, ids):
+        self.rows_read += len(ids)
+        return {name: t[ids] for name, t in self.tensors.items()}
+
+    def fingerprint(self):
+        if self._fingerprint is None:
+            h = hashlib.blake2b(digest_size=16)
+            for name in sorted(self.tensors):
+                t = self.tensors[name].contiguous()
+                h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+                h.update(t.view(torch.uint8).reshape(-1).numpy().tobytes() if t.numel() else b"")
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
+
+
+class ParquetSource:
+    """Rows of parquet shards; the read unit is a row group. Only the row groups a rank's batches
+    touch are read, and the counters say how much was (for tests and benchmarks)."""
+
+    def __init__(self, paths, columns=None, decode=None):
+        import pyarrow.parquet as pq
+
+        if not paths:
+            raise PlanError("no parquet shards given; run `python -m data.prepare` to write them")
+        self.paths, self.columns, self.decode = list(paths), columns, decode or table_to_tensors
+        self._groups = []  # (path index, row group) per unit
+        self.unit_sizes = []
+        sizes = []
+        for p, path in enumerate(self.paths):
+            meta = pq.ParquetFile(path).metadata
+            sizes.append((os.path.basename(path), meta.num_rows, os.path.getsize(path)))
+            for g in range(meta.num_row_groups):
+                self._groups.append((p, g))
+                self.unit_sizes.append(meta.row_group(g).num_rows)
+        self.unit_starts = np.concatenate([[0], np.cumsum(self.unit_sizes)]).astype(np.int64)
+        self.num_rows = int(self.unit_starts[-1])
+        self._fingerprint = hashlib.blake2b(json.dumps(sizes).encode(), digest_size=16).hexdigest()
+        self._files, self._cache = {}, (None, None)
+        self.rows_read = self.bytes_read = 0
+        self.files_opened = set()
+
+    def _unit_table(self, unit):
+        if self._cache[0] == unit:  # a unit cut by a batch boundary is read once, not twice
+            return self._cache[1]
+        import pyarrow.parquet as pq
+
+        p, g = self._groups[unit]
+        if p not in self._files:
+            self._files[p] = pq.ParquetFile(self.paths[p])
+            self.files_opened.add(self.paths[p])
+        f = self._files[p]
+        table = f.read_row_group(g, columns=self.columns)
+        meta = f.metadata.row_group(g)
+        self.rows_read += table.num_rows
+        self.bytes_read += sum(meta.column(c).total_compressed_size for c in range(meta.num_columns)
+                               if self.columns is None or meta.column(c).path_in_schema in self.columns)
+        self._cache = (unit, table)
+        return table
+
+    def read(self, ids):
+        import pyarrow as pa
+
+        ids = ids.numpy()
+        units = np.searchsorted(self.unit_starts, ids, side="right") - 1
+        pieces, order = [], np.argsort(units, kind="stable")
+        for unit in np.unique(units):
+            rows = ids[units == unit] - self.unit_starts[unit]
+            pieces.append(self._unit_table(int(unit)).take(pa.array(rows)))
+        table = pa.concat_tables(pieces) if pieces else None
+        batch = self.decode(table)
+        inverse = torch.from_numpy(np.argsort(order, kind="stable"))  # back to the plan's order
+        return {name: t[inverse] for name, t in batch.items()}
+
+    def fingerprint(self):
+        return self._fingerprint
+
+
+def table_to_tensors(table):
+    """Default decoder: numeric columns as tensors; equal-length binary columns as uint8 [rows, bytes]."""
+    import pyarrow as pa
+
+    out = {}
+    for name, column in zip(table.column_names, table.columns):
+        column = column.combine_chunks()
+        if pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type):
+            _, offset_buffer, data_buffer = column.buffers()
+            offset_type = np.int64 if pa.types.is_large_binary(column.type) else np.int32
+            offsets = np.frombuffer(offset_buffer, offset_type)[column.offset:column.offset + len(column) + 1]
+            widths = np.diff(offsets)
+            if len(widths) and (widths != widths[0]).any():
+                raise PlanError(f"column {name!r} has values of different lengths; decode it with a custom `decode`")
+            data = np.frombuffer(data_buffer, np.uint8)[offsets[0]:offsets[-1]] if len(widths) else np.zeros(0, np.uint8)
+            out[name] = torch.from_numpy(data.reshape(len(column), -1).copy())
+        else:
+            out[name] = torch.from_numpy(column.to_numpy(zero_copy_only=False).copy())
+    return out
+
+
+# ---------------------------------------------------------------------------------------- dataset
+
+class ShardedIterableDataset(IterableDataset):
+    """Yields this rank's batches as dicts: the source's columns, `index` (sample ids) and `valid`.
+
+    Rank and world size are arguments; the DataLoader worker is read inside `__iter__`. Use it with
+    `DataLoader(dataset, batch_size=None, num_workers=K)` (it batches by itself), or through
+    `ShardedLoader`, which also tracks the position and plugs into accelerate.
+    """
+
+    def __init__(self, source, global_batch_size, rank=0, world_size=1, seed=0, shuffle=True, policy="drop",
+                 transform=None):
+        self.source, self.transform = source, transform
+        self.plan = BatchPlan(source.unit_sizes, global_batch_size, world_size, rank, seed, shuffle, policy)
+        self.epoch, self.start_batch = 0, 0
+
+    def set_epoch(self, epoch, start_batch=0):
+        self.epoch, self.start_batch = epoch, start_batch
+
+    def __len__(self):
+        return self.plan.num_batches() - self.start_batch
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        for batch_index, ids, valid in self.plan.rank_batches(self.epoch, self.start_batch):
+            if (batch_index - self.start_batch) % num_workers != worker:
+                continue  # whole batches per worker: the DataLoader returns them in plan order
+            batch = self.source.read(ids)
+            batch.update(index=ids, valid=valid)
+            yield self.transform(batch) if self.transform else batch
+
+    def identity(self):
+        return {**self.plan.identity(), "fingerprint": self.source.fingerprint()}
+
+    def state_dict(self, next_batch):
+        """Position before global batch `next_batch` of the current epoch, valid for any world size."""
+        epoch = self.epoch
+        if next_batch >= self.plan.num_batches():  # epoch finished: resume at the start of the next
+            epoch, next_batch = epoch + 1, 0
+        identity = self.identity()
+        identity.pop("world_size")
+        return {"epoch": epoch, "next_batch": next_batch, **identity}
+
+    def load_state_dict(self, state):
+        mine = self.identity()
+        for key in ("fingerprint", "num_samples", "global_batch_size", "seed", "shuffle", "policy"):
+            if state.get(key) != mine[key]:
+                raise PlanError(f"data state does not match this dataset: {key} is {state.get(key)!r} in the "
+                                f"state but {mine[key]!r} here; resume with the same data and "
+                                "--seed/batch settings, or start fresh")
+        self.set_epoch(state["epoch"], state["next_batch"])
+
+
+def check_same_plan(identity, gather_object):
+    """Raise unless every rank built the same plan (same seed, data, batch size). `gather_object` is
+    `accelerate.utils.gather_object`: one collective, once, before training."""
+    identities = gather_object([identity])
+    if any(other != identities[0] for other in identities):
+        differing = sorted(k for k in identity if len({json.dumps(i.get(k)) for i in identities}) > 1)
+        raise PlanError(f"ranks disagree on the data plan ({', '.join(differing)} differ across ranks); "
+                        "pass the same --seed and data to every process")
+
+
+def shards_in(folder, split):
+    """Sorted parquet shards of `split` written by data.prepare."""
+    if not os.path.isdir(folder):
+        return []
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.startswith(split + "-") and
+                  f.endswith(".parquet"))
+
+
+__all__ = ["BatchPlan", "ParquetSource", "PlanError", "ShardedIterableDataset", "TensorSource", "check_same_plan",
+           "epoch_order", "shards_in", "table_to_tensors"]
