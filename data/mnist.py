@@ -66,13 +66,13 @@ class ImageClassificationTensors(Dataset):
         return len(self.labels)
 
     def __getitem__(self, index):
-        return self.images[index], self.labels[index]
+        return {"image": self.images[index], "label": self.labels[index]}
 
     def __getitems__(self, indices):
         # DataLoader's fetcher calls this with a whole batch of indices: one gather instead of a
-        # Python call and a stack per sample.
+        # Python call and a stack per sample. Same keys as the parquet shards' batches.
         index = torch.as_tensor(indices, dtype=torch.long)
-        return self.images[index], self.labels[index]
+        return {"image": self.images[index], "label": self.labels[index]}
 
     def subset(self, max_samples):
         """The first `max_samples` samples (deterministic, so every process agrees)."""
@@ -87,8 +87,9 @@ def collate_batch(batch):
 
 
 def normalize_images(images, mean, std):
-    """uint8 [B, H, W] -> float [B, 1, H, W], standardised; runs on whatever device the batch is on."""
-    return (images.unsqueeze(1).float() / 255.0 - mean) / std
+    """uint8 [B, 28, 28] (in memory) or [B, 784] (parquet bytes) -> float [B, 1, 28, 28], standardised;
+    runs on whatever device the batch is on."""
+    return (images.reshape(len(images), 1, 28, 28).float() / 255.0 - mean) / std
 
 
 def _find_split_files(folder, split):

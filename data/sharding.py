@@ -123,7 +123,7 @@ class ParquetSource:
     """Rows of parquet shards; the read unit is a row group. Only the row groups a rank's batches
     touch are read, and the counters say how much was (for tests and benchmarks)."""
 
-    def __init__(self, paths, columns=None, decode=None):
+    def __init__(self, paths, columns=None, decode=None, max_rows=None):
         import pyarrow.parquet as pq
 
         if not paths:
@@ -138,6 +138,11 @@ class ParquetSource:
             for g in range(meta.num_row_groups):
                 self._groups.append((p, g))
                 self.unit_sizes.append(meta.row_group(g).num_rows)
+        if max_rows is not None:  # the first max_rows rows, like a map-style subset; the cut unit becomes short
+            kept = np.cumsum(self.unit_sizes) - np.array(self.unit_sizes) < max_rows
+            self.unit_sizes = [min(u, max_rows - int(s)) for u, s, k in
+                               zip(self.unit_sizes, np.cumsum([0] + self.unit_sizes[:-1]), kept) if k]
+            sizes.append(("max_rows", max_rows))
         self.unit_starts = np.concatenate([[0], np.cumsum(self.unit_sizes)]).astype(np.int64)
         self.num_rows = int(self.unit_starts[-1])
         self._fingerprint = hashlib.blake2b(json.dumps(sizes).encode(), digest_size=16).hexdigest()

@@ -12,10 +12,18 @@ from train import mnist
 EVAL_SAMPLES = 1001  # odd: with 2 processes and eval batch 500 the last batch is padded, padding must not count
 
 
-def test_two_processes_train_and_count_eval_exactly(fashion_dir, tmp_path):
-    proc = launch("cpu_2proc", "mnist", "--dataset", "fashion_mnist", "--max_train_samples", 3000,
-                  "--max_eval_samples", EVAL_SAMPLES, "--num_train_epochs", 1, "--per_device_train_batch_size", 32,
-                  "--output_dir", tmp_path)
+SMALL_RUN = ["--dataset", "fashion_mnist", "--max_train_samples", 3000, "--max_eval_samples", EVAL_SAMPLES,
+             "--num_train_epochs", 1, "--per_device_train_batch_size", 32]
+
+
+@pytest.fixture(scope="module")
+def map_style_run(fashion_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("map")
+    return launch("cpu_2proc", "mnist", *SMALL_RUN, "--output_dir", out), out
+
+
+def test_two_processes_train_and_count_eval_exactly(fashion_dir, map_style_run):
+    proc, tmp_path = map_style_run
     out = output_of(proc)
     assert proc.returncode == 0, out
     assert "process 0/2 " in proc.stdout and "process 1/2 " in proc.stdout, out
@@ -30,6 +38,20 @@ def test_two_processes_train_and_count_eval_exactly(fashion_dir, tmp_path):
     weights = load_file(str(tmp_path / "model.safetensors"))
     assert weights["classifier.weight"].shape == (10, 7 * 7 * 32)
     assert json.load(open(tmp_path / "args.json"))["max_eval_samples"] == EVAL_SAMPLES
+
+
+def test_streaming_path_under_two_processes_matches_map_style(map_style_run, tmp_path):
+    proc = launch("cpu_2proc", "mnist", *SMALL_RUN, "--streaming", "--parquet_dir", tmp_path / "parquet",
+                  "--output_dir", tmp_path / "out")
+    assert proc.returncode == 0, output_of(proc)
+    assert "world_size=2 " in proc.stdout and "sharded iterable" in proc.stdout
+    assert len(os.listdir(tmp_path / "parquet")) == 16  # the prepare step wrote 8 train + 8 test shards
+    streaming = json.load(open(tmp_path / "out" / "all_results.json"))
+    map_style = json.load(open(map_style_run[1] / "all_results.json"))
+    assert streaming["eval_samples"] == EVAL_SAMPLES  # padding excluded through the valid mask
+    assert streaming["step"] == map_style["step"] == 3000 // 64
+    assert streaming["eval_accuracy"] > 0.6
+    assert abs(streaming["eval_accuracy"] - map_style["eval_accuracy"]) < 0.05
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
@@ -71,8 +93,8 @@ def test_loaded_tensors_are_uint8_in_memory(fashion_dir):
     train, test, source = load_dataset("fashion_mnist")
     assert (len(train), len(test)) == (60000, 10000) and fashion_dir in source
     assert train.images.dtype == torch.uint8 and train.images.shape == (60000, 28, 28)
-    images, labels = train.__getitems__([3, 1, 4])
-    assert torch.equal(images[1], train.images[1]) and labels.tolist() == train.labels[[3, 1, 4]].tolist()
+    batch = train.__getitems__([3, 1, 4])
+    assert torch.equal(batch["image"][1], train.images[1]) and batch["label"].tolist() == train.labels[[3, 1, 4]].tolist()
     x = normalize_images(train.images[:2000], train.mean, train.std)
     assert x.shape == (2000, 1, 28, 28)
     assert abs(x.mean().item()) < 0.05 and abs(x.std().item() - 1) < 0.05  # the stored mean/std fit the data

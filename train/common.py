@@ -3,6 +3,7 @@ import argparse
 import json
 import math
 import os
+import sys
 
 import torch
 from accelerate import Accelerator
@@ -66,7 +67,9 @@ def make_accelerator(args, **kwargs):
 def announce(accelerator, global_batch_size):
     """One line per process, then a header from the main process: what is really running, so a
     wrong launch (two independent world-size-1 runs, say) shows at once."""
-    print(f"process {accelerator.process_index}/{accelerator.num_processes} device={accelerator.device}", flush=True)
+    # one write() per line, so lines from different processes do not interleave mid-line
+    sys.stdout.write(f"process {accelerator.process_index}/{accelerator.num_processes} device={accelerator.device}\n")
+    sys.stdout.flush()
     accelerator.wait_for_everyone()
     accelerator.print(f"world_size={accelerator.num_processes} device={accelerator.device.type} "
                       f"distributed_type={accelerator.distributed_type.value} "

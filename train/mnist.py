@@ -23,7 +23,12 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
+from accelerate.utils import gather_object
+
 from data import DATASETS, DataError, collate_batch, load_dataset, normalize_images
+from data.loader import ShardedLoader
+from data.prepare import prepare
+from data.sharding import ParquetSource, PlanError, ShardedIterableDataset, check_same_plan, shards_in
 from train.common import (add_common_args, announce, make_accelerator, make_scheduler, plan_steps,
                           positive_float, positive_int, write_json)
 
@@ -46,6 +51,11 @@ def parse_args(argv=None):
     parser.add_argument("--lr_scheduler_type", choices=["constant", "linear", "cosine"], default="cosine",
                         help="Learning-rate schedule after warmup.")
     parser.add_argument("--num_warmup_steps", type=int, default=0, help="Linear warmup steps.")
+    parser.add_argument("--streaming", action="store_true",
+                        help="Read parquet shards through the rank x worker sharded iterable path instead of "
+                             "in-memory tensors; writes the shards first if --parquet_dir has none.")
+    parser.add_argument("--parquet_dir", type=str, default=None,
+                        help="Parquet shards for --streaming (default: runs/parquet/DATASET).")
     parser.add_argument("--dataloader_num_workers", type=int, default=0,
                         help="DataLoader workers; 0 is fastest for in-memory tensors.")
     parser.add_argument("--logging_steps", type=positive_int, default=20,
@@ -71,20 +81,34 @@ class ConvNet(nn.Module):
 
 
 def evaluate(model, loader, accelerator, mean, std):
-    """Accuracy and loss over exactly the eval set: gather_for_metrics drops the samples that
-    the prepared loader repeats to give every process the same number of batches."""
+    """Accuracy and loss over exactly the eval set. Both loaders repeat samples so every process
+    gets the same number of batches: gather_for_metrics drops them for the prepared map-style
+    loader, the `valid` mask for the sharded one."""
     model.eval()
     correct = loss_sum = count = 0
     with torch.no_grad():
-        for images, labels in loader:
-            logits = model(normalize_images(images, mean, std))
-            losses = F.cross_entropy(logits, labels, reduction="none")
-            preds, labels, losses = accelerator.gather_for_metrics((logits.argmax(-1), labels, losses))
-            correct += (preds == labels).sum()
-            loss_sum += losses.sum()
-            count += labels.numel()
+        for batch in loader:
+            logits = model(normalize_images(batch["image"], mean, std))
+            losses = F.cross_entropy(logits, batch["label"], reduction="none")
+            valid = batch.get("valid", torch.ones_like(losses, dtype=torch.bool))
+            preds, labels, losses, valid = accelerator.gather_for_metrics(
+                (logits.argmax(-1), batch["label"], losses, valid))
+            correct += ((preds == labels) & valid).sum()
+            loss_sum += (losses * valid).sum()
+            count += valid.sum()
     model.train()
+    count = int(count)
     return {"eval_accuracy": (correct / count).item(), "eval_loss": (loss_sum / count).item(), "eval_samples": count}
+
+
+def sharded_loader(accelerator, folder, split, batch_size, args, max_rows, train):
+    """Parquet shards -> this rank's batches, sharded by our plan and never re-sharded by prepare()."""
+    dataset = ShardedIterableDataset(ParquetSource(shards_in(folder, split), max_rows=max_rows),
+                                     batch_size * accelerator.num_processes,
+                                     rank=accelerator.process_index, world_size=accelerator.num_processes,
+                                     seed=args.seed, shuffle=train, policy="drop" if train else "pad")
+    check_same_plan(dataset.identity(), gather_object)
+    return ShardedLoader(dataset, accelerator.device, num_workers=args.dataloader_num_workers)
 
 
 def main(args):
@@ -95,30 +119,46 @@ def main(args):
     announce(accelerator, global_batch_size)
 
     # ---------------------------------------------------------------- data
+    parquet_dir = args.parquet_dir or os.path.join("runs", "parquet", args.dataset)
+    mean, std = DATASETS[args.dataset].mean, DATASETS[args.dataset].std
     try:
-        with accelerator.main_process_first():  # one process downloads, the others then read
-            train_set, eval_set, source = load_dataset(args.dataset, args.data_dir)
-    except DataError as e:
+        with accelerator.main_process_first():  # one process downloads or writes shards, the others then read
+            if not args.streaming:
+                train_set, eval_set, source = load_dataset(args.dataset, args.data_dir)
+            elif not shards_in(parquet_dir, "train") and accelerator.is_main_process:
+                prepare(args.dataset, parquet_dir, data_dir=args.data_dir)
+        if args.streaming:
+            source = f"{parquet_dir} (parquet shards, sharded iterable)"
+            train_loader = sharded_loader(accelerator, parquet_dir, "train", args.per_device_train_batch_size, args,
+                                          args.max_train_samples, train=True)
+            eval_loader = sharded_loader(accelerator, parquet_dir, "test", args.per_device_eval_batch_size, args,
+                                         args.max_eval_samples, train=False)
+            num_train, num_eval = train_loader.dataset.plan.num_samples, eval_loader.dataset.plan.num_samples
+    except (DataError, PlanError) as e:
         raise SystemExit(f"error: {e}") from None
-    accelerator.print(f"dataset={args.dataset} train={len(train_set)} test={len(eval_set)} source={source}")
-    train_set, eval_set = train_set.subset(args.max_train_samples), eval_set.subset(args.max_eval_samples)
-    mean, std = train_set.mean, train_set.std
-    # drop_last: every optimizer step sees one full global batch; the dropped tail differs each epoch.
-    train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True, drop_last=True,
-                              collate_fn=collate_batch, num_workers=args.dataloader_num_workers)
-    eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, collate_fn=collate_batch,
-                             num_workers=args.dataloader_num_workers)
+    if not args.streaming:
+        train_set, eval_set = train_set.subset(args.max_train_samples), eval_set.subset(args.max_eval_samples)
+        num_train, num_eval = len(train_set), len(eval_set)
+        # drop_last: every optimizer step sees one full global batch; the dropped tail differs each epoch.
+        train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True,
+                                  drop_last=True, collate_fn=collate_batch, num_workers=args.dataloader_num_workers)
+        eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, collate_fn=collate_batch,
+                                 num_workers=args.dataloader_num_workers)
+    accelerator.print(f"dataset={args.dataset} train={num_train} test={num_eval} source={source}")
 
     # ---------------------------------------------------------------- model, optimizer, schedule
     model = ConvNet()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
 
     # ---------------------------------------------------------------- prepare
-    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    if args.streaming:  # already sharded: prepare() would shard again or dispatch from rank 0
+        model, optimizer = accelerator.prepare(model, optimizer)
+    else:
+        model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     max_train_steps, num_train_epochs = plan_steps(args, len(train_loader))
     lr_scheduler = accelerator.prepare(make_scheduler(optimizer, args.lr_scheduler_type, args.num_warmup_steps,
                                                       max_train_steps, accelerator.num_processes))
-    accelerator.print(f"train_samples={len(train_set)} eval_samples={len(eval_set)} epochs={num_train_epochs} "
+    accelerator.print(f"train_samples={num_train} eval_samples={num_eval} epochs={num_train_epochs} "
                       f"steps={max_train_steps} steps_per_epoch={len(train_loader) // args.gradient_accumulation_steps}")
 
     # ---------------------------------------------------------------- train
@@ -129,9 +169,9 @@ def main(args):
     for epoch in range(num_train_epochs):
         train_loader.set_epoch(epoch)  # a new shuffle per epoch, identical on every rank
         t_epoch = time.perf_counter()
-        for images, labels in train_loader:
+        for batch in train_loader:
             with accelerator.accumulate(model):
-                loss = F.cross_entropy(model(normalize_images(images, mean, std)), labels)
+                loss = F.cross_entropy(model(normalize_images(batch["image"], mean, std)), batch["label"])
                 accelerator.backward(loss)
                 optimizer.step()
                 lr_scheduler.step()
@@ -167,6 +207,7 @@ def main(args):
     accelerator.print(f"final eval_accuracy={results['eval_accuracy']:.4f} eval_samples={results['eval_samples']} "
                       f"wall_seconds={wall_seconds:.1f} samples_per_second={results['train_samples_per_second']:.0f} "
                       f"-> {args.output_dir}")
+    accelerator.wait_for_everyone()  # tearing gloo down while a peer still writes can abort ("terminate called ...")
     accelerator.end_training()
     return results
 

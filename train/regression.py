@@ -105,6 +105,7 @@ def main(args):
         write_json(os.path.join(args.output_dir, "args.json"), vars(args))
     accelerator.print(f"final eval_mse={results['eval_mse']:.6f} eval_samples={count} steps={completed_steps} "
                       f"-> {args.output_dir}")
+    accelerator.wait_for_everyone()  # tearing gloo down while a peer still writes can abort ("terminate called ...")
     accelerator.end_training()
     return results
 

@@ -1,0 +1,73 @@
+"""Launched by tests/test_sharded_launch.py with `accelerate launch`: trains a tiny DDP model from
+parquet shards through ShardedLoader and writes, on the main process, what every rank saw.
+
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml tests/sharded_probe.py SHARDS OUT.json K
+"""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object
+
+from data.loader import ShardedLoader
+from data.sharding import ParquetSource, ShardedIterableDataset, check_same_plan, shards_in
+
+PER_RANK_BATCH, ACCUMULATION, EPOCHS, CUT = 4, 4, 2, 5
+
+
+def build(accelerator, folder, workers):
+    dataset = ShardedIterableDataset(ParquetSource(shards_in(folder, "train")), PER_RANK_BATCH * accelerator.num_processes,
+                                     accelerator.process_index, accelerator.num_processes, seed=7, policy="pad")
+    check_same_plan(dataset.identity(), gather_object)
+    return ShardedLoader(dataset, accelerator.device, num_workers=workers)
+
+
+def main(folder, out_path, workers):
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION)
+    loader = build(accelerator, folder, workers)
+    accelerator.register_for_checkpointing(loader)
+    model = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    report = {"world_size": accelerator.num_processes, "epochs": [], "batches_per_rank": [], "optimizer_steps": []}
+    for epoch in range(EPOCHS):
+        loader.set_epoch(epoch)
+        ids, batches, steps = [], 0, 0
+        for batch in loader:
+            assert batch["x"].device.type == accelerator.device.type
+            with accelerator.accumulate(model):
+                # the all-reduce in backward is where uneven batch counts would hang
+                loss = model(batch["x"].float().unsqueeze(1)).mean()
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            steps += accelerator.sync_gradients
+            batches += 1
+            ids += accelerator.gather(torch.where(batch["valid"], batch["index"], -1)).tolist()
+            if epoch == 1 and batches == CUT:
+                accelerator.save_state(os.path.join(os.path.dirname(out_path), "ckpt"))
+        report["epochs"].append([i for i in ids if i >= 0])
+        report["batches_per_rank"].append(gather_object([batches]))
+        report["optimizer_steps"].append(gather_object([steps]))
+    # resume from the mid-epoch save with a fresh loader: it must yield exactly the rest of epoch 1
+    resumed = build(accelerator, folder, workers)
+    accelerator._custom_objects = [resumed]
+    accelerator.load_state(os.path.join(os.path.dirname(out_path), "ckpt"))
+    resumed.set_epoch(1)
+    rest = []
+    for batch in resumed:
+        rest += accelerator.gather(torch.where(batch["valid"], batch["index"], -1)).tolist()
+    report["resumed_rest"] = [i for i in rest if i >= 0]
+    report["per_rank_batches_in_epoch"] = len(loader)
+    if accelerator.is_main_process:
+        json.dump(report, open(out_path, "w"))
+    accelerator.wait_for_everyone()  # a rank that tears gloo down while its peer still works can abort
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))

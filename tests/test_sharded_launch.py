@@ -1,0 +1,48 @@
+"""The sharded iterable path under a real 2-process `accelerate launch`: exact coverage across ranks,
+uneven shards without a hang, a step at the end of the loader, and the position in save_state."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import CONFIGS, REPO, clean_env, output_of
+from data.prepare import write_shards
+
+SIZES = [37, 5, 100, 21]  # shards of very different sizes, row groups of 8 with short tails
+N = sum(SIZES)
+
+
+@pytest.fixture(scope="module")
+def uneven_shards(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("uneven")
+    start = 0
+    for i, n in enumerate(SIZES):
+        written = write_shards({"x": torch.arange(start, start + n)}, str(folder), "tmp", 1, rows_per_group=8)
+        os.replace(written[0], folder / f"train-{i:05d}.parquet")
+        start += n
+    return str(folder)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_two_ranks_cover_every_epoch_exactly_once(uneven_shards, tmp_path, workers):
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, "cpu_2proc.yaml"),
+           os.path.join("tests", "sharded_probe.py"), uneven_shards, str(out), str(workers)]
+    # the timeout is the failure mode of a hang on uneven batch counts
+    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, output_of(proc)
+    report = json.load(open(out))
+    assert report["world_size"] == 2
+    for epoch_ids in report["epochs"]:
+        assert sorted(epoch_ids) == list(range(N)), "gathered ids do not cover the epoch exactly once"
+    assert report["epochs"][0] != report["epochs"][1], "set_epoch did not reshuffle"
+    batches = math.ceil(N / 8)
+    assert report["batches_per_rank"] == [[batches, batches]] * 2
+    # 4-step accumulation over 21 batches: 5 full steps, and a 6th only if the loader flags its last batch
+    assert batches % 4 and report["optimizer_steps"] == [[math.ceil(batches / 4)] * 2] * 2
+    seen = report["epochs"][1][:5 * 8]  # 5 global batches of 2 x 4 before the save
+    assert sorted(seen + report["resumed_rest"]) == list(range(N)) and not set(seen) & set(report["resumed_rest"])
