@@ -130,10 +130,11 @@ class ParquetSource:
             raise PlanError("no parquet shards given; run `python -m data.prepare` to write them")
         self.paths, self.columns, self.decode = list(paths), columns, decode or table_to_tensors
         self._groups = []  # (path index, row group) per unit
-        self.unit_sizes = []
+        self.unit_sizes, self._metadata = [], []
         sizes = []
         for p, path in enumerate(self.paths):
             meta = pq.ParquetFile(path).metadata
+            self._metadata.append(meta)
             sizes.append((os.path.basename(path), meta.num_rows, os.path.getsize(path)))
             for g in range(meta.num_row_groups):
                 self._groups.append((p, g))
@@ -150,14 +151,16 @@ class ParquetSource:
         self.rows_read = self.bytes_read = 0
         self.files_opened = set()
 
-    def _unit_table(self, unit):
-        if self._cache[0] == unit:  # a unit cut by a batch boundary is read once, not twice
+    def _unit_tensors(self, unit):
+        """The decoded columns of one row group. The last one is kept: a unit cut by a batch
+        boundary is read once, not twice."""
+        if self._cache[0] == unit:
             return self._cache[1]
         import pyarrow.parquet as pq
 
         p, g = self._groups[unit]
-        if p not in self._files:
-            self._files[p] = pq.ParquetFile(self.paths[p])
+        if p not in self._files:  # the footer parsed above is reused: no second read of it
+            self._files[p] = pq.ParquetFile(self.paths[p], metadata=self._metadata[p])
             self.files_opened.add(self.paths[p])
         f = self._files[p]
         table = f.read_row_group(g, columns=self.columns)
@@ -165,22 +168,24 @@ class ParquetSource:
         self.rows_read += table.num_rows
         self.bytes_read += sum(meta.column(c).total_compressed_size for c in range(meta.num_columns)
                                if self.columns is None or meta.column(c).path_in_schema in self.columns)
-        self._cache = (unit, table)
-        return table
+        self._cache = (unit, self.decode(table))
+        return self._cache[1]
 
     def read(self, ids):
-        import pyarrow as pa
-
+        # Decoded row groups are indexed with torch: pyarrow's Table.take would import pandas in
+        # every process (~10 MB of libraries, 0.5 s) for no gain here.
         ids = ids.numpy()
         units = np.searchsorted(self.unit_starts, ids, side="right") - 1
-        pieces, order = [], np.argsort(units, kind="stable")
+        positions, parts = [], []
         for unit in np.unique(units):
-            rows = ids[units == unit] - self.unit_starts[unit]
-            pieces.append(self._unit_table(int(unit)).take(pa.array(rows)))
-        table = pa.concat_tables(pieces) if pieces else None
-        batch = self.decode(table)
-        inverse = torch.from_numpy(np.argsort(order, kind="stable"))  # back to the plan's order
-        return {name: t[inverse] for name, t in batch.items()}
+            where = np.nonzero(units == unit)[0]
+            rows = torch.from_numpy(ids[where] - self.unit_starts[unit])
+            parts.append({name: t[rows] for name, t in self._unit_tensors(int(unit)).items()})
+            positions.append(where)
+        if not parts:
+            return {}
+        inverse = torch.from_numpy(np.argsort(np.concatenate(positions), kind="stable"))  # back to plan order
+        return {name: torch.cat([part[name] for part in parts])[inverse] for name in parts[0]}
 
     def fingerprint(self):
         return self._fingerprint
@@ -202,9 +207,18 @@ def table_to_tensors(table):
                 raise PlanError(f"column {name!r} has values of different lengths; decode it with a custom `decode`")
             data = np.frombuffer(data_buffer, np.uint8)[offsets[0]:offsets[-1]] if len(widths) else np.zeros(0, np.uint8)
             out[name] = torch.from_numpy(data.reshape(len(column), -1).copy())
+        elif str(column.type) in NUMPY_TYPES and column.null_count == 0:
+            # straight from the Arrow buffer: pyarrow's to_numpy() imports pandas in every process
+            dtype = np.dtype(NUMPY_TYPES[str(column.type)])
+            values = np.frombuffer(column.buffers()[1], dtype)[column.offset:column.offset + len(column)]
+            out[name] = torch.from_numpy(values.copy())
         else:
             out[name] = torch.from_numpy(column.to_numpy(zero_copy_only=False).copy())
     return out
+
+
+NUMPY_TYPES = {**{t: t for t in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")},
+               "halffloat": "float16", "float": "float32", "double": "float64"}
 
 
 # ---------------------------------------------------------------------------------------- dataset
