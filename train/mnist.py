@@ -29,8 +29,11 @@ from data import DATASETS, DataError, collate_batch, load_dataset, normalize_ima
 from data.loader import ShardedLoader
 from data.prepare import prepare
 from data.sharding import ParquetSource, PlanError, ShardedIterableDataset, check_same_plan, shards_in
-from train.common import (add_common_args, announce, make_accelerator, make_scheduler, plan_steps,
-                          positive_float, positive_int, write_json)
+from train.common import (add_common_args, announce, find_checkpoint, load_checkpoint, make_accelerator,
+                          make_scheduler, plan_steps, positive_float, positive_int, prepare_output_dir,
+                          save_checkpoint, write_json)
+
+SCRIPT = "mnist"  # recorded in checkpoints, so another script's checkpoint is refused
 
 
 def parse_args(argv=None):
@@ -117,6 +120,7 @@ def main(args):
     set_seed(args.seed)  # same initial weights on every process; DDP also broadcasts them
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     announce(accelerator, global_batch_size)
+    prepare_output_dir(accelerator, args)
 
     # ---------------------------------------------------------------- data
     parquet_dir = args.parquet_dir or os.path.join("runs", "parquet", args.dataset)
@@ -157,31 +161,67 @@ def main(args):
         model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     max_train_steps, num_train_epochs = plan_steps(args, len(train_loader))
     lr_scheduler = accelerator.prepare(make_scheduler(optimizer, args.lr_scheduler_type, args.num_warmup_steps,
-                                                      max_train_steps, accelerator.num_processes))
+                                                      max_train_steps))
     accelerator.print(f"train_samples={num_train} eval_samples={num_eval} epochs={num_train_epochs} "
                       f"steps={max_train_steps} steps_per_epoch={len(train_loader) // args.gradient_accumulation_steps}")
 
+    # ---------------------------------------------------------------- resume
+    batches_per_epoch = len(train_loader)  # per process; taken before a resume shortens the sharded loader
+    completed_steps, starting_epoch, skip_batches, history, epoch_seconds = 0, 0, 0, [], []
+    if resume_from := find_checkpoint(accelerator, args):
+        meta = load_checkpoint(accelerator, resume_from, SCRIPT, model, optimizer, lr_scheduler)
+        completed_steps, history, epoch_seconds = meta["step"], meta["history"], meta["epoch_seconds"]
+        starting_epoch, skip_batches = meta["data"]["epoch"], meta["data"]["next_batch"]
+        if args.streaming:
+            try:
+                train_loader.load_state_dict(meta["data"])
+            except PlanError as e:
+                raise SystemExit(f"error: {e}") from None
+
+    def position(epoch, batches_done):
+        """Where the data stands after `batches_done` batches of `epoch`: saved in checkpoints."""
+        if args.streaming:
+            return train_loader.state_dict()
+        if batches_done >= batches_per_epoch:
+            return {"epoch": epoch + 1, "next_batch": 0}
+        return {"epoch": epoch, "next_batch": batches_done}
+
+    def save(epoch, batches_done):
+        save_checkpoint(accelerator, args, SCRIPT, completed_steps, model, optimizer, lr_scheduler,
+                        position(epoch, batches_done), extra={"history": history, "epoch_seconds": epoch_seconds})
+
     # ---------------------------------------------------------------- train
-    progress = tqdm(total=max_train_steps * global_batch_size, unit="samples", unit_scale=True,
-                    disable=not accelerator.is_local_main_process, dynamic_ncols=True)
-    completed_steps, epoch_seconds, history = 0, [], []
+    progress = tqdm(total=max_train_steps * global_batch_size, initial=completed_steps * global_batch_size,
+                    unit="samples", unit_scale=True, disable=not accelerator.is_local_main_process, dynamic_ncols=True)
     t_start = time.perf_counter()
-    for epoch in range(num_train_epochs):
+    for epoch in range(starting_epoch, num_train_epochs):
+        if completed_steps >= max_train_steps:
+            break
         train_loader.set_epoch(epoch)  # a new shuffle per epoch, identical on every rank
+        batches_done = skip_batches if epoch == starting_epoch else 0
+        epoch_loader = train_loader
+        if batches_done and not args.streaming:  # the sharded loader resumes from its own state
+            # after set_epoch, so the skipped batches are this epoch's (bit-identical resume)
+            epoch_loader = accelerator.skip_first_batches(train_loader, batches_done)
         t_epoch = time.perf_counter()
-        for batch in train_loader:
+        for batch in epoch_loader:
+            batches_done += 1
             with accelerator.accumulate(model):
                 loss = F.cross_entropy(model(normalize_images(batch["image"], mean, std)), batch["label"])
                 accelerator.backward(loss)
                 optimizer.step()
-                lr_scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             if not accelerator.sync_gradients:
                 continue
             completed_steps += 1
+            if not accelerator.optimizer_step_was_skipped:  # fp16 overflow: no step, no schedule tick
+                lr_scheduler.step()
             progress.update(global_batch_size)
             if completed_steps % args.logging_steps == 0:
                 progress.set_postfix(loss=f"{loss.item():.4f}", lr=f"{lr_scheduler.get_last_lr()[0]:.2e}")
+            save_now = isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0
+            if save_now and batches_done < batches_per_epoch:  # at an epoch's end: after its evaluation
+                save(epoch, batches_done)
             if completed_steps >= max_train_steps:
                 break
         epoch_seconds.append(time.perf_counter() - t_epoch)
@@ -191,14 +231,19 @@ def main(args):
             progress.write(f"epoch {epoch + 1}: eval_accuracy={metrics['eval_accuracy']:.4f} "
                            f"eval_loss={metrics['eval_loss']:.4f} eval_samples={metrics['eval_samples']} "
                            f"epoch_seconds={epoch_seconds[-1]:.1f}")
+        if args.checkpointing_steps == "epoch" or (save_now and batches_done >= batches_per_epoch):
+            save(epoch, batches_done)
     progress.close()
     wall_seconds = time.perf_counter() - t_start
+    if not history or history[-1]["step"] != completed_steps:  # resumed from the final checkpoint
+        history.append({"epoch": num_train_epochs, "step": completed_steps, "train_seconds": 0.0,
+                        **evaluate(model, eval_loader, accelerator, mean, std)})
 
     # ---------------------------------------------------------------- save
     results = {**history[-1], "world_size": accelerator.num_processes, "global_batch_size": global_batch_size,
                "dataset": args.dataset, "data_source": source, "epoch_seconds": epoch_seconds,
                "wall_seconds": wall_seconds, "history": history,
-               "train_samples_per_second": completed_steps * global_batch_size / sum(epoch_seconds)}
+               "train_samples_per_second": completed_steps * global_batch_size / max(sum(epoch_seconds), 1e-9)}
     accelerator.wait_for_everyone()
     accelerator.save_model(model, args.output_dir)  # model.safetensors, written by the main process
     if accelerator.is_main_process:

@@ -23,8 +23,10 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
-from train.common import add_common_args, announce, make_accelerator, plan_steps, positive_float, positive_int, write_json
+from train.common import (add_common_args, announce, find_checkpoint, load_checkpoint, make_accelerator, plan_steps,
+                          positive_float, positive_int, prepare_output_dir, save_checkpoint, write_json)
 
+SCRIPT = "regression"  # recorded in checkpoints, so another script's checkpoint is refused
 NUM_FEATURES = 20
 
 
@@ -59,6 +61,7 @@ def main(args):
     set_seed(args.seed)
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     announce(accelerator, global_batch_size)
+    prepare_output_dir(accelerator, args)
 
     # ---------------------------------------------------------------- data
     train_set, eval_set = make_data(args.num_train_samples, args.num_eval_samples, args.seed)
@@ -73,19 +76,42 @@ def main(args):
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
     max_train_steps, num_train_epochs = plan_steps(args, len(train_loader))
 
+    # ---------------------------------------------------------------- resume
+    completed_steps, starting_epoch, skip_batches = 0, 0, 0
+    if resume_from := find_checkpoint(accelerator, args):
+        meta = load_checkpoint(accelerator, resume_from, SCRIPT, model, optimizer, None)
+        completed_steps, starting_epoch, skip_batches = meta["step"], meta["data"]["epoch"], meta["data"]["next_batch"]
+
+    def save(epoch, batches_done):
+        data = {"epoch": epoch, "next_batch": batches_done}
+        if batches_done >= len(train_loader):
+            data = {"epoch": epoch + 1, "next_batch": 0}
+        save_checkpoint(accelerator, args, SCRIPT, completed_steps, model, optimizer, None, data)
+
     # ---------------------------------------------------------------- train
-    completed_steps = 0
-    for epoch in range(num_train_epochs):
+    for epoch in range(starting_epoch, num_train_epochs):
+        if completed_steps >= max_train_steps:
+            break
         train_loader.set_epoch(epoch)
-        for x, y in train_loader:
+        batches_done = skip_batches if epoch == starting_epoch else 0
+        # after set_epoch, so the skipped batches are this epoch's (bit-identical resume)
+        epoch_loader = accelerator.skip_first_batches(train_loader, batches_done) if batches_done else train_loader
+        for x, y in epoch_loader:
+            batches_done += 1
             with accelerator.accumulate(model):
                 loss = F.mse_loss(model(x), y)  # mean over this process's batch; DDP averages over processes
                 accelerator.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            completed_steps += accelerator.sync_gradients
+            if not accelerator.sync_gradients:
+                continue
+            completed_steps += 1
+            if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
+                save(epoch, batches_done)
             if completed_steps >= max_train_steps:
                 break
+        if args.checkpointing_steps == "epoch":
+            save(epoch, batches_done)
 
     # ---------------------------------------------------------------- evaluate, save
     model.eval()
@@ -96,7 +122,7 @@ def main(args):
             squared_error += errors.sum().item()
             count += errors.numel()
     results = {"eval_mse": squared_error / count, "eval_samples": count, "step": completed_steps,
-               "epoch": num_train_epochs, "world_size": accelerator.num_processes,
+               "epoch": num_train_epochs, "resumed_from": resume_from, "world_size": accelerator.num_processes,
                "global_batch_size": global_batch_size}
     accelerator.wait_for_everyone()
     accelerator.save_model(model, args.output_dir)

@@ -1,0 +1,60 @@
+"""Run train/SCRIPT.py's main() and SIGKILL this very process at a chosen moment, once (a marker
+file remembers it happened, so a restarted run goes through). Used by tests/test_checkpointing.py
+to crash runs for real, at exact points, without test hooks in the training code.
+
+    kill_at_step.py SCRIPT --rank R --step K --marker FILE [--during_save] -- SCRIPT_ARGS...
+
+Without --during_save: right after optimizer step K on rank R (before that step's checkpoint).
+With --during_save: on rank R, when checkpoint step K is about to be renamed into place.
+"""
+import argparse
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+
+def die(marker):
+    open(marker, "w").close()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main():
+    split = sys.argv.index("--")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("script")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--step", type=int, required=True)
+    parser.add_argument("--marker", required=True)
+    parser.add_argument("--during_save", action="store_true")
+    args = parser.parse_args(sys.argv[1:split])
+    armed = int(os.environ.get("RANK", 0)) == args.rank and not os.path.exists(args.marker)
+
+    if armed and args.during_save:
+        real_replace = os.replace
+
+        def replace(src, dst):  # every other rename passes through
+            if os.path.basename(src) == f".tmp-step_{args.step:08d}":
+                die(args.marker)
+            return real_replace(src, dst)
+
+        os.replace = replace
+    elif armed:
+        steps = [0]
+
+        def after_step(optimizer, *_):
+            steps[0] += 1
+            if steps[0] == args.step:
+                die(args.marker)
+
+        register_optimizer_step_post_hook(after_step)
+
+    module = __import__(f"train.{args.script}", fromlist=["main"])
+    module.main(module.parse_args(sys.argv[split + 1:]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""Checkpoints: exact resume at any step, real crashes (SIGKILL of a rank, of a save), restarts,
+refusing planted pickles and bad input, and not overwriting an earlier run."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import CONFIGS, REPO, clean_env, launch, output_of, run_script
+from train import mnist, regression
+from train.common import list_checkpoints
+
+# 1024 samples / batch 32 = 32 steps per epoch, 2 epochs; lr small enough to stay mid-trajectory
+REGRESSION = ["--num_train_epochs", 2, "--learning_rate", 0.01, "--seed", 5]
+MNIST = ["--max_train_samples", 768, "--max_eval_samples", 101, "--num_train_epochs", 2,
+         "--per_device_train_batch_size", 16, "--gradient_accumulation_steps", 2, "--logging_steps", 5]
+
+
+def weights(folder):
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+def identical(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def resume_copy(full_dir, step, new_dir):
+    """A run folder as a crash after checkpoint `step` would have left it."""
+    os.makedirs(os.path.join(new_dir, "checkpoints"))
+    name = f"step_{step:08d}"
+    shutil.copytree(os.path.join(full_dir, "checkpoints", name), os.path.join(new_dir, "checkpoints", name))
+    return new_dir
+
+
+def kill_launch(config, script, kill, *args, timeout=300, max_restarts=None):
+    """accelerate launch of tests/kill_at_step.py: `kill` = [--rank, R, --step, K, --marker, F, ...]."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config + ".yaml")]
+    if max_restarts is not None:
+        cmd += ["--max_restarts", str(max_restarts), "--monitor_interval", "0.5"]
+    cmd += [os.path.join("tests", "kill_at_step.py"), script, *map(str, kill), "--", *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+# ----------------------------------------------------------------------------- exact resume
+
+@pytest.fixture(scope="module")
+def regression_runs(tmp_path_factory):
+    """Uninterrupted runs with a checkpoint at every step: 1 process (batch 32), 2 processes (16 each)."""
+    runs = {}
+    for config, batch in (("cpu", 32), ("cpu_2proc", 16)):
+        out = str(tmp_path_factory.mktemp(config))
+        proc = launch(config, "regression", *REGRESSION, "--per_device_train_batch_size", batch,
+                      "--checkpointing_steps", 1, "--output_dir", out)
+        assert proc.returncode == 0, output_of(proc)
+        runs[config] = (out, batch)
+    return runs
+
+
+@pytest.mark.parametrize("config", ["cpu", "cpu_2proc"])
+@pytest.mark.parametrize("step", [32, 45, 63], ids=["epoch_start", "mid_epoch", "last_step"])
+def test_regression_resume_is_bit_identical(regression_runs, tmp_path, config, step):
+    full, batch = regression_runs[config]
+    out = resume_copy(full, step, str(tmp_path / "resumed"))
+    proc = launch(config, "regression", *REGRESSION, "--per_device_train_batch_size", batch,
+                  "--resume_from_checkpoint", "latest", "--output_dir", out)
+    assert proc.returncode == 0, output_of(proc)
+    assert f"resumed from {out}/checkpoints/step_{step:08d}" in proc.stdout
+    assert identical(weights(out), weights(full))
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_control_resume_without_the_data_position_differs(regression_runs, tmp_path):
+    full, batch = regression_runs["cpu"]
+    out = resume_copy(full, 45, str(tmp_path / "resumed"))
+    meta_path = os.path.join(out, "checkpoints", "step_00000045", "meta.json")
+    meta = json.load(open(meta_path))
+    assert meta["data"] == {"epoch": 1, "next_batch": 13}
+    meta["data"]["next_batch"] = 0  # what resuming with accelerate's save_state alone does: replay the epoch
+    json.dump(meta, open(meta_path, "w"))
+    regression.main(regression.parse_args([*map(str, REGRESSION), "--per_device_train_batch_size", str(batch),
+                                           "--resume_from_checkpoint", "latest", "--output_dir", out]))
+    assert not identical(weights(out), weights(full))
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+@pytest.mark.parametrize("step", [12, 24, 35])  # 24 steps per epoch: mid-epoch, epoch boundary, mid-epoch 2
+def test_mnist_resume_in_process_with_accumulation_is_bit_identical(tmp_path, fashion_dir, step):
+    full = str(tmp_path / "full")
+    args = [*map(str, MNIST), "--checkpointing_steps", str(step)]
+    mnist.main(mnist.parse_args(args + ["--output_dir", full]))
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    out = resume_copy(full, step, str(tmp_path / "resumed"))
+    results = mnist.main(mnist.parse_args(args + ["--output_dir", out, "--resume_from_checkpoint", "latest"]))
+    assert identical(weights(out), weights(full))
+    assert [h["epoch"] for h in results["history"]] == [1, 2]  # history survives the resume
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["map_style", "streaming"])
+def test_mnist_two_processes_resume_mid_epoch_is_bit_identical(tmp_path, fashion_dir, streaming):
+    extra = ["--streaming", "--parquet_dir", str(tmp_path / "parquet")] if streaming else []
+    full = str(tmp_path / "full")
+    proc = launch("cpu_2proc", "mnist", *MNIST, *extra, "--per_device_train_batch_size", 8,
+                  "--checkpointing_steps", 17, "--output_dir", full)
+    assert proc.returncode == 0, output_of(proc)
+    out = resume_copy(full, 17, str(tmp_path / "resumed"))
+    proc = launch("cpu_2proc", "mnist", *MNIST, *extra, "--per_device_train_batch_size", 8,
+                  "--resume_from_checkpoint", "latest", "--output_dir", out)
+    assert proc.returncode == 0, output_of(proc)
+    assert "world_size=2 " in proc.stdout and "resumed from" in proc.stdout
+    assert identical(weights(out), weights(full))
+
+
+# ----------------------------------------------------------------------------- crashes
+
+def test_sigkill_of_one_rank_ends_the_others_promptly(tmp_path):
+    marker = tmp_path / "killed"
+    start = time.monotonic()
+    proc = kill_launch("cpu_2proc", "regression", ["--rank", 1, "--step", 5, "--marker", marker],
+                       "--num_train_epochs", 50, "--output_dir", tmp_path / "out", timeout=120)
+    assert marker.exists(), output_of(proc)
+    assert proc.returncode != 0
+    killed_after = os.path.getmtime(marker) - (time.time() - (time.monotonic() - start))
+    exited_after = time.monotonic() - start
+    assert exited_after - killed_after < 60, f"survivors took {exited_after - killed_after:.0f} s to exit"
+    out = output_of(proc)
+    assert "SIGKILL" in out or "exitcode: -9" in out or "Signal 9" in out, out[-3000:]
+
+
+def test_max_restarts_resumes_from_latest_and_matches_uninterrupted(tmp_path):
+    common = [*REGRESSION, "--per_device_train_batch_size", 16, "--checkpointing_steps", 4,
+              "--resume_from_checkpoint", "latest"]
+    reference = tmp_path / "reference"
+    proc = launch("cpu_2proc", "regression", *common, "--output_dir", reference)
+    assert proc.returncode == 0, output_of(proc)
+    marker = tmp_path / "killed"
+    out = tmp_path / "restarted"
+    proc = kill_launch("cpu_2proc", "regression", ["--rank", 1, "--step", 22, "--marker", marker],
+                       *common, "--output_dir", out, max_restarts=1)
+    assert marker.exists() and proc.returncode == 0, output_of(proc)
+    assert "no checkpoint in" in proc.stdout  # the first attempt started fresh
+    assert f"resumed from {out}/checkpoints/step_00000020" in proc.stdout  # the restart picked the latest
+    assert identical(weights(out), weights(reference))
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_sigkill_during_save_leaves_latest_on_the_previous_checkpoint(tmp_path):
+    args = [*REGRESSION, "--per_device_train_batch_size", 32, "--checkpointing_steps", 4]
+    out = tmp_path / "run"
+    proc = kill_launch("cpu", "regression", ["--rank", 0, "--step", 8, "--marker", tmp_path / "killed", "--during_save"],
+                       *args, "--output_dir", out)
+    assert proc.returncode != 0 and (tmp_path / "killed").exists(), output_of(proc)
+    assert sorted(os.listdir(out / "checkpoints")) == [".tmp-step_00000008", "step_00000004"]
+    assert list_checkpoints(str(out)) == [str(out / "checkpoints" / "step_00000004")]
+    results = regression.main(regression.parse_args([*map(str, args), "--output_dir", str(out),
+                                                     "--resume_from_checkpoint", "latest"]))
+    assert results["resumed_from"].endswith("step_00000004")
+    assert not (out / "checkpoints" / ".tmp-step_00000008").exists()  # the next save of step 8 replaced it
+    reference = tmp_path / "reference"
+    proc = launch("cpu", "regression", *args, "--output_dir", reference)
+    assert identical(weights(out), weights(reference))
+
+
+# ----------------------------------------------------------------------------- safety and bad input
+
+@pytest.fixture(scope="module")
+def one_checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("one")
+    proc = launch("cpu", "regression", "--max_train_steps", 4, "--checkpointing_steps", 4, "--output_dir", out)
+    assert proc.returncode == 0, output_of(proc)
+    return out / "checkpoints" / "step_00000004"
+
+
+class Payload:
+    """Unpickling this creates a file: proof that a pickle ran."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("victim", ["optimizer.pt", "rng_state_0.pt"])
+def test_planted_pickle_is_refused_not_executed(one_checkpoint, tmp_path, victim):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(one_checkpoint, ckpt)
+    proof = tmp_path / "pwned"
+    torch.save({"state": Payload(str(proof))}, ckpt / victim)
+    proc = run_script("regression", "--resume_from_checkpoint", ckpt, "--output_dir", tmp_path / "out")
+    assert proc.returncode != 0
+    assert f"refused to load {ckpt / victim}" in proc.stderr, output_of(proc)
+    assert not proof.exists()
+
+
+def test_resume_path_missing(tmp_path):
+    proc = run_script("regression", "--resume_from_checkpoint", tmp_path / "nope", "--output_dir", tmp_path / "out")
+    assert proc.returncode != 0 and "is not a checkpoint (no meta.json there)" in proc.stderr
+
+
+def test_checkpoint_from_another_script(one_checkpoint, tmp_path):
+    proc = run_script("mnist", "--resume_from_checkpoint", one_checkpoint, "--max_train_samples", 64,
+                      "--output_dir", tmp_path / "out")
+    assert proc.returncode != 0
+    assert "was written by train/regression.py" in proc.stderr and "not train/mnist.py" in proc.stderr
+
+
+def test_corrupt_safetensors(one_checkpoint, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(one_checkpoint, ckpt)
+    data = (ckpt / "model.safetensors").read_bytes()
+    (ckpt / "model.safetensors").write_bytes(data[: len(data) // 2])
+    proc = run_script("regression", "--resume_from_checkpoint", ckpt, "--output_dir", tmp_path / "out")
+    assert proc.returncode != 0 and "model.safetensors is corrupt or missing" in proc.stderr
+
+
+def test_existing_run_is_not_overwritten_unless_asked(tmp_path):
+    out = tmp_path / "run"
+    assert run_script("regression", "--max_train_steps", 3, "--output_dir", out).returncode == 0
+    before = (out / "model.safetensors").read_bytes()
+    proc = run_script("regression", "--max_train_steps", 3, "--seed", 9, "--output_dir", out)
+    assert proc.returncode != 0 and "already holds a run" in proc.stderr
+    assert (out / "model.safetensors").read_bytes() == before
+    proc = run_script("regression", "--max_train_steps", 3, "--seed", 9, "--overwrite_output_dir", "--output_dir", out)
+    assert proc.returncode == 0 and (out / "model.safetensors").read_bytes() != before
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_keep_last_k_and_epoch_checkpoints(tmp_path):
+    regression.main(regression.parse_args(["--num_train_epochs", "3", "--checkpointing_steps", "epoch",
+                                           "--checkpoints_total_limit", "2", "--output_dir", str(tmp_path)]))
+    names = [os.path.basename(p) for p in list_checkpoints(str(tmp_path))]
+    assert names == ["step_00000128", "step_00000192"]  # 64 steps per epoch at batch 16
+    assert json.load(open(tmp_path / "checkpoints" / names[-1] / "meta.json"))["data"] == {"epoch": 3, "next_batch": 0}
