@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import FASHION_DIR, launch, output_of
+from conftest import launch, output_of
 from train import mnist
 
 EVAL_SAMPLES = 1001  # odd: with 2 processes and eval batch 500 the last batch is padded, padding must not count

@@ -4,7 +4,6 @@ import itertools
 from collections import Counter
 from unittest import mock
 
-import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -178,7 +177,7 @@ def parquet_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_each_rank_reads_only_its_share_of_rows(parquet_dir, world):
-    rows, bytes_read, total_bytes = [], [], None
+    rows, bytes_read = [], []
     seen = []
     for r in range(world):
         src = ParquetSource(shards_in(parquet_dir, "train"))

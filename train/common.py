@@ -3,21 +3,13 @@ import argparse
 import json
 import math
 import os
-import pickle
-import random
-import re
-import shutil
 import sys
 from datetime import timedelta
 from urllib.parse import urlparse
 
-import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
-
-CHECKPOINT_FORMAT = 1
-RUN_FILES = ("all_results.json", "model.safetensors", "checkpoints")  # what makes a folder "hold a run"
 
 
 def positive_int(text):
@@ -170,165 +162,10 @@ def write_json(path, payload):
     os.replace(tmp, path)  # readers never see a half-written file
 
 
-# ------------------------------------------------------------------------------------ checkpoints
-# Layout: OUTPUT_DIR/checkpoints/step_00000040/{model.safetensors, optimizer.pt, scheduler.pt,
-# [scaler.pt], rng_state_{rank}.pt, meta.json}. A checkpoint is written under .tmp-step_N and renamed
-# only when every rank has written its part, so a folder named step_N is always complete.
-# accelerate's save_state/load_state is not used: it loads registered objects with
-# weights_only=False, i.e. it would execute a pickle planted in a checkpoint.
-
-def prepare_output_dir(accelerator, args):
-    """Refuse to write over an earlier run unless the user resumes it or asks to replace it."""
-    holds_run = any(os.path.exists(os.path.join(args.output_dir, name)) for name in RUN_FILES)
-    if holds_run and args.overwrite_output_dir and args.resume_from_checkpoint:
-        raise SystemExit("error: --overwrite_output_dir and --resume_from_checkpoint contradict each other; pass one")
-    if holds_run and not (args.overwrite_output_dir or args.resume_from_checkpoint):
-        raise SystemExit(f"error: --output_dir {args.output_dir} already holds a run; pass --resume_from_checkpoint "
-                         "latest to continue it, --overwrite_output_dir to replace it, or another --output_dir")
-    accelerator.wait_for_everyone()  # every rank has looked before anything is deleted
-    if holds_run and args.overwrite_output_dir and accelerator.is_main_process:
-        shutil.rmtree(os.path.join(args.output_dir, "checkpoints"), ignore_errors=True)
+def save_final(accelerator, model, args, results):
+    """The run's outputs: model.safetensors, all_results.json and args.json in --output_dir."""
     accelerator.wait_for_everyone()
-
-
-def list_checkpoints(output_dir):
-    """Complete checkpoints in output_dir, oldest first."""
-    root = os.path.join(output_dir, "checkpoints")
-    names = os.listdir(root) if os.path.isdir(root) else []
-    found = [(int(m.group(1)), os.path.join(root, n)) for n in names if (m := re.fullmatch(r"step_(\d+)", n))]
-    return [path for _, path in sorted(found) if os.path.isfile(os.path.join(path, "meta.json"))]
-
-
-def find_checkpoint(accelerator, args):
-    """The checkpoint to resume from, or None for a fresh start."""
-    if args.resume_from_checkpoint is None:
-        return None
-    if args.resume_from_checkpoint == "latest":
-        found = list_checkpoints(args.output_dir)
-        if not found:
-            accelerator.print(f"no checkpoint in {args.output_dir}/checkpoints yet: starting fresh")
-            return None
-        return found[-1]
-    path = args.resume_from_checkpoint
-    if not os.path.isfile(os.path.join(path, "meta.json")):
-        raise SystemExit(f"error: --resume_from_checkpoint {path} is not a checkpoint (no meta.json there); "
-                         "pass an OUTPUT_DIR/checkpoints/step_N folder or 'latest'")
-    return path
-
-
-def _rng_state():
-    version, state, gauss = random.getstate()
-    _, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": [version, list(state), gauss], "torch": torch.get_rng_state(),
-            "numpy": [torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-
-
-def _set_rng_state(state):
-    version, values, gauss = state["python"]
-    random.setstate((version, tuple(values), gauss))
-    keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _fsync(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def save_checkpoint(accelerator, args, script, step, model, optimizer, lr_scheduler, data_state, extra=None):
-    """Write checkpoints/step_N atomically; keep the newest --checkpoints_total_limit."""
-    from safetensors.torch import save_file
-
-    root = os.path.join(args.output_dir, "checkpoints")
-    final, tmp = os.path.join(root, f"step_{step:08d}"), os.path.join(root, f".tmp-step_{step:08d}")
-    state_dict = accelerator.get_state_dict(model)  # a collective under FSDP: every rank calls it
+    accelerator.save_model(model, args.output_dir)  # written by the main process
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
-        os.makedirs(tmp)
-    accelerator.wait_for_everyone()
-    files = [os.path.join(tmp, f"rng_state_{accelerator.process_index}.pt")]
-    torch.save(_rng_state(), files[0])
-    if accelerator.is_main_process:
-        save_file({k: v.contiguous() for k, v in state_dict.items()}, os.path.join(tmp, "model.safetensors"))
-        torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-        files += [os.path.join(tmp, n) for n in ("model.safetensors", "optimizer.pt")]
-        if lr_scheduler is not None:
-            torch.save(lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
-            files.append(os.path.join(tmp, "scheduler.pt"))
-        if accelerator.scaler is not None:
-            torch.save(accelerator.scaler.state_dict(), os.path.join(tmp, "scaler.pt"))
-            files.append(os.path.join(tmp, "scaler.pt"))
-        write_json(os.path.join(tmp, "meta.json"), {
-            "format": CHECKPOINT_FORMAT, "script": script, "step": step, "world_size": accelerator.num_processes,
-            "data": data_state, "args": vars(args), **(extra or {})})
-        files.append(os.path.join(tmp, "meta.json"))
-    for path in files:  # on disk before the rename publishes them
-        _fsync(path)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        if os.path.isdir(final):  # the same step saved again after a resume
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync(root)
-        for old in list_checkpoints(args.output_dir)[:-args.checkpoints_total_limit or None] \
-                if args.checkpoints_total_limit else []:
-            shutil.rmtree(old)
-    accelerator.wait_for_everyone()
-    return final
-
-
-def _load_trusted(path):
-    """torch.load that only reads tensors and plain containers: a planted pickle is refused, not run."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        reason = str(e).splitlines()[0]
-        raise SystemExit(f"error: refused to load {path}: it holds pickled objects other than tensors ({reason}); "
-                         "it was not written by these scripts; delete that checkpoint") from None
-    except (OSError, RuntimeError, EOFError) as e:
-        raise SystemExit(f"error: {path} is unreadable ({type(e).__name__}); delete that checkpoint and resume "
-                         "from an earlier one") from None
-
-
-def load_checkpoint(accelerator, path, script, model, optimizer, lr_scheduler):
-    """Restore everything save_checkpoint wrote into the prepared objects; return its meta dict."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        with open(os.path.join(path, "meta.json")) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"error: {path}/meta.json is unreadable ({e}); resume from another checkpoint") from None
-    if meta.get("script") != script or meta.get("format") != CHECKPOINT_FORMAT:
-        raise SystemExit(f"error: {path} was written by train/{meta.get('script')}.py (format {meta.get('format')}), "
-                         f"not train/{script}.py (format {CHECKPOINT_FORMAT}); pass a checkpoint of this script")
-    try:
-        weights = load_file(os.path.join(path, "model.safetensors"))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise SystemExit(f"error: {path}/model.safetensors is corrupt or missing ({e}); delete that checkpoint "
-                         "and resume from an earlier one") from None
-    try:
-        accelerator.unwrap_model(model).load_state_dict(weights)
-    except RuntimeError as e:
-        detail = " ".join(str(e).split())[:200]
-        raise SystemExit(f"error: {path} does not fit this model ({detail}); resume with the model arguments "
-                         "it was saved with") from None
-    optimizer.load_state_dict(_load_trusted(os.path.join(path, "optimizer.pt")))
-    if lr_scheduler is not None:
-        lr_scheduler.load_state_dict(_load_trusted(os.path.join(path, "scheduler.pt")))
-    if accelerator.scaler is not None and os.path.isfile(os.path.join(path, "scaler.pt")):
-        accelerator.scaler.load_state_dict(_load_trusted(os.path.join(path, "scaler.pt")))
-    rng_file = os.path.join(path, f"rng_state_{accelerator.process_index}.pt")
-    if not os.path.isfile(rng_file):  # resumed with more processes than saved: reuse rank 0's streams
-        rng_file = os.path.join(path, "rng_state_0.pt")
-    _set_rng_state(_load_trusted(rng_file))
-    accelerator.print(f"resumed from {path} (step {meta['step']}, saved with {meta['world_size']} processes)")
-    return meta
+        write_json(os.path.join(args.output_dir, "all_results.json"), results)
+        write_json(os.path.join(args.output_dir, "args.json"), vars(args))

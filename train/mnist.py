@@ -29,9 +29,9 @@ from data import DATASETS, DataError, collate_batch, load_dataset, normalize_ima
 from data.loader import ShardedLoader
 from data.prepare import prepare
 from data.sharding import ParquetSource, PlanError, ShardedIterableDataset, check_same_plan, shards_in
-from train.common import (add_common_args, announce, find_checkpoint, load_checkpoint, make_accelerator,
-                          make_scheduler, plan_steps, positive_float, positive_int, prepare_output_dir,
-                          save_checkpoint, write_json)
+from train.checkpoint import find_checkpoint, load_checkpoint, prepare_output_dir, save_checkpoint
+from train.common import (add_common_args, announce, make_accelerator, make_scheduler, plan_steps, positive_float,
+                          positive_int, save_final)
 
 SCRIPT = "mnist"  # recorded in checkpoints, so another script's checkpoint is refused
 
@@ -244,11 +244,7 @@ def main(args):
                "dataset": args.dataset, "data_source": source, "epoch_seconds": epoch_seconds,
                "wall_seconds": wall_seconds, "history": history,
                "train_samples_per_second": completed_steps * global_batch_size / max(sum(epoch_seconds), 1e-9)}
-    accelerator.wait_for_everyone()
-    accelerator.save_model(model, args.output_dir)  # model.safetensors, written by the main process
-    if accelerator.is_main_process:
-        write_json(os.path.join(args.output_dir, "all_results.json"), results)
-        write_json(os.path.join(args.output_dir, "args.json"), vars(args))
+    save_final(accelerator, model, args, results)
     accelerator.print(f"final eval_accuracy={results['eval_accuracy']:.4f} eval_samples={results['eval_samples']} "
                       f"wall_seconds={wall_seconds:.1f} samples_per_second={results['train_samples_per_second']:.0f} "
                       f"-> {args.output_dir}")

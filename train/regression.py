@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
-from train.common import (add_common_args, announce, find_checkpoint, load_checkpoint, make_accelerator, plan_steps,
-                          positive_float, positive_int, prepare_output_dir, save_checkpoint, write_json)
+from train.checkpoint import find_checkpoint, load_checkpoint, prepare_output_dir, save_checkpoint
+from train.common import add_common_args, announce, make_accelerator, plan_steps, positive_float, positive_int, save_final
 
 SCRIPT = "regression"  # recorded in checkpoints, so another script's checkpoint is refused
 NUM_FEATURES = 20
@@ -124,11 +124,7 @@ def main(args):
     results = {"eval_mse": squared_error / count, "eval_samples": count, "step": completed_steps,
                "epoch": num_train_epochs, "resumed_from": resume_from, "world_size": accelerator.num_processes,
                "global_batch_size": global_batch_size}
-    accelerator.wait_for_everyone()
-    accelerator.save_model(model, args.output_dir)
-    if accelerator.is_main_process:
-        write_json(os.path.join(args.output_dir, "all_results.json"), results)
-        write_json(os.path.join(args.output_dir, "args.json"), vars(args))
+    save_final(accelerator, model, args, results)
     accelerator.print(f"final eval_mse={results['eval_mse']:.6f} eval_samples={count} steps={completed_steps} "
                       f"-> {args.output_dir}")
     accelerator.wait_for_everyone()  # tearing gloo down while a peer still writes can abort ("terminate called ...")
