@@ -17,6 +17,9 @@ EXPECTED = {  # name: (distributed_type, num_processes, num_machines)
     "4gpu": (DistributedType.MULTI_GPU, 4, 1),
     "8gpu": (DistributedType.MULTI_GPU, 8, 1),
     "2node_8gpu": (DistributedType.MULTI_GPU, 16, 2),
+    "2node_8gpu_c10d": (DistributedType.MULTI_GPU, 16, 2),
+    "cpu_4proc": (DistributedType.MULTI_GPU, 4, 1),
+    "fsdp2_4gpu": (DistributedType.FSDP, 4, 1),
 }
 
 

@@ -1,12 +1,14 @@
 """train/mnist.py on real Fashion-MNIST: 2 real processes through accelerate launch, and in-process."""
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import launch, output_of
+from conftest import CONFIGS, REPO, clean_env, launch, output_of
 from train import mnist
 
 EVAL_SAMPLES = 1001  # odd: with 2 processes and eval batch 500 the last batch is padded, padding must not count
@@ -98,3 +100,20 @@ def test_loaded_tensors_are_uint8_in_memory(fashion_dir):
     x = normalize_images(train.images[:2000], train.mean, train.std)
     assert x.shape == (2000, 1, 28, 28)
     assert abs(x.mean().item()) < 0.05 and abs(x.std().item() - 1) < 0.05  # the stored mean/std fit the data
+
+
+def test_bf16_on_cpu_through_accelerate_launch(fashion_dir, tmp_path):
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"{CONFIGS}/cpu_2proc.yaml",
+           "--mixed_precision", "bf16", "train/mnist.py", "--max_train_samples", "1280", "--max_eval_samples", "257",
+           "--num_train_epochs", "1", "--per_device_train_batch_size", "32", "--output_dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, output_of(proc)
+    assert "world_size=2 " in proc.stdout and "mixed_precision=bf16" in proc.stdout
+    results = json.load(open(tmp_path / "all_results.json"))
+    assert results["eval_samples"] == 257 and results["eval_accuracy"] > 0.5
+
+
+def test_fsdp_config_on_cpu_says_it_runs_plain_ddp(fashion_dir, tmp_path):
+    proc = launch("fsdp2_4gpu", "regression", "--max_train_steps", 3, "--output_dir", tmp_path, timeout=300)
+    assert proc.returncode == 0, output_of(proc)
+    assert "warning: the config asks for FSDP, but accelerate runs FSDP on GPUs only: this run is MULTI_CPU" in proc.stdout

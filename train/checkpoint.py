@@ -23,6 +23,10 @@ RUN_FILES = ("all_results.json", "model.safetensors", "checkpoints")  # what mak
 
 def prepare_output_dir(accelerator, args):
     """Refuse to write over an earlier run unless the user resumes it or asks to replace it."""
+    if accelerator.distributed_type.value == "FSDP" and (args.checkpointing_steps or args.resume_from_checkpoint):
+        # optimizer.state_dict() is one rank's shard under FSDP2: a checkpoint would silently lose the rest
+        raise SystemExit("error: --checkpointing_steps/--resume_from_checkpoint are not supported under FSDP yet "
+                         "(sharded optimizer state); use a DDP config, or train without checkpoints")
     holds_run = any(os.path.exists(os.path.join(args.output_dir, name)) for name in RUN_FILES)
     if holds_run and args.overwrite_output_dir and args.resume_from_checkpoint:
         raise SystemExit("error: --overwrite_output_dir and --resume_from_checkpoint contradict each other; pass one")

@@ -126,6 +126,10 @@ def announce(accelerator, global_batch_size):
                       f"distributed_type={accelerator.distributed_type.value} "
                       f"mixed_precision={accelerator.mixed_precision} global_batch_size={global_batch_size} "
                       f"threads_per_process={torch.get_num_threads()}")
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type.value != "FSDP":
+        # accelerate 1.15 turns an FSDP config into plain DDP when cpu=True, without a word
+        accelerator.print("warning: the config asks for FSDP, but accelerate runs FSDP on GPUs only: this run is "
+                          f"{accelerator.distributed_type.value} (plain data parallel, unsharded)")
 
 
 def plan_steps(args, batches_per_epoch):

@@ -1,0 +1,83 @@
+"""Two nodes on one machine: two `accelerate launch` processes, machine ranks 0 and 1, 2 CPU processes
+each, rendezvous on 127.0.0.1. They must form one world of 4 and train exactly as a single-node
+4-process run does. Both rendezvous styles, from the repo's own 2-node templates."""
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conftest import CONFIGS, REPO, clean_env, launch, output_of
+
+REGRESSION = ["--per_device_train_batch_size", 8, "--max_train_steps", 20, "--seed", 11]
+MNIST = ["--max_train_samples", 640, "--max_eval_samples", 99, "--per_device_train_batch_size", 8,
+         "--num_train_epochs", 1]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def loopback_config(template, tmp_path):
+    """The template with the edits its comments ask for, for 2 CPU processes per 'node' here."""
+    config = yaml.safe_load(open(os.path.join(CONFIGS, template + ".yaml")))
+    config.update(num_processes=4, main_process_ip="127.0.0.1", main_process_port=free_port(), use_cpu=True,
+                  mixed_precision="no")
+    path = tmp_path / f"{template}_loopback.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def two_nodes(config_path, script, *args, timeout=300):
+    nodes = []
+    for rank in (0, 1):  # one command for both nodes, as the README says; --machine_rank overrides the file
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path),
+               "--machine_rank", str(rank), os.path.join("train", script + ".py"), *map(str, args)]
+        nodes.append(subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    try:
+        for node in nodes:
+            outputs.append(node.communicate(timeout=timeout)[0])  # a failed rendezvous hangs: the timeout fails it
+    finally:
+        for node in nodes:
+            node.kill()
+    return [node.returncode for node in nodes], outputs
+
+
+def weights(folder):
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def single_node(tmp_path_factory):
+    runs = {}
+    for script, args in (("regression", REGRESSION), ("mnist", MNIST)):
+        out = tmp_path_factory.mktemp(script)
+        proc = launch("cpu_4proc", script, *args, "--output_dir", out)
+        assert proc.returncode == 0, output_of(proc)
+        assert "world_size=4 " in proc.stdout
+        runs[script] = weights(out)
+    return runs
+
+
+# mnist runs with one rendezvous style only, to keep CI short; regression covers both
+@pytest.mark.parametrize("script,template", [("regression", "2node_8gpu"), ("regression", "2node_8gpu_c10d"),
+                                             ("mnist", "2node_8gpu")], ids=["regression-static", "regression-c10d",
+                                                                            "mnist-static"])
+def test_two_loopback_nodes_equal_one_node(single_node, tmp_path, template, script, fashion_dir):
+    config = loopback_config(template, tmp_path)
+    out = tmp_path / "out"
+    codes, outputs = two_nodes(config, script, *(REGRESSION if script == "regression" else MNIST), "--output_dir", out)
+    assert codes == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    for rank in range(4):
+        assert any(f"process {rank}/4 " in o for o in outputs)
+    assert "world_size=4 " in outputs[0]
+    got, expected = weights(out), single_node[script]
+    assert all(torch.equal(got[k], expected[k]) for k in expected)

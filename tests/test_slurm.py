@@ -1,0 +1,81 @@
+"""accelerate_configs/slurm/launch_node.sh: the launch command each node of a SLURM job derives from
+SLURM's variables, and that those commands really form one job (two loopback 'nodes')."""
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import CONFIGS, REPO, clean_env
+
+LAUNCHER = os.path.join(CONFIGS, "slurm", "launch_node.sh")
+
+
+@pytest.fixture
+def fake_slurm_bin(tmp_path):
+    """A stand-in for `scontrol show hostnames LIST` (expands node[01-02] here), and the Python
+    environment's bin/ so that `accelerate` is the one under test."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(
+        '#!/bin/bash\n[ "$1 $2" = "show hostnames" ] || exit 2\n'
+        'case "$3" in "node[01-02]") printf "node01\\nnode02\\n";; *) echo "$3";; esac\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    return f"{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}"
+
+
+def derive(path_env, node_id, **extra):
+    slurm = {"SLURM_JOB_NODELIST": "node[01-02]", "SLURM_NNODES": "2", "SLURM_NODEID": str(node_id),
+             "SLURM_JOB_ID": "123456", "SLURM_GPUS_ON_NODE": "8", **extra}
+    env = clean_env(PATH=path_env, DRY_RUN="1", **slurm)
+    proc = subprocess.run(["bash", LAUNCHER, "train/mnist.py", "--num_train_epochs", "5"], cwd=REPO, env=env,
+                          capture_output=True, text=True)
+    return proc, shlex.split(proc.stdout)
+
+
+@pytest.mark.parametrize("node_id", [0, 1])
+def test_two_nodes_by_eight_gpus(fake_slurm_bin, node_id):
+    proc, cmd = derive(fake_slurm_bin, node_id)
+    assert proc.returncode == 0, proc.stderr
+    assert cmd == ["accelerate", "launch", "--config_file", "accelerate_configs/2node_8gpu.yaml",
+                   "--num_machines", "2", "--num_processes", "16", "--machine_rank", str(node_id),
+                   "--main_process_ip", "node01", "--main_process_port", str(20000 + 123456 % 20000),
+                   "train/mnist.py", "--num_train_epochs", "5"]
+
+
+def test_gpu_count_with_repeat_suffix_and_config_choice(fake_slurm_bin):
+    proc, cmd = derive(fake_slurm_bin, 1, SLURM_GPUS_ON_NODE="4(x2)",
+                       ACCELERATE_CONFIG="accelerate_configs/2node_8gpu_c10d.yaml")
+    assert proc.returncode == 0, proc.stderr
+    assert cmd[cmd.index("--num_processes") + 1] == "8" and "accelerate_configs/2node_8gpu_c10d.yaml" in cmd
+
+
+def test_outside_srun_is_a_clear_error(fake_slurm_bin):
+    env = clean_env(PATH=fake_slurm_bin, DRY_RUN="1", SLURM_JOB_NODELIST="node[01-02]", SLURM_NNODES="2")
+    proc = subprocess.run(["bash", LAUNCHER, "train/mnist.py"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode != 0 and "SLURM_NODEID is unset: start this with srun" in proc.stderr
+
+
+def test_derived_commands_form_one_job_on_loopback(fake_slurm_bin, tmp_path):
+    """Not a dry run: both 'nodes' run what launch_node.sh derives, with 2 CPU processes each."""
+    config = yaml.safe_load(open(os.path.join(CONFIGS, "2node_8gpu.yaml")))
+    config.update(use_cpu=True, mixed_precision="no")
+    (tmp_path / "cpu_2node.yaml").write_text(yaml.safe_dump(config))
+    nodes = []
+    for node_id in (0, 1):
+        env = clean_env(PATH=fake_slurm_bin, SLURM_JOB_NODELIST="127.0.0.1", SLURM_NNODES="2",
+                        SLURM_NODEID=str(node_id), SLURM_JOB_ID=str(os.getpid()), GPUS_PER_NODE="2",
+                        ACCELERATE_CONFIG=str(tmp_path / "cpu_2node.yaml"))
+        nodes.append(subprocess.Popen(["bash", LAUNCHER, "train/regression.py", "--max_train_steps", "5",
+                                       "--output_dir", str(tmp_path / "out")], cwd=REPO, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+    assert "world_size=4 " in outputs[0]
+    assert (tmp_path / "out" / "model.safetensors").exists()
