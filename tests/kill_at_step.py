@@ -46,6 +46,8 @@ def main():
         steps = [0]
 
         def after_step(optimizer, *_):
+            if all(group["lr"] == 0 for group in optimizer.param_groups):
+                return  # torch.distributed.checkpoint's state init for stateless SGD: a step at lr 0, not ours
             steps[0] += 1
             if steps[0] == args.step:
                 die(args.marker)

@@ -23,10 +23,6 @@ RUN_FILES = ("all_results.json", "model.safetensors", "checkpoints")  # what mak
 
 def prepare_output_dir(accelerator, args):
     """Refuse to write over an earlier run unless the user resumes it or asks to replace it."""
-    if accelerator.distributed_type.value == "FSDP" and (args.checkpointing_steps or args.resume_from_checkpoint):
-        # optimizer.state_dict() is one rank's shard under FSDP2: a checkpoint would silently lose the rest
-        raise SystemExit("error: --checkpointing_steps/--resume_from_checkpoint are not supported under FSDP yet "
-                         "(sharded optimizer state); use a DDP config, or train without checkpoints")
     holds_run = any(os.path.exists(os.path.join(args.output_dir, name)) for name in RUN_FILES)
     if holds_run and args.overwrite_output_dir and args.resume_from_checkpoint:
         raise SystemExit("error: --overwrite_output_dir and --resume_from_checkpoint contradict each other; pass one")
@@ -90,13 +86,25 @@ def _fsync(path):
         os.close(fd)
 
 
+def _full_state_options(**kwargs):
+    # Full (unsharded) state dicts through torch.distributed.checkpoint: one code path and one file
+    # format for a plain module, DDP and FSDP2, where optimizer.state_dict() would be one rank's shard.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kwargs)
+
+
 def save_checkpoint(accelerator, args, script, step, model, optimizer, lr_scheduler, data_state, extra=None):
     """Write checkpoints/step_N atomically; keep the newest --checkpoints_total_limit."""
     from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     root = os.path.join(args.output_dir, "checkpoints")
     final, tmp = os.path.join(root, f"step_{step:08d}"), os.path.join(root, f".tmp-step_{step:08d}")
-    state_dict = accelerator.get_state_dict(model)  # a collective under FSDP: every rank calls it
+    # collectives under FSDP2: every rank calls them; cpu_offload leaves the full dicts on rank 0 only
+    options = _full_state_options(cpu_offload=torch.distributed.is_initialized())
+    state_dict = get_model_state_dict(model, options=options)
+    optimizer_state = get_optimizer_state_dict(model, optimizer.optimizer, options=options)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
         os.makedirs(tmp)
@@ -105,7 +113,7 @@ def save_checkpoint(accelerator, args, script, step, model, optimizer, lr_schedu
     torch.save(_rng_state(), files[0])
     if accelerator.is_main_process:
         save_file({k: v.contiguous() for k, v in state_dict.items()}, os.path.join(tmp, "model.safetensors"))
-        torch.save(optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+        torch.save(optimizer_state, os.path.join(tmp, "optimizer.pt"))
         files += [os.path.join(tmp, n) for n in ("model.safetensors", "optimizer.pt")]
         if lr_scheduler is not None:
             torch.save(lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
@@ -163,13 +171,20 @@ def load_checkpoint(accelerator, path, script, model, optimizer, lr_scheduler):
     except (SafetensorError, OSError, ValueError) as e:
         raise SystemExit(f"error: {path}/model.safetensors is corrupt or missing ({e}); delete that checkpoint "
                          "and resume from an earlier one") from None
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    options = _full_state_options()  # every rank reads the full files; FSDP2 keeps its own shard of them
     try:
-        accelerator.unwrap_model(model).load_state_dict(weights)
-    except RuntimeError as e:
+        set_model_state_dict(model, weights, options=options)
+    except (RuntimeError, KeyError, ValueError) as e:
         detail = " ".join(str(e).split())[:200]
         raise SystemExit(f"error: {path} does not fit this model ({detail}); resume with the model arguments "
                          "it was saved with") from None
-    optimizer.load_state_dict(_load_trusted(os.path.join(path, "optimizer.pt")))
+    optimizer_state = _load_trusted(os.path.join(path, "optimizer.pt"))
+    if not optimizer_state["state"]:  # plain SGD keeps no tensors; the full-state loader needs one to find the device
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        options = StateDictOptions()
+    set_optimizer_state_dict(model, optimizer.optimizer, optimizer_state, options=options)
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(_load_trusted(os.path.join(path, "scheduler.pt")))
     if accelerator.scaler is not None and os.path.isfile(os.path.join(path, "scaler.pt")):
