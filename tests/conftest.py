@@ -33,6 +33,19 @@ def run_script(script, *args, timeout=120):
     return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def run_together(commands, timeout=240):
+    """Start every (cmd, env) at once, as the nodes of one job, and wait for all of them.
+    Returns (exit codes, combined outputs). A rendezvous that never completes hits the timeout."""
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd, env in commands]
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [p.returncode for p in procs], outputs
+
+
 def output_of(proc):
     return proc.stdout + proc.stderr
 

@@ -11,7 +11,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, REPO, clean_env, launch, output_of
+from conftest import CONFIGS, clean_env, launch, output_of, run_together
 
 REGRESSION = ["--per_device_train_batch_size", 8, "--max_train_steps", 20, "--seed", 11]
 MNIST = ["--max_train_samples", 640, "--max_eval_samples", 99, "--per_device_train_batch_size", 8,
@@ -34,21 +34,11 @@ def loopback_config(template, tmp_path):
     return path
 
 
-def two_nodes(config_path, script, *args, timeout=300):
-    nodes = []
-    for rank in (0, 1):  # one command for both nodes, as the README says; --machine_rank overrides the file
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path),
-               "--machine_rank", str(rank), os.path.join("train", script + ".py"), *map(str, args)]
-        nodes.append(subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    outputs = []
-    try:
-        for node in nodes:
-            outputs.append(node.communicate(timeout=timeout)[0])  # a failed rendezvous hangs: the timeout fails it
-    finally:
-        for node in nodes:
-            node.kill()
-    return [node.returncode for node in nodes], outputs
+def two_nodes(config_path, script, *args):
+    # one command for both nodes, as the README says; --machine_rank overrides the file
+    return run_together([([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path),
+                           "--machine_rank", str(rank), os.path.join("train", script + ".py"), *map(str, args)],
+                          clean_env()) for rank in (0, 1)])
 
 
 def weights(folder):
@@ -112,19 +102,12 @@ def test_two_network_hosts_equal_one_node(single_node, two_hosts, tmp_path):
     config = yaml.safe_load(open(os.path.join(CONFIGS, "2node_8gpu.yaml")))
     config.update(num_processes=4, main_process_ip=head_ip, main_process_port=29400, use_cpu=True, mixed_precision="no")
     (tmp_path / "netns.yaml").write_text(yaml.safe_dump(config))
-    nodes = []
-    for rank in (0, 1):
-        cmd = ["ip", "netns", "exec", names[rank], sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(tmp_path / "netns.yaml"), "--machine_rank", str(rank), "train/regression.py", *map(str, REGRESSION),
-               "--output_dir", str(tmp_path / "out")]
-        nodes.append(subprocess.Popen(cmd, cwd=REPO, env=clean_env(GLOO_SOCKET_IFNAME=links[rank]),
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        outputs = [node.communicate(timeout=240)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    codes, outputs = run_together([(["ip", "netns", "exec", names[rank], sys.executable, "-m",
+                                     "accelerate.commands.launch", "--config_file", str(tmp_path / "netns.yaml"),
+                                     "--machine_rank", str(rank), "train/regression.py", *map(str, REGRESSION),
+                                     "--output_dir", str(tmp_path / "out")],
+                                    clean_env(GLOO_SOCKET_IFNAME=links[rank])) for rank in (0, 1)])
+    assert codes == [0, 0], "\n".join(o[-3000:] for o in outputs)
     assert "process 2/4 " in outputs[1] and "world_size=4 " in outputs[0]
     got, expected = weights(tmp_path / "out"), single_node["regression"]
     assert all(torch.equal(got[k], expected[k]) for k in expected)

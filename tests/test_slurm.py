@@ -8,7 +8,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import CONFIGS, REPO, clean_env
+from conftest import CONFIGS, REPO, clean_env, run_together
 
 LAUNCHER = os.path.join(CONFIGS, "slurm", "launch_node.sh")
 
@@ -63,19 +63,14 @@ def test_derived_commands_form_one_job_on_loopback(fake_slurm_bin, tmp_path):
     config = yaml.safe_load(open(os.path.join(CONFIGS, "2node_8gpu.yaml")))
     config.update(use_cpu=True, mixed_precision="no")
     (tmp_path / "cpu_2node.yaml").write_text(yaml.safe_dump(config))
-    nodes = []
+    commands = []
     for node_id in (0, 1):
         env = clean_env(PATH=fake_slurm_bin, SLURM_JOB_NODELIST="127.0.0.1", SLURM_NNODES="2",
                         SLURM_NODEID=str(node_id), SLURM_JOB_ID=str(os.getpid()), GPUS_PER_NODE="2",
                         ACCELERATE_CONFIG=str(tmp_path / "cpu_2node.yaml"))
-        nodes.append(subprocess.Popen(["bash", LAUNCHER, "train/regression.py", "--max_train_steps", "5",
-                                       "--output_dir", str(tmp_path / "out")], cwd=REPO, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        outputs = [node.communicate(timeout=240)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
-    assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-2000:] for o in outputs)
+        commands.append((["bash", LAUNCHER, "train/regression.py", "--max_train_steps", "5", "--output_dir",
+                          str(tmp_path / "out")], env))
+    codes, outputs = run_together(commands)
+    assert codes == [0, 0], "\n".join(o[-2000:] for o in outputs)
     assert "world_size=4 " in outputs[0]
     assert (tmp_path / "out" / "model.safetensors").exists()
