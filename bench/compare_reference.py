@@ -1,0 +1,149 @@
+"""Our train/mnist.py beside the plain DDP recipe it replaces, on the same data and layout.
+
+    python bench/compare_reference.py --epochs 1 --repeats 3     # ~3 minutes on 2 cores
+    python bench/compare_reference.py --tiny                      # seconds; what the test suite runs
+
+Both sides: Fashion-MNIST, the same ConvNet, global batch 100 (50 per process), Adam(W) lr 1e-3 with
+no decay and no schedule, 2 CPU processes. The reference (bench/reference/seed_ddp_mnist.py, a copy
+of the team's seed recipe) is torchrun + DDP + DistributedSampler + torchvision per-sample
+transforms; ours is `accelerate launch --config_file accelerate_configs/cpu_2proc.yaml train/mnist.py`.
+Runs alternate A/B so drift hits both; the table gives medians of training seconds per epoch (the
+reference's `train_s`, our `epoch_seconds`: neither counts start-up or evaluation) and the ratio.
+The floor is the same model's forward/backward/step over one epoch of in-memory batches in one
+process with all cores, no data loading and no communication.
+"""
+import argparse
+import gzip
+import json
+import os
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+FASHION_DIR = "/usr/share/datasets/fashion-mnist"
+STEMS = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+
+
+def write_idx(path, tensor):
+    """uint8 idx file (the format's 0x08 type), for the tiny copy the reference recipe reads."""
+    with open(path, "wb") as f:
+        f.write(struct.pack(">I", 0x0800 + tensor.dim()) + b"".join(struct.pack(">I", d) for d in tensor.shape))
+        f.write(tensor.contiguous().numpy().tobytes())
+
+
+def torchvision_layout(root, tiny):
+    """root/FashionMNIST/raw/ with the four uncompressed idx files (what torchvision's class reads)."""
+    raw = os.path.join(root, "FashionMNIST", "raw")
+    os.makedirs(raw, exist_ok=True)
+    if tiny:
+        from data.mnist import load_dataset
+
+        train, test, _ = load_dataset("fashion_mnist")
+        for stem, t in zip(STEMS, (train.images[:1000], train.labels[:1000].byte(), test.images[:500],
+                                   test.labels[:500].byte())):
+            write_idx(os.path.join(raw, stem), t)
+    else:
+        for stem in STEMS:
+            with gzip.open(os.path.join(FASHION_DIR, stem + ".gz")) as src, open(os.path.join(raw, stem), "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    return root
+
+
+def run(cmd, env, accept=None):
+    """Run cmd from the repo root; fail unless it exits 0 or `accept(proc)` says its output is complete."""
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0 and not (accept and accept(proc)):
+        raise SystemExit(f"error: {' '.join(cmd[:6])}... failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return proc, time.perf_counter() - start
+
+
+def reference(data_root, epochs, env):
+    # The recipe destroys its gloo group without a barrier and sometimes aborts in teardown
+    # (SIGABRT, "terminate called without an active exception") after printing every result; such
+    # a run is complete and counted, and the aborts are reported.
+    complete = lambda proc: proc.stdout.count("RESULT ") == epochs  # noqa: E731
+    proc, wall = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                      "bench/reference/seed_ddp_mnist.py", "--data", data_root, "--epochs", str(epochs)], env, complete)
+    last = [dict(kv.split("=") for kv in line.split()[1:]) for line in proc.stdout.splitlines()
+            if line.startswith("RESULT")][-1]
+    return {"epoch_seconds": float(last["train_s"]) / epochs, "accuracy": float(last["acc"]), "wall": wall,
+            "eval_samples": int(last["n_eval"]), "teardown_abort": proc.returncode != 0}
+
+
+def ours(data_root, epochs, env, out):
+    shutil.rmtree(out, ignore_errors=True)
+    _, wall = run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   "accelerate_configs/cpu_2proc.yaml", "train/mnist.py", "--data_dir", data_root,
+                   "--num_train_epochs", str(epochs), "--per_device_train_batch_size", "50",
+                   "--learning_rate", "1e-3", "--weight_decay", "0", "--lr_scheduler_type", "constant",
+                   "--output_dir", out], env)
+    results = json.load(open(os.path.join(out, "all_results.json")))
+    return {"epoch_seconds": statistics.mean(results["epoch_seconds"]), "accuracy": results["eval_accuracy"],
+            "wall": wall, "eval_samples": results["eval_samples"]}
+
+
+def compute_floor(data_root):
+    """Seconds per epoch of forward/backward/step alone, one process, all cores, batches of 100."""
+    import torch
+    import torch.nn.functional as F
+
+    from data.mnist import load_dataset, normalize_images
+    from train.mnist import ConvNet
+
+    train, _, _ = load_dataset("fashion_mnist", os.path.join(data_root, "FashionMNIST", "raw"))
+    torch.manual_seed(0)
+    model, images = ConvNet(), normalize_images(train.images, train.mean, train.std)
+    optimizer = torch.optim.Adam(model.parameters(), 1e-3)
+    start = time.perf_counter()
+    for i in range(0, len(images) - 99, 100):
+        loss = F.cross_entropy(model(images[i:i + 100]), train.labels[i:i + 100])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return time.perf_counter() - start
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true", help="1000 training samples, 1 repeat: checks the bench runs")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.repeats, args.epochs = 1, 1
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    with tempfile.TemporaryDirectory() as tmp:
+        data_root = torchvision_layout(os.path.join(tmp, "data"), args.tiny)
+        runs = {"reference": [], "ours": []}
+        for repeat in range(args.repeats):  # A/B/A/B
+            runs["reference"].append(reference(data_root, args.epochs, env))
+            runs["ours"].append(ours(data_root, args.epochs, env, os.path.join(tmp, "out")))
+            print(f"repeat {repeat + 1}: reference {runs['reference'][-1]['epoch_seconds']:.1f} s/epoch, "
+                  f"ours {runs['ours'][-1]['epoch_seconds']:.1f} s/epoch", flush=True)
+        floor = compute_floor(data_root)
+    median = {name: statistics.median(r["epoch_seconds"] for r in rs) for name, rs in runs.items()}
+    print(f"\n{args.repeats} alternating repeats of {args.epochs} epoch(s), 2 CPU processes, global batch 100"
+          f"{' (tiny: 1000 samples)' if args.tiny else ''}")
+    print("| path | train s/epoch (median) | test accuracy | eval samples | wall s (median) | vs reference |")
+    print("|---|---|---|---|---|---|")
+    for name, label in (("reference", "plain DDP recipe (torchrun)"), ("ours", "train/mnist.py (accelerate)")):
+        rs = runs[name]
+        print(f"| {label} | {median[name]:.2f} | {rs[-1]['accuracy']:.4f} | {rs[-1]['eval_samples']} | "
+              f"{statistics.median(r['wall'] for r in rs):.1f} | {median['reference'] / median[name]:.2f}x |")
+    print(f"| compute-only floor (1 process, no data loading) | {floor:.2f} | | | | "
+          f"{median['reference'] / floor:.2f}x |")
+    aborts = sum(r["teardown_abort"] for r in runs["reference"])
+    print(f"reference runs that aborted in teardown after finishing: {aborts} of {len(runs['reference'])}")
+    print(f"RATIO ours/reference epoch time = {median['ours'] / median['reference']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
