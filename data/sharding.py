@@ -140,16 +140,19 @@ class ParquetSource:
                 self._groups.append((p, g))
                 self.unit_sizes.append(meta.row_group(g).num_rows)
         if max_rows is not None:  # the first max_rows rows, like a map-style subset; the cut unit becomes short
-            kept = np.cumsum(self.unit_sizes) - np.array(self.unit_sizes) < max_rows
-            self.unit_sizes = [min(u, max_rows - int(s)) for u, s, k in
-                               zip(self.unit_sizes, np.cumsum([0] + self.unit_sizes[:-1]), kept) if k]
+            kept, total = [], 0
+            for size in self.unit_sizes:
+                if total >= max_rows:
+                    break
+                kept.append(min(size, max_rows - total))
+                total += kept[-1]
+            self.unit_sizes = kept
             sizes.append(("max_rows", max_rows))
         self.unit_starts = np.concatenate([[0], np.cumsum(self.unit_sizes)]).astype(np.int64)
         self.num_rows = int(self.unit_starts[-1])
         self._fingerprint = hashlib.blake2b(json.dumps(sizes).encode(), digest_size=16).hexdigest()
         self._files, self._cache = {}, (None, None)
         self.rows_read = self.bytes_read = 0
-        self.files_opened = set()
 
     def _unit_tensors(self, unit):
         """The decoded columns of one row group. The last one is kept: a unit cut by a batch
@@ -161,7 +164,6 @@ class ParquetSource:
         p, g = self._groups[unit]
         if p not in self._files:  # the footer parsed above is reused: no second read of it
             self._files[p] = pq.ParquetFile(self.paths[p], metadata=self._metadata[p])
-            self.files_opened.add(self.paths[p])
         f = self._files[p]
         table = f.read_row_group(g, columns=self.columns)
         meta = f.metadata.row_group(g)
@@ -231,9 +233,8 @@ class ShardedIterableDataset(IterableDataset):
     `ShardedLoader`, which also tracks the position and plugs into accelerate.
     """
 
-    def __init__(self, source, global_batch_size, rank=0, world_size=1, seed=0, shuffle=True, policy="drop",
-                 transform=None):
-        self.source, self.transform = source, transform
+    def __init__(self, source, global_batch_size, rank=0, world_size=1, seed=0, shuffle=True, policy="drop"):
+        self.source = source
         self.plan = BatchPlan(source.unit_sizes, global_batch_size, world_size, rank, seed, shuffle, policy)
         self.epoch, self.start_batch = 0, 0
 
@@ -251,7 +252,7 @@ class ShardedIterableDataset(IterableDataset):
                 continue  # whole batches per worker: the DataLoader returns them in plan order
             batch = self.source.read(ids)
             batch.update(index=ids, valid=valid)
-            yield self.transform(batch) if self.transform else batch
+            yield batch
 
     def identity(self):
         return {**self.plan.identity(), "fingerprint": self.source.fingerprint()}

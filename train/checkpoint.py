@@ -60,6 +60,14 @@ def find_checkpoint(accelerator, args):
     return path
 
 
+def data_position(epoch, batches_done, batches_per_epoch):
+    """A map-style loader's position after `batches_done` batches of `epoch`, as checkpoints store it:
+    a finished epoch resumes at the start of the next."""
+    if batches_done >= batches_per_epoch:
+        return {"epoch": epoch + 1, "next_batch": 0}
+    return {"epoch": epoch, "next_batch": batches_done}
+
+
 def _rng_state():
     version, state, gauss = random.getstate()
     _, keys, pos, has_gauss, cached = np.random.get_state()
@@ -109,22 +117,23 @@ def save_checkpoint(accelerator, args, script, step, model, optimizer, lr_schedu
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
         os.makedirs(tmp)
     accelerator.wait_for_everyone()
-    files = [os.path.join(tmp, f"rng_state_{accelerator.process_index}.pt")]
-    torch.save(_rng_state(), files[0])
+    files = []
+
+    def put(name, obj, write=torch.save):
+        files.append(os.path.join(tmp, name))
+        write(obj, files[-1])
+
+    put(f"rng_state_{accelerator.process_index}.pt", _rng_state())
     if accelerator.is_main_process:
-        save_file({k: v.contiguous() for k, v in state_dict.items()}, os.path.join(tmp, "model.safetensors"))
-        torch.save(optimizer_state, os.path.join(tmp, "optimizer.pt"))
-        files += [os.path.join(tmp, n) for n in ("model.safetensors", "optimizer.pt")]
+        put("model.safetensors", {k: v.contiguous() for k, v in state_dict.items()}, save_file)
+        put("optimizer.pt", optimizer_state)
         if lr_scheduler is not None:
-            torch.save(lr_scheduler.state_dict(), os.path.join(tmp, "scheduler.pt"))
-            files.append(os.path.join(tmp, "scheduler.pt"))
+            put("scheduler.pt", lr_scheduler.state_dict())
         if accelerator.scaler is not None:
-            torch.save(accelerator.scaler.state_dict(), os.path.join(tmp, "scaler.pt"))
-            files.append(os.path.join(tmp, "scaler.pt"))
-        write_json(os.path.join(tmp, "meta.json"), {
-            "format": CHECKPOINT_FORMAT, "script": script, "step": step, "world_size": accelerator.num_processes,
-            "data": data_state, "args": vars(args), **(extra or {})})
-        files.append(os.path.join(tmp, "meta.json"))
+            put("scaler.pt", accelerator.scaler.state_dict())
+        put("meta.json", {"format": CHECKPOINT_FORMAT, "script": script, "step": step,
+                          "world_size": accelerator.num_processes, "data": data_state, "args": vars(args),
+                          **(extra or {})}, lambda obj, path: write_json(path, obj))
     for path in files:  # on disk before the rename publishes them
         _fsync(path)
     accelerator.wait_for_everyone()
@@ -133,9 +142,9 @@ def save_checkpoint(accelerator, args, script, step, model, optimizer, lr_schedu
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync(root)
-        for old in list_checkpoints(args.output_dir)[:-args.checkpoints_total_limit or None] \
-                if args.checkpoints_total_limit else []:
-            shutil.rmtree(old)
+        if args.checkpoints_total_limit:
+            for old in list_checkpoints(args.output_dir)[:-args.checkpoints_total_limit]:
+                shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
 

@@ -29,7 +29,8 @@ from data import DATASETS, DataError, collate_batch, load_dataset, normalize_ima
 from data.loader import ShardedLoader
 from data.prepare import prepare
 from data.sharding import ParquetSource, PlanError, ShardedIterableDataset, check_same_plan, shards_in
-from train.checkpoint import find_checkpoint, load_checkpoint, prepare_output_dir, save_checkpoint
+from train.checkpoint import (data_position, find_checkpoint, load_checkpoint, prepare_output_dir,
+                              save_checkpoint)
 from train.common import (add_common_args, announce, make_accelerator, make_scheduler, plan_steps, positive_float,
                           positive_int, save_final)
 
@@ -182,9 +183,7 @@ def main(args):
         """Where the data stands after `batches_done` batches of `epoch`: saved in checkpoints."""
         if args.streaming:
             return train_loader.state_dict()
-        if batches_done >= batches_per_epoch:
-            return {"epoch": epoch + 1, "next_batch": 0}
-        return {"epoch": epoch, "next_batch": batches_done}
+        return data_position(epoch, batches_done, batches_per_epoch)
 
     def save(epoch, batches_done):
         save_checkpoint(accelerator, args, SCRIPT, completed_steps, model, optimizer, lr_scheduler,

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
-from train.checkpoint import find_checkpoint, load_checkpoint, prepare_output_dir, save_checkpoint
+from train.checkpoint import (data_position, find_checkpoint, load_checkpoint, prepare_output_dir,
+                              save_checkpoint)
 from train.common import add_common_args, announce, make_accelerator, plan_steps, positive_float, positive_int, save_final
 
 SCRIPT = "regression"  # recorded in checkpoints, so another script's checkpoint is refused
@@ -83,10 +84,8 @@ def main(args):
         completed_steps, starting_epoch, skip_batches = meta["step"], meta["data"]["epoch"], meta["data"]["next_batch"]
 
     def save(epoch, batches_done):
-        data = {"epoch": epoch, "next_batch": batches_done}
-        if batches_done >= len(train_loader):
-            data = {"epoch": epoch + 1, "next_batch": 0}
-        save_checkpoint(accelerator, args, SCRIPT, completed_steps, model, optimizer, None, data)
+        save_checkpoint(accelerator, args, SCRIPT, completed_steps, model, optimizer, None,
+                        data_position(epoch, batches_done, len(train_loader)))
 
     # ---------------------------------------------------------------- train
     for epoch in range(starting_epoch, num_train_epochs):
