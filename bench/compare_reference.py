@@ -1,15 +1,18 @@
 """Our train/mnist.py beside the plain DDP recipe it replaces, on the same data and layout.
 
-    python bench/compare_reference.py --epochs 1 --repeats 3     # ~3 minutes on 2 cores
+    python bench/compare_reference.py --epochs 1 --repeats 3     # ~5 minutes on 2 cores
     python bench/compare_reference.py --tiny                      # seconds; what the test suite runs
 
 Both sides: Fashion-MNIST, the same ConvNet, global batch 100 (50 per process), Adam(W) lr 1e-3 with
 no decay and no schedule, 2 CPU processes. The reference (bench/reference/seed_ddp_mnist.py, a copy
 of the team's seed recipe) is torchrun + DDP + DistributedSampler + torchvision per-sample
 transforms; ours is `accelerate launch --config_file accelerate_configs/cpu_2proc.yaml train/mnist.py`.
-Runs alternate A/B so drift hits both; the table gives medians of training seconds per epoch (the
-reference's `train_s`, our `epoch_seconds`: neither counts start-up or evaluation) and the ratio.
-The floor is the same model's forward/backward/step over one epoch of in-memory batches in one
+Ours runs twice, in fp32 and with `--mixed_precision bf16` (both channels_last, fused AdamW).
+A third path, bench/reference/raw_ddp_mnist.py, is our bf16 hot loop written against
+torch.distributed alone (DistributedSampler + DDP, same data path and model): ours/raw shows what
+accelerate and our loop cost on top. Runs alternate A/B/C/D so drift hits all; the table gives
+medians of training seconds per epoch (no start-up, no evaluation) and the ratios.
+The floor is the same model's fp32 forward/backward/step over one epoch of in-memory batches in one
 process with all cores, no data loading and no communication.
 """
 import argparse
@@ -78,13 +81,22 @@ def reference(data_root, epochs, env):
             "eval_samples": int(last["n_eval"]), "teardown_abort": proc.returncode != 0}
 
 
-def ours(data_root, epochs, env, out):
+def raw_ddp(data_root, epochs, env):
+    proc, wall = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                      "bench/reference/raw_ddp_mnist.py", "--data_dir", data_root, "--epochs", str(epochs)], env)
+    results = [dict(kv.split("=") for kv in line.split()[1:]) for line in proc.stdout.splitlines()
+               if line.startswith("RESULT")]
+    return {"epoch_seconds": statistics.mean(float(r["epoch_s"]) for r in results),
+            "accuracy": float(results[-1]["acc"]), "wall": wall, "eval_samples": int(results[-1]["n_eval"])}
+
+
+def ours(data_root, epochs, env, out, mixed_precision):
     shutil.rmtree(out, ignore_errors=True)
     _, wall = run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                    "accelerate_configs/cpu_2proc.yaml", "train/mnist.py", "--data_dir", data_root,
                    "--num_train_epochs", str(epochs), "--per_device_train_batch_size", "50",
                    "--learning_rate", "1e-3", "--weight_decay", "0", "--lr_scheduler_type", "constant",
-                   "--output_dir", out], env)
+                   "--mixed_precision", mixed_precision, "--output_dir", out], env)
     results = json.load(open(os.path.join(out, "all_results.json")))
     return {"epoch_seconds": statistics.mean(results["epoch_seconds"]), "accuracy": results["eval_accuracy"],
             "wall": wall, "eval_samples": results["eval_samples"]}
@@ -122,19 +134,26 @@ def main(argv=None):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     with tempfile.TemporaryDirectory() as tmp:
         data_root = torchvision_layout(os.path.join(tmp, "data"), args.tiny)
-        runs = {"reference": [], "ours": []}
-        for repeat in range(args.repeats):  # A/B/A/B
-            runs["reference"].append(reference(data_root, args.epochs, env))
-            runs["ours"].append(ours(data_root, args.epochs, env, os.path.join(tmp, "out")))
-            print(f"repeat {repeat + 1}: reference {runs['reference'][-1]['epoch_seconds']:.1f} s/epoch, "
-                  f"ours {runs['ours'][-1]['epoch_seconds']:.1f} s/epoch", flush=True)
+        out = os.path.join(tmp, "out")
+        paths = {"reference": lambda: reference(data_root, args.epochs, env),
+                 "ours_fp32": lambda: ours(data_root, args.epochs, env, out, "no"),
+                 "ours_bf16": lambda: ours(data_root, args.epochs, env, out, "bf16"),
+                 "raw_bf16": lambda: raw_ddp(data_root, args.epochs, env)}
+        runs = {name: [] for name in paths}
+        for repeat in range(args.repeats):  # A/B/C/D, A/B/C/D, ...
+            for name, path in paths.items():
+                runs[name].append(path())
+            print(f"repeat {repeat + 1}: " + ", ".join(f"{name} {rs[-1]['epoch_seconds']:.2f}" for name, rs in
+                                                       runs.items()) + " s/epoch", flush=True)
         floor = compute_floor(data_root)
     median = {name: statistics.median(r["epoch_seconds"] for r in rs) for name, rs in runs.items()}
     print(f"\n{args.repeats} alternating repeats of {args.epochs} epoch(s), 2 CPU processes, global batch 100"
           f"{' (tiny: 1000 samples)' if args.tiny else ''}")
     print("| path | train s/epoch (median) | test accuracy | eval samples | wall s (median) | vs reference |")
     print("|---|---|---|---|---|---|")
-    for name, label in (("reference", "plain DDP recipe (torchrun)"), ("ours", "train/mnist.py (accelerate)")):
+    for name, label in (("reference", "plain DDP recipe (torchrun)"), ("ours_fp32", "train/mnist.py (accelerate), fp32"),
+                        ("ours_bf16", "train/mnist.py (accelerate), bf16"),
+                        ("raw_bf16", "our bf16 loop on raw DDP (no accelerate)")):
         rs = runs[name]
         print(f"| {label} | {median[name]:.2f} | {rs[-1]['accuracy']:.4f} | {rs[-1]['eval_samples']} | "
               f"{statistics.median(r['wall'] for r in rs):.1f} | {median['reference'] / median[name]:.2f}x |")
@@ -142,7 +161,9 @@ def main(argv=None):
           f"{median['reference'] / floor:.2f}x |")
     aborts = sum(r["teardown_abort"] for r in runs["reference"])
     print(f"reference runs that aborted in teardown after finishing: {aborts} of {len(runs['reference'])}")
-    print(f"RATIO ours/reference epoch time = {median['ours'] / median['reference']:.3f}")
+    print(f"RATIO ours_fp32/reference epoch time = {median['ours_fp32'] / median['reference']:.3f}")
+    print(f"RATIO ours_bf16/reference epoch time = {median['ours_bf16'] / median['reference']:.3f}")
+    print(f"RATIO ours_bf16 throughput / raw DDP throughput = {median['raw_bf16'] / median['ours_bf16']:.3f}")
 
 
 if __name__ == "__main__":

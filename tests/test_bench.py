@@ -11,7 +11,10 @@ def test_compare_reference_tiny_mode_prints_the_table(fashion_dir):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
-    assert any("plain DDP recipe" in r for r in rows) and any("train/mnist.py" in r for r in rows)
+    paths = [r for r in rows if "recipe" in r or "train/mnist.py" in r or "raw DDP" in r]
+    assert len(paths) == 4, rows  # reference, ours fp32, ours bf16, raw DDP
     assert any("compute-only floor" in r for r in rows)
-    assert all("| 500 |" in r for r in rows if "recipe" in r or "train/mnist.py" in r)  # both evaluated 500 samples
-    assert re.search(r"RATIO ours/reference epoch time = \d+\.\d+", proc.stdout)
+    assert all("| 500 |" in r for r in paths)  # every path evaluated the 500 test samples
+    for ratio in ("ours_fp32/reference epoch time", "ours_bf16/reference epoch time",
+                  "ours_bf16 throughput / raw DDP throughput"):
+        assert re.search(rf"RATIO {re.escape(ratio)} = \d+\.\d+", proc.stdout), ratio

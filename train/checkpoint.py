@@ -32,6 +32,10 @@ def prepare_output_dir(accelerator, args):
     accelerator.wait_for_everyone()  # every rank has looked before anything is deleted
     if holds_run and args.overwrite_output_dir and accelerator.is_main_process:
         shutil.rmtree(os.path.join(args.output_dir, "checkpoints"), ignore_errors=True)
+        shutil.rmtree(os.path.join(args.output_dir, "tensorboard"), ignore_errors=True)
+        for name in ("metrics.jsonl", "curves.png"):  # a replaced run's log must not mix into the new one
+            if os.path.exists(os.path.join(args.output_dir, name)):
+                os.remove(os.path.join(args.output_dir, name))
     accelerator.wait_for_everyone()
 
 

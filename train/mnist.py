@@ -25,14 +25,15 @@ from tqdm.auto import tqdm
 
 from accelerate.utils import gather_object
 
-from data import DATASETS, DataError, collate_batch, load_dataset, normalize_images
+from data import DATASETS, DataError, augment_images, collate_batch, load_dataset, normalize_images
 from data.loader import ShardedLoader
 from data.prepare import prepare
 from data.sharding import ParquetSource, PlanError, ShardedIterableDataset, check_same_plan, shards_in
 from train.checkpoint import (data_position, find_checkpoint, load_checkpoint, prepare_output_dir,
                               save_checkpoint)
-from train.common import (add_common_args, announce, make_accelerator, make_scheduler, plan_steps, positive_float,
-                          positive_int, save_final)
+from train.common import (add_common_args, add_tracking_args, announce, log_metrics, make_accelerator, make_scheduler,
+                          plan_steps, plot_metrics, positive_float, positive_int, save_final, start_tracking,
+                          tracking_kwargs)
 
 SCRIPT = "mnist"  # recorded in checkpoints, so another script's checkpoint is refused
 
@@ -63,20 +64,30 @@ def parse_args(argv=None):
     parser.add_argument("--dataloader_num_workers", type=int, default=0,
                         help="DataLoader workers; 0 is fastest for in-memory tensors.")
     parser.add_argument("--logging_steps", type=positive_int, default=20,
-                        help="Update the progress bar's loss every N steps (each read is a device sync).")
+                        help="Log the mean training loss every N optimizer steps (each log is a device sync).")
+    parser.add_argument("--no_channels_last", dest="channels_last", action="store_false",
+                        help="Keep the default NCHW layout (NHWC convolutions are ~1.3x faster on CPU here).")
+    parser.add_argument("--label_smoothing", type=float, default=0.0, help="Cross-entropy label smoothing.")
+    parser.add_argument("--augment", action="store_true",
+                        help="Random 2-pixel shifts and horizontal flips, applied to each batch as tensors.")
     add_common_args(parser)
+    add_tracking_args(parser)
     parser.set_defaults(output_dir="runs/mnist")
     return parser.parse_args(argv)
 
 
 class ConvNet(nn.Module):
-    """2 x [conv5x5, BN, ReLU, maxpool] with 16 -> 32 channels, then linear to 10 (the seed notes' model)."""
+    """2 x [conv5x5, BN, ReLU, maxpool] with 16 -> 32 channels, then linear to 10 (the seed notes' model).
+
+    Pooling runs before the ReLU: max commutes with a monotone function, so outputs and gradients are
+    bitwise those of the seed's order (tested), and the ReLU touches 4x fewer values (~12% of a step).
+    """
 
     def __init__(self, num_classes=10):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, 16, 5, padding=2), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, 5, padding=2), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(1, 16, 5, padding=2), nn.BatchNorm2d(16), nn.MaxPool2d(2), nn.ReLU(),
+            nn.Conv2d(16, 32, 5, padding=2), nn.BatchNorm2d(32), nn.MaxPool2d(2), nn.ReLU(),
         )
         self.classifier = nn.Linear(7 * 7 * 32, num_classes)
 
@@ -84,7 +95,7 @@ class ConvNet(nn.Module):
         return self.classifier(self.features(x).flatten(1))
 
 
-def evaluate(model, loader, accelerator, mean, std):
+def evaluate(model, loader, accelerator, to_inputs):
     """Accuracy and loss over exactly the eval set. Both loaders repeat samples so every process
     gets the same number of batches: gather_for_metrics drops them for the prepared map-style
     loader, the `valid` mask for the sharded one."""
@@ -92,7 +103,7 @@ def evaluate(model, loader, accelerator, mean, std):
     correct = loss_sum = count = 0
     with torch.no_grad():
         for batch in loader:
-            logits = model(normalize_images(batch["image"], mean, std))
+            logits = model(to_inputs(batch["image"]))
             losses = F.cross_entropy(logits, batch["label"], reduction="none")
             valid = batch.get("valid", torch.ones_like(losses, dtype=torch.bool))
             preds, labels, losses, valid = accelerator.gather_for_metrics(
@@ -117,7 +128,8 @@ def sharded_loader(accelerator, folder, split, batch_size, args, max_rows, train
 
 def main(args):
     # ---------------------------------------------------------------- accelerator
-    accelerator = make_accelerator(args)
+    t_launch = time.perf_counter()
+    accelerator = make_accelerator(args, **tracking_kwargs(args))
     set_seed(args.seed)  # same initial weights on every process; DDP also broadcasts them
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     announce(accelerator, global_batch_size)
@@ -153,7 +165,20 @@ def main(args):
 
     # ---------------------------------------------------------------- model, optimizer, schedule
     model = ConvNet()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    model = model.to(memory_format=memory_format)
+
+    def to_inputs(images):
+        return normalize_images(images, mean, std).contiguous(memory_format=memory_format)
+
+    def augmented(images, epoch, batch_index):
+        # seeded by the data position, so a resumed run draws the same shifts and flips
+        generator = torch.Generator().manual_seed(hash((args.seed, epoch, batch_index, accelerator.process_index)))
+        return augment_images(images, generator)
+
+    # fused: one kernel for all parameters instead of a loop of small ops (~5% of a CPU step here)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
+                                  fused=True)
 
     # ---------------------------------------------------------------- prepare
     if args.streaming:  # already sharded: prepare() would shard again or dispatch from rank 0
@@ -178,6 +203,7 @@ def main(args):
                 train_loader.load_state_dict(meta["data"])
             except PlanError as e:
                 raise SystemExit(f"error: {e}") from None
+    start_tracking(accelerator, args, SCRIPT, completed_steps)
 
     def position(epoch, batches_done):
         """Where the data stands after `batches_done` batches of `epoch`: saved in checkpoints."""
@@ -192,7 +218,8 @@ def main(args):
     # ---------------------------------------------------------------- train
     progress = tqdm(total=max_train_steps * global_batch_size, initial=completed_steps * global_batch_size,
                     unit="samples", unit_scale=True, disable=not accelerator.is_local_main_process, dynamic_ncols=True)
-    t_start = time.perf_counter()
+    t_start = t_log = time.perf_counter()
+    loss_sum, loss_count = torch.zeros((), device=accelerator.device), 0  # summed without a device sync
     for epoch in range(starting_epoch, num_train_epochs):
         if completed_steps >= max_train_steps:
             break
@@ -206,26 +233,36 @@ def main(args):
         for batch in epoch_loader:
             batches_done += 1
             with accelerator.accumulate(model):
-                loss = F.cross_entropy(model(normalize_images(batch["image"], mean, std)), batch["label"])
+                images = augmented(batch["image"], epoch, batches_done) if args.augment else batch["image"]
+                loss = F.cross_entropy(model(to_inputs(images)), batch["label"], label_smoothing=args.label_smoothing)
                 accelerator.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+            loss_sum, loss_count = loss_sum + loss.detach(), loss_count + 1
             if not accelerator.sync_gradients:
                 continue
             completed_steps += 1
+            lr = lr_scheduler.get_last_lr()[0]  # the rate this step used
             if not accelerator.optimizer_step_was_skipped:  # fp16 overflow: no step, no schedule tick
                 lr_scheduler.step()
             progress.update(global_batch_size)
-            if completed_steps % args.logging_steps == 0:
-                progress.set_postfix(loss=f"{loss.item():.4f}", lr=f"{lr_scheduler.get_last_lr()[0]:.2e}")
+            if completed_steps % args.logging_steps == 0:  # mean loss of all processes since the last log
+                train_loss = accelerator.reduce(loss_sum / loss_count, reduction="mean").item()
+                samples_per_second = args.logging_steps * global_batch_size / (time.perf_counter() - t_log)
+                log_metrics(accelerator, args, {"step": completed_steps, "train_loss": train_loss, "lr": lr,
+                                                "samples_per_second": samples_per_second})
+                progress.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")
+                loss_sum, loss_count, t_log = torch.zeros_like(loss_sum), 0, time.perf_counter()
             save_now = isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0
             if save_now and batches_done < batches_per_epoch:  # at an epoch's end: after its evaluation
                 save(epoch, batches_done)
             if completed_steps >= max_train_steps:
                 break
         epoch_seconds.append(time.perf_counter() - t_epoch)
-        metrics = evaluate(model, eval_loader, accelerator, mean, std)
+        metrics = evaluate(model, eval_loader, accelerator, to_inputs)
         history.append({"epoch": epoch + 1, "step": completed_steps, "train_seconds": epoch_seconds[-1], **metrics})
+        log_metrics(accelerator, args, {"step": completed_steps, "epoch": epoch + 1, **metrics})
+        t_log = time.perf_counter()  # evaluation time is not training throughput
         if accelerator.is_main_process:
             progress.write(f"epoch {epoch + 1}: eval_accuracy={metrics['eval_accuracy']:.4f} "
                            f"eval_loss={metrics['eval_loss']:.4f} eval_samples={metrics['eval_samples']} "
@@ -236,7 +273,7 @@ def main(args):
     wall_seconds = time.perf_counter() - t_start
     if not history or history[-1]["step"] != completed_steps:  # resumed from the final checkpoint
         history.append({"epoch": num_train_epochs, "step": completed_steps, "train_seconds": 0.0,
-                        **evaluate(model, eval_loader, accelerator, mean, std)})
+                        **evaluate(model, eval_loader, accelerator, to_inputs)})
 
     # ---------------------------------------------------------------- save
     results = {**history[-1], "world_size": accelerator.num_processes, "global_batch_size": global_batch_size,
@@ -244,9 +281,11 @@ def main(args):
                "wall_seconds": wall_seconds, "history": history,
                "train_samples_per_second": completed_steps * global_batch_size / max(sum(epoch_seconds), 1e-9)}
     save_final(accelerator, model, args, results)
+    if accelerator.is_main_process:
+        plot_metrics(args.output_dir)
     accelerator.print(f"final eval_accuracy={results['eval_accuracy']:.4f} eval_samples={results['eval_samples']} "
-                      f"wall_seconds={wall_seconds:.1f} samples_per_second={results['train_samples_per_second']:.0f} "
-                      f"-> {args.output_dir}")
+                      f"wall_seconds={time.perf_counter() - t_launch:.1f} (training {wall_seconds:.1f}) "
+                      f"samples_per_second={results['train_samples_per_second']:.0f} -> {args.output_dir}")
     accelerator.wait_for_everyone()  # tearing gloo down while a peer still writes can abort ("terminate called ...")
     accelerator.end_training()
     return results
