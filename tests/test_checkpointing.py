@@ -187,7 +187,7 @@ class Payload:
         return (open, (self.path, "w"))
 
 
-@pytest.mark.parametrize("victim", ["optimizer.pt", "rng_state_0.pt"])
+@pytest.mark.parametrize("victim", ["optimizer.pt", "rank_state_0.pt"])
 def test_planted_pickle_is_refused_not_executed(one_checkpoint, tmp_path, victim):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(one_checkpoint, ckpt)

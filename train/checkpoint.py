@@ -1,7 +1,7 @@
 """Checkpoints for every script in train/: atomic, exact to resume, and safe to load.
 
 Layout: OUTPUT_DIR/checkpoints/step_00000040/{model.safetensors, optimizer.pt, scheduler.pt,
-[scaler.pt], rng_state_{rank}.pt, meta.json}. A checkpoint is written under .tmp-step_N and renamed
+[scaler.pt], rank_state_{rank}.pt, meta.json}. A checkpoint is written under .tmp-step_N and renamed
 only when every rank has written its part, so a folder named step_N is always complete.
 accelerate's save_state/load_state is not used: it loads registered objects with
 weights_only=False, i.e. it would execute a pickle planted in a checkpoint.
@@ -127,7 +127,10 @@ def save_checkpoint(accelerator, args, script, step, model, optimizer, lr_schedu
         files.append(os.path.join(tmp, name))
         write(obj, files[-1])
 
-    put(f"rng_state_{accelerator.process_index}.pt", _rng_state())
+    # per rank: its RNG streams and its BatchNorm running statistics, which differ between ranks
+    # between evaluations (DDP's broadcast_buffers is off, see train/common.py)
+    buffers = {name: b.detach().cpu().clone() for name, b in accelerator.unwrap_model(model).named_buffers()}
+    put(f"rank_state_{accelerator.process_index}.pt", {**_rng_state(), "buffers": buffers})
     if accelerator.is_main_process:
         put("model.safetensors", {k: v.contiguous() for k, v in state_dict.items()}, save_file)
         put("optimizer.pt", optimizer_state)
@@ -202,9 +205,14 @@ def load_checkpoint(accelerator, path, script, model, optimizer, lr_scheduler):
         lr_scheduler.load_state_dict(_load_trusted(os.path.join(path, "scheduler.pt")))
     if accelerator.scaler is not None and os.path.isfile(os.path.join(path, "scaler.pt")):
         accelerator.scaler.load_state_dict(_load_trusted(os.path.join(path, "scaler.pt")))
-    rng_file = os.path.join(path, f"rng_state_{accelerator.process_index}.pt")
-    if not os.path.isfile(rng_file):  # resumed with more processes than saved: reuse rank 0's streams
-        rng_file = os.path.join(path, "rng_state_0.pt")
-    _set_rng_state(_load_trusted(rng_file))
+    rank_file = os.path.join(path, f"rank_state_{accelerator.process_index}.pt")
+    if not os.path.isfile(rank_file):  # resumed with more processes than saved: reuse rank 0's state
+        rank_file = os.path.join(path, "rank_state_0.pt")
+    rank_state = _load_trusted(rank_file)
+    _set_rng_state(rank_state)
+    with torch.no_grad():
+        for name, buffer in accelerator.unwrap_model(model).named_buffers():
+            if name in rank_state["buffers"]:
+                buffer.copy_(rank_state["buffers"][name])
     accelerator.print(f"resumed from {path} (step {meta['step']}, saved with {meta['world_size']} processes)")
     return meta

@@ -31,9 +31,9 @@ from data.prepare import prepare
 from data.sharding import ParquetSource, PlanError, ShardedIterableDataset, check_same_plan, shards_in
 from train.checkpoint import (data_position, find_checkpoint, load_checkpoint, prepare_output_dir,
                               save_checkpoint)
-from train.common import (add_common_args, add_tracking_args, announce, log_metrics, make_accelerator, make_scheduler,
-                          plan_steps, plot_metrics, positive_float, positive_int, save_final, start_tracking,
-                          tracking_kwargs)
+from train.common import (add_common_args, add_tracking_args, announce, average_buffers, log_metrics,
+                          make_accelerator, make_scheduler, plan_steps, plot_metrics, positive_float, positive_int,
+                          save_final, start_tracking, tracking_kwargs)
 
 SCRIPT = "mnist"  # recorded in checkpoints, so another script's checkpoint is refused
 
@@ -96,9 +96,11 @@ class ConvNet(nn.Module):
 
 
 def evaluate(model, loader, accelerator, to_inputs):
-    """Accuracy and loss over exactly the eval set. Both loaders repeat samples so every process
-    gets the same number of batches: gather_for_metrics drops them for the prepared map-style
-    loader, the `valid` mask for the sharded one."""
+    """Accuracy and loss over exactly the eval set, with BatchNorm statistics averaged over ranks.
+    Both loaders repeat samples so every process gets the same number of batches:
+    gather_for_metrics drops them for the prepared map-style loader, the `valid` mask for the
+    sharded one."""
+    average_buffers(accelerator, model)
     model.eval()
     correct = loss_sum = count = 0
     with torch.no_grad():
