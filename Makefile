@@ -5,11 +5,17 @@
 PYTHON ?= python3
 CONFIG ?= accelerate_configs/cpu_2proc.yaml
 DATASET ?= fashion_mnist
-EPOCHS ?= 3
+EPOCHS ?= 5
+# bf16 autocast: 1.3x faster on CPUs with AVX512-BF16 or AMX and on GPUs; MIXED_PRECISION=no elsewhere
+MIXED_PRECISION ?= bf16
 OUTPUT_DIR ?= runs/$(DATASET)
+EXTRA ?=
 FASHION_DIR := /usr/share/datasets/fashion-mnist
+# The fast recipe: >= 91% Fashion-MNIST test accuracy in under 60 s with 2 CPU processes (README).
+RECIPE := --per_device_train_batch_size 64 --learning_rate 4e-3 --num_warmup_steps 100 --lr_scheduler_type cosine \
+	--label_smoothing 0.1
 
-.PHONY: setup train test
+.PHONY: setup train train-only test
 
 # apt for the offline Fashion-MNIST copy (Debian's dataset-fashion-mnist), pip for the Python packages.
 setup:
@@ -20,9 +26,13 @@ setup:
 	fi
 	$(PYTHON) -m pip install --disable-pip-version-check -q -r requirements.txt
 
-train: setup
+train: setup train-only
+
+# The demo job replaces its own earlier run in OUTPUT_DIR; train/mnist.py itself never does unasked.
+train-only:
 	$(PYTHON) -m accelerate.commands.launch --config_file $(CONFIG) train/mnist.py \
-	  --dataset $(DATASET) --num_train_epochs $(EPOCHS) --output_dir $(OUTPUT_DIR)
+	  --dataset $(DATASET) --num_train_epochs $(EPOCHS) --mixed_precision $(MIXED_PRECISION) $(RECIPE) \
+	  --with_tracking --output_dir $(OUTPUT_DIR) --overwrite_output_dir $(EXTRA)
 
 test: setup
 	$(PYTHON) -m pytest

@@ -18,3 +18,12 @@ def test_compare_reference_tiny_mode_prints_the_table(fashion_dir):
     for ratio in ("ours_fp32/reference epoch time", "ours_bf16/reference epoch time",
                   "ours_bf16 throughput / raw DDP throughput"):
         assert re.search(rf"RATIO {re.escape(ratio)} = \d+\.\d+", proc.stdout), ratio
+
+
+def test_time_to_accuracy_tiny_mode_reports_runs_and_target(fashion_dir):
+    proc = subprocess.run([sys.executable, "bench/time_to_accuracy.py", "--tiny"], cwd=REPO, env=clean_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1 |")]
+    assert len(rows) == 1 and rows[0].endswith("| 500 |")  # one run, all 500 test samples evaluated
+    assert re.search(r"TARGET >= 91\.00% within 60 s: met by [01] of 1 runs", proc.stdout)

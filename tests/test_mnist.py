@@ -117,3 +117,46 @@ def test_fsdp_config_on_cpu_says_it_runs_plain_ddp(fashion_dir, tmp_path):
     proc = launch("fsdp2_4gpu", "regression", "--max_train_steps", 3, "--output_dir", tmp_path, timeout=300)
     assert proc.returncode == 0, output_of(proc)
     assert "warning: the config asks for FSDP, but accelerate runs FSDP on GPUs only: this run is MULTI_CPU" in proc.stdout
+
+
+def test_pool_before_relu_is_bitwise_the_seed_model():
+    """ConvNet pools before its ReLUs (faster); outputs and gradients must equal the seed's order."""
+    torch.manual_seed(0)
+    ours = mnist.ConvNet()
+    seed_order = torch.nn.Sequential(*[ours.features[i] for i in (0, 1, 3, 2, 4, 5, 7, 6)])
+    x = torch.randn(64, 1, 28, 28)
+    x[:8] = -x[:8].abs()  # windows that are all negative: ties at zero after the ReLU
+    out_ours = ours(x)
+    grads_ours = torch.autograd.grad(out_ours.square().sum(), list(ours.parameters()))
+    out_seed = ours.classifier(seed_order(x).flatten(1))
+    grads_seed = torch.autograd.grad(out_seed.square().sum(), list(ours.parameters()))
+    assert torch.equal(out_ours, out_seed)
+    assert all(torch.equal(a, b) for a, b in zip(grads_ours, grads_seed))
+
+
+def test_augment_images_shifts_and_flips_each_image_reproducibly():
+    from data import augment_images
+
+    images = torch.randint(1, 256, (1000, 28, 28), dtype=torch.uint8)  # no zeros: the fill is recognisable
+    out = augment_images(images, torch.Generator().manual_seed(5))
+    assert out.shape == (1000, 28, 28) and out.dtype == torch.uint8
+    assert torch.equal(out, augment_images(images.reshape(1000, 784), torch.Generator().manual_seed(5)))
+    assert not torch.equal(out, augment_images(images, torch.Generator().manual_seed(6)))
+    seen = set()
+    for image, result in zip(images, out):
+        padded = [torch.nn.functional.pad(src, (2, 2, 2, 2)) for src in (image, image.flip(-1))]
+        matches = [(flip, dy, dx) for flip in (0, 1) for dy in range(-2, 3) for dx in range(-2, 3)
+                   if torch.equal(padded[flip][2 + dy:30 + dy, 2 + dx:30 + dx], result)]
+        assert len(matches) == 1  # exactly one shift/flip explains each output
+        seen.add(matches[0])
+    assert len(seen) == 50  # every one of the 2 x 5 x 5 variants occurs (each missed with p < 1e-8)
+
+
+def test_recipe_flags_run_under_two_processes_with_bf16(fashion_dir, tmp_path):
+    proc = launch("cpu_2proc", "mnist", "--max_train_samples", 1280, "--max_eval_samples", 257,
+                  "--num_train_epochs", 1, "--per_device_train_batch_size", 32, "--mixed_precision", "bf16",
+                  "--augment", "--label_smoothing", 0.1, "--num_warmup_steps", 5, "--output_dir", tmp_path)
+    assert proc.returncode == 0, output_of(proc)
+    assert "world_size=2 " in proc.stdout and "mixed_precision=bf16" in proc.stdout
+    results = json.load(open(tmp_path / "all_results.json"))
+    assert results["eval_samples"] == 257 and results["step"] == 20 and results["eval_accuracy"] > 0.4

@@ -1,0 +1,109 @@
+"""What users see while training: header, metrics.jsonl, tensorboard events, curves.png, summary line."""
+import json
+import os
+import shutil
+
+import pytest
+from PIL import Image
+
+from conftest import launch, output_of
+from train import mnist
+
+LOGGING_STEPS = 4
+RUN = ["--max_train_samples", 1280, "--max_eval_samples", 301, "--num_train_epochs", 2,
+       "--per_device_train_batch_size", 32, "--logging_steps", LOGGING_STEPS]
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def tensorboard_steps(folder, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps = []
+    for root, _, files in os.walk(folder):
+        for name in files:
+            if name.startswith("events.out.tfevents"):
+                events = EventAccumulator(os.path.join(root, name))
+                events.Reload()
+                if tag in events.Tags()["scalars"]:
+                    steps += [e.step for e in events.Scalars(tag)]
+    return sorted(steps)
+
+
+@pytest.fixture(scope="module")
+def tracked_run(fashion_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tracked")
+    proc = launch("cpu_2proc", "mnist", *RUN, "--with_tracking", "--report_to", "tensorboard", "--output_dir", out)
+    assert proc.returncode == 0, output_of(proc)
+    return proc, out
+
+
+def test_header_reports_the_real_world_size_and_global_batch(tracked_run):
+    proc, _ = tracked_run
+    header = [line for line in proc.stdout.splitlines() if line.startswith("world_size=")]
+    assert len(header) == 1, proc.stdout[-2000:]  # printed once, by the main process
+    assert "world_size=2 device=cpu distributed_type=MULTI_CPU mixed_precision=no global_batch_size=64" in header[0]
+
+
+def test_metrics_jsonl_has_every_logged_step_and_every_evaluation(tracked_run):
+    _, out = tracked_run
+    records = read_jsonl(out / "metrics.jsonl")
+    steps_per_epoch = 1280 // 64
+    train = [r for r in records if "train_loss" in r]
+    evals = [r for r in records if "eval_accuracy" in r]
+    assert [r["step"] for r in train] == list(range(LOGGING_STEPS, 2 * steps_per_epoch + 1, LOGGING_STEPS))
+    assert all(r["train_loss"] > 0 and r["lr"] > 0 and r["samples_per_second"] > 0 for r in train)
+    assert [(r["epoch"], r["step"], r["eval_samples"]) for r in evals] == [(1, 20, 301), (2, 40, 301)]
+    final = json.load(open(out / "all_results.json"))
+    assert evals[-1]["eval_accuracy"] == final["eval_accuracy"]
+
+
+def test_tensorboard_events_hold_the_same_steps(tracked_run):
+    _, out = tracked_run
+    assert tensorboard_steps(out / "tensorboard", "train_loss") == list(range(LOGGING_STEPS, 41, LOGGING_STEPS))
+    assert tensorboard_steps(out / "tensorboard", "eval_accuracy") == [20, 40]
+
+
+def test_curves_png_is_a_valid_image(tracked_run):
+    _, out = tracked_run
+    with Image.open(out / "curves.png") as image:
+        image.verify()  # raises on a truncated or corrupt file
+    with Image.open(out / "curves.png") as image:
+        assert image.format == "PNG" and image.size[0] >= 600 and image.size[1] >= 300
+
+
+def test_summary_line_at_the_end(tracked_run):
+    proc, out = tracked_run
+    final = json.load(open(out / "all_results.json"))
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("final eval_accuracy=")]
+    assert len(summary) == 1
+    assert f"eval_accuracy={final['eval_accuracy']:.4f} eval_samples=301 wall_seconds=" in summary[0]
+    assert "samples_per_second=" in summary[0]
+
+
+def test_without_tracking_no_tensorboard_but_still_jsonl_and_png(fashion_dir, tmp_path):
+    results = mnist.main(mnist.parse_args([str(a) for a in RUN] + ["--output_dir", str(tmp_path)]))
+    assert not (tmp_path / "tensorboard").exists()
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "eval_accuracy" in r] == [40, 80]
+    assert (tmp_path / "curves.png").stat().st_size > 0 and results["step"] == 80
+
+
+def test_resume_rewrites_the_log_without_repeating_or_losing_steps(fashion_dir, tmp_path):
+    args = [str(a) for a in RUN] + ["--checkpointing_steps", "30"]
+    full, crashed = tmp_path / "full", tmp_path / "crashed"
+    mnist.main(mnist.parse_args(args + ["--output_dir", str(full)]))
+    # as a crash after step 70 would leave it: every log line up to then, the checkpoint of step 60
+    shutil.copytree(full, crashed)
+    for name in ("all_results.json", "model.safetensors", "curves.png"):
+        os.remove(crashed / name)
+    with open(crashed / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in read_jsonl(full / "metrics.jsonl") if r["step"] <= 70)
+    mnist.main(mnist.parse_args(args + ["--output_dir", str(crashed), "--resume_from_checkpoint", "latest"]))
+
+    def losses(folder):
+        return [(r["step"], r.get("train_loss"), r.get("eval_accuracy")) for r in read_jsonl(folder / "metrics.jsonl")]
+
+    assert losses(crashed) == losses(full)  # bit-identical resume: the same values at the same steps, once each
