@@ -166,9 +166,8 @@ def main(args):
     accelerator.print(f"dataset={args.dataset} train={num_train} test={num_eval} source={source}")
 
     # ---------------------------------------------------------------- model, optimizer, schedule
-    model = ConvNet()
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    model = model.to(memory_format=memory_format)
+    model = ConvNet().to(memory_format=memory_format)
 
     def to_inputs(images):
         return normalize_images(images, mean, std).contiguous(memory_format=memory_format)
@@ -178,7 +177,7 @@ def main(args):
         generator = torch.Generator().manual_seed(hash((args.seed, epoch, batch_index, accelerator.process_index)))
         return augment_images(images, generator)
 
-    # fused: one kernel for all parameters instead of a loop of small ops (~5% of a CPU step here)
+    # fused: one kernel for all parameters instead of a loop of small ops per parameter
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
                                   fused=True)
 

@@ -76,5 +76,6 @@ for epoch in range(args.epochs):
     if rank == 0:
         print(f"RESULT epoch={epoch + 1} epoch_s={epoch_seconds:.3f} acc={counts[0] / counts[1]:.4f} "
               f"n_eval={int(counts[1])}", flush=True)
+del model, optimizer  # DDP's reducer holds gloo work; freeing it at interpreter exit can abort
 dist.barrier()  # gloo teardown while a peer still reduces can abort
 dist.destroy_process_group()
