@@ -119,10 +119,12 @@ def test_fsdp_config_on_cpu_says_it_runs_plain_ddp(fashion_dir, tmp_path):
     assert "warning: the config asks for FSDP, but accelerate runs FSDP on GPUs only: this run is MULTI_CPU" in proc.stdout
 
 
-def test_pool_before_relu_is_bitwise_the_seed_model():
+@pytest.mark.parametrize("model", sorted(mnist.MODELS))
+def test_pool_before_relu_is_bitwise_the_seed_model(model):
     """ConvNet pools before its ReLUs (faster); outputs and gradients must equal the seed's order."""
     torch.manual_seed(0)
-    ours = mnist.ConvNet()
+    c1, c2, kernel_size = mnist.MODELS[model]
+    ours = mnist.ConvNet((c1, c2), kernel_size)
     seed_order = torch.nn.Sequential(*[ours.features[i] for i in (0, 1, 3, 2, 4, 5, 7, 6)])
     x = torch.randn(64, 1, 28, 28)
     x[:8] = -x[:8].abs()  # windows that are all negative: ties at zero after the ReLU
@@ -160,3 +162,11 @@ def test_recipe_flags_run_under_two_processes_with_bf16(fashion_dir, tmp_path):
     assert "world_size=2 " in proc.stdout and "mixed_precision=bf16" in proc.stdout
     results = json.load(open(tmp_path / "all_results.json"))
     assert results["eval_samples"] == 257 and results["step"] == 20 and results["eval_accuracy"] > 0.4
+
+
+def test_resume_with_another_model_is_refused(fashion_dir, tmp_path):
+    args = ["--max_train_samples", "640", "--max_eval_samples", "100", "--num_train_epochs", "1",
+            "--per_device_train_batch_size", "32", "--checkpointing_steps", "10", "--output_dir", str(tmp_path)]
+    mnist.main(mnist.parse_args(args))
+    with pytest.raises(SystemExit, match="does not fit this model"):
+        mnist.main(mnist.parse_args(args + ["--model", "convnet_wide", "--resume_from_checkpoint", "latest"]))

@@ -36,11 +36,16 @@ from train.common import (add_common_args, add_tracking_args, announce, average_
                           save_final, start_tracking, tracking_kwargs)
 
 SCRIPT = "mnist"  # recorded in checkpoints, so another script's checkpoint is refused
+# --model: (channels of the two conv layers, kernel size)
+MODELS = {"convnet": (16, 32, 5),  # the seed notes' model: 2.8 M multiply-adds per image
+          "convnet_wide": (32, 64, 3)}  # 3.9 M: +1.4 points after 2 epochs for ~1.4x the time
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dataset", choices=sorted(DATASETS), default="fashion_mnist", help="Which dataset.")
+    parser.add_argument("--model", choices=sorted(MODELS), default="convnet",
+                        help="convnet: the seed's 5x5 16/32-channel ConvNet; convnet_wide: 3x3, 32/64 channels.")
     parser.add_argument("--data_dir", type=str, default=None,
                         help="Folder with the four idx files (raw or .gz); default: system copy, then download.")
     parser.add_argument("--max_train_samples", type=positive_int, default=None,
@@ -77,19 +82,21 @@ def parse_args(argv=None):
 
 
 class ConvNet(nn.Module):
-    """2 x [conv5x5, BN, ReLU, maxpool] with 16 -> 32 channels, then linear to 10 (the seed notes' model).
+    """2 x [conv, BN, ReLU, maxpool], then linear to 10; by default the seed notes' model (5x5
+    convolutions, 16 -> 32 channels).
 
     Pooling runs before the ReLU: max commutes with a monotone function, so outputs and gradients are
     bitwise those of the seed's order (tested), and the ReLU touches 4x fewer values (~12% of a step).
     """
 
-    def __init__(self, num_classes=10):
+    def __init__(self, channels=(16, 32), kernel_size=5, num_classes=10):
         super().__init__()
+        c1, c2, pad = *channels, kernel_size // 2
         self.features = nn.Sequential(
-            nn.Conv2d(1, 16, 5, padding=2), nn.BatchNorm2d(16), nn.MaxPool2d(2), nn.ReLU(),
-            nn.Conv2d(16, 32, 5, padding=2), nn.BatchNorm2d(32), nn.MaxPool2d(2), nn.ReLU(),
+            nn.Conv2d(1, c1, kernel_size, padding=pad), nn.BatchNorm2d(c1), nn.MaxPool2d(2), nn.ReLU(),
+            nn.Conv2d(c1, c2, kernel_size, padding=pad), nn.BatchNorm2d(c2), nn.MaxPool2d(2), nn.ReLU(),
         )
-        self.classifier = nn.Linear(7 * 7 * 32, num_classes)
+        self.classifier = nn.Linear(7 * 7 * c2, num_classes)
 
     def forward(self, x):
         return self.classifier(self.features(x).flatten(1))
@@ -167,7 +174,8 @@ def main(args):
 
     # ---------------------------------------------------------------- model, optimizer, schedule
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    model = ConvNet().to(memory_format=memory_format)
+    c1, c2, kernel_size = MODELS[args.model]
+    model = ConvNet((c1, c2), kernel_size).to(memory_format=memory_format)
 
     def to_inputs(images):
         return normalize_images(images, mean, std).contiguous(memory_format=memory_format)
