@@ -93,14 +93,15 @@ def normalize_images(images, mean, std):
     return (images.reshape(len(images), 1, 28, 28).float() / 255.0 - mean) / std
 
 
-def augment_images(images, generator, max_shift=2):
+def augment_images(images, seed, max_shift=2):
     """Light augmentation on a uint8 batch [B, 28, 28] or [B, 784] -> [B, 28, 28]: each image shifted
     by up to `max_shift` pixels in x and y (zero fill) and flipped left-right with probability 1/2.
 
     One gather for the whole batch instead of a transform per sample. The randomness comes only from
-    `generator`, so a caller that seeds it from the data position gets the same augmentation again
-    after a resume.
+    `seed`, so a caller that derives it from the data position gets the same augmentation again after
+    a resume.
     """
+    generator = torch.Generator().manual_seed(seed)
     images = images.reshape(len(images), 28, 28)
     n, device = len(images), images.device
     shifts = torch.randint(-max_shift, max_shift + 1, (2, n, 1), generator=generator).to(device)

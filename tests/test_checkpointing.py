@@ -88,10 +88,11 @@ def test_control_resume_without_the_data_position_differs(regression_runs, tmp_p
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
-@pytest.mark.parametrize("step", [12, 24, 35])  # 24 steps per epoch: mid-epoch, epoch boundary, mid-epoch 2
-def test_mnist_resume_in_process_with_accumulation_is_bit_identical(tmp_path, fashion_dir, step):
+@pytest.mark.parametrize("step,extra", [(12, []), (24, []), (35, []),  # mid-epoch, epoch boundary, mid-epoch 2
+                                        (35, ["--augment", "--label_smoothing", "0.1"])])
+def test_mnist_resume_in_process_with_accumulation_is_bit_identical(tmp_path, fashion_dir, step, extra):
     full = str(tmp_path / "full")
-    args = [*map(str, MNIST), "--checkpointing_steps", str(step)]
+    args = [*map(str, MNIST), "--checkpointing_steps", str(step), *extra]
     mnist.main(mnist.parse_args(args + ["--output_dir", full]))
     from accelerate.state import AcceleratorState, GradientState
     AcceleratorState._reset_state(True)

@@ -180,11 +180,6 @@ def main(args):
     def to_inputs(images):
         return normalize_images(images, mean, std).contiguous(memory_format=memory_format)
 
-    def augmented(images, epoch, batch_index):
-        # seeded by the data position, so a resumed run draws the same shifts and flips
-        generator = torch.Generator().manual_seed(hash((args.seed, epoch, batch_index, accelerator.process_index)))
-        return augment_images(images, generator)
-
     # fused: one kernel for all parameters instead of a loop of small ops per parameter
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
                                   fused=True)
@@ -242,7 +237,9 @@ def main(args):
         for batch in epoch_loader:
             batches_done += 1
             with accelerator.accumulate(model):
-                images = augmented(batch["image"], epoch, batches_done) if args.augment else batch["image"]
+                images = batch["image"]
+                if args.augment:  # seeded by the data position, so a resumed run draws the same shifts and flips
+                    images = augment_images(images, hash((args.seed, epoch, batches_done, accelerator.process_index)))
                 loss = F.cross_entropy(model(to_inputs(images)), batch["label"], label_smoothing=args.label_smoothing)
                 accelerator.backward(loss)
                 optimizer.step()
