@@ -95,12 +95,13 @@ def test_resume_rewrites_the_log_without_repeating_or_losing_steps(fashion_dir, 
     args = [str(a) for a in RUN] + ["--checkpointing_steps", "30"]
     full, crashed = tmp_path / "full", tmp_path / "crashed"
     mnist.main(mnist.parse_args(args + ["--output_dir", str(full)]))
-    # as a crash after step 70 would leave it: every log line up to then, the checkpoint of step 60
+    # as a crash at step 72 would leave it: every log line up to then, the checkpoint of step 60
     shutil.copytree(full, crashed)
     for name in ("all_results.json", "model.safetensors", "curves.png"):
         os.remove(crashed / name)
     with open(crashed / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in read_jsonl(full / "metrics.jsonl") if r["step"] <= 70)
+        f.write('{"step": 72, "train_lo')  # the kill came in the middle of a write
     mnist.main(mnist.parse_args(args + ["--output_dir", str(crashed), "--resume_from_checkpoint", "latest"]))
 
     def losses(folder):

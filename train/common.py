@@ -212,8 +212,9 @@ def start_tracking(accelerator, args, project_name, completed_steps):
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
         records = _read_jsonl(path) if completed_steps else []
-        with open(path, "w") as f:
+        with open(path + ".tmp", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records if r["step"] <= completed_steps)
+        os.replace(path + ".tmp", path)  # a crash now leaves the old log, never half of it
     accelerator.wait_for_everyone()
 
 
@@ -227,10 +228,17 @@ def log_metrics(accelerator, args, record):
 
 
 def _read_jsonl(path):
+    """The records of a metrics.jsonl; a line torn by a crash mid-write is dropped."""
     if not os.path.exists(path):
         return []
+    records = []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+    return records
 
 
 def plot_metrics(output_dir):
