@@ -123,8 +123,7 @@ def test_fsdp_config_on_cpu_says_it_runs_plain_ddp(fashion_dir, tmp_path):
 def test_pool_before_relu_is_bitwise_the_seed_model(model):
     """ConvNet pools before its ReLUs (faster); outputs and gradients must equal the seed's order."""
     torch.manual_seed(0)
-    c1, c2, kernel_size = mnist.MODELS[model]
-    ours = mnist.ConvNet((c1, c2), kernel_size)
+    ours = mnist.ConvNet(**mnist.MODELS[model])
     seed_order = torch.nn.Sequential(*[ours.features[i] for i in (0, 1, 3, 2, 4, 5, 7, 6)])
     x = torch.randn(64, 1, 28, 28)
     x[:8] = -x[:8].abs()  # windows that are all negative: ties at zero after the ReLU

@@ -36,9 +36,8 @@ from train.common import (add_common_args, add_tracking_args, announce, average_
                           save_final, start_tracking, tracking_kwargs)
 
 SCRIPT = "mnist"  # recorded in checkpoints, so another script's checkpoint is refused
-# --model: (channels of the two conv layers, kernel size)
-MODELS = {"convnet": (16, 32, 5),  # the seed notes' model: 2.8 M multiply-adds per image
-          "convnet_wide": (32, 64, 3)}  # 3.9 M: +1.4 points after 2 epochs for ~1.4x the time
+MODELS = {"convnet": {"channels": (16, 32), "kernel_size": 5},  # the seed notes' model: 2.8 M multiply-adds
+          "convnet_wide": {"channels": (32, 64), "kernel_size": 3}}  # 3.9 M: the >= 92% recipe (README)
 
 
 def parse_args(argv=None):
@@ -71,7 +70,7 @@ def parse_args(argv=None):
     parser.add_argument("--logging_steps", type=positive_int, default=20,
                         help="Log the mean training loss every N optimizer steps (each log is a device sync).")
     parser.add_argument("--no_channels_last", dest="channels_last", action="store_false",
-                        help="Keep the default NCHW layout (NHWC convolutions are ~1.3x faster on CPU here).")
+                        help="Keep the default NCHW layout (NHWC convolutions are ~1.2x faster on CPU here).")
     parser.add_argument("--label_smoothing", type=float, default=0.0, help="Cross-entropy label smoothing.")
     parser.add_argument("--augment", action="store_true",
                         help="Random 2-pixel shifts and horizontal flips, applied to each batch as tensors.")
@@ -174,8 +173,7 @@ def main(args):
 
     # ---------------------------------------------------------------- model, optimizer, schedule
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-    c1, c2, kernel_size = MODELS[args.model]
-    model = ConvNet((c1, c2), kernel_size).to(memory_format=memory_format)
+    model = ConvNet(**MODELS[args.model]).to(memory_format=memory_format)
 
     def to_inputs(images):
         return normalize_images(images, mean, std).contiguous(memory_format=memory_format)
