@@ -290,7 +290,11 @@ def main(args):
     accelerator.print(f"final eval_accuracy={results['eval_accuracy']:.4f} eval_samples={results['eval_samples']} "
                       f"wall_seconds={time.perf_counter() - t_launch:.1f} (training {wall_seconds:.1f}) "
                       f"samples_per_second={results['train_samples_per_second']:.0f} -> {args.output_dir}")
-    accelerator.wait_for_everyone()  # tearing gloo down while a peer still writes can abort ("terminate called ...")
+    # DDP's reducer holds gloo state: left for interpreter exit, it can abort a finished run (SIGABRT,
+    # "terminate called without an active exception"), so drop it before the group goes, after a barrier
+    del model, optimizer
+    accelerator.free_memory()  # the accelerator's own references to them
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     return results
 

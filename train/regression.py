@@ -126,7 +126,11 @@ def main(args):
     save_final(accelerator, model, args, results)
     accelerator.print(f"final eval_mse={results['eval_mse']:.6f} eval_samples={count} steps={completed_steps} "
                       f"-> {args.output_dir}")
-    accelerator.wait_for_everyone()  # tearing gloo down while a peer still writes can abort ("terminate called ...")
+    # DDP's reducer holds gloo state: left for interpreter exit, it can abort a finished run (SIGABRT,
+    # "terminate called without an active exception"), so drop it before the group goes, after a barrier
+    del model, optimizer
+    accelerator.free_memory()  # the accelerator's own references to them
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     return results
 
