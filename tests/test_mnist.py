@@ -89,6 +89,32 @@ def test_gradient_accumulation_is_one_step_per_n_batches(tmp_path, fashion_dir):
     assert results["global_batch_size"] == 128
 
 
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_optimizer_step_does_not_search_the_import_path(monkeypatch):
+    """accelerate 1.15 asks importlib whether lomo_optim is installed twice in every optimizer.step();
+    make_accelerator caches the answer (README, Speed), so steps after the first look nothing up."""
+    import importlib.util
+
+    from train.common import make_accelerator
+
+    accelerator = make_accelerator(mnist.parse_args(["--cpu"]))
+    model = torch.nn.Linear(2, 1)
+    optimizer = accelerator.prepare(torch.optim.AdamW(model.parameters()))
+
+    def step():
+        model(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    lookups, find_spec = [], importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: lookups.append(name) or find_spec(name, *rest))
+    for _ in range(3):
+        step()
+    assert lookups == []
+    assert optimizer.optimizer.state[model.weight]["step"] == 4  # the steps did run
+
+
 def test_loaded_tensors_are_uint8_in_memory(fashion_dir):
     from data import load_dataset, normalize_images
 
