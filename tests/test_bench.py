@@ -18,6 +18,14 @@ def test_compare_reference_tiny_mode_prints_the_table(fashion_dir):
     for ratio in ("ours_fp32/reference epoch time", "ours_bf16/reference epoch time",
                   "ours_bf16 throughput / raw DDP throughput"):
         assert re.search(rf"RATIO {re.escape(ratio)} = \d+\.\d+", proc.stdout), ratio
+    assert re.search(r"per repeat: median \d+\.\d+, range \d+\.\d+-\d+\.\d+", proc.stdout)
+
+
+def test_compare_reference_refuses_an_unknown_path():
+    proc = subprocess.run([sys.executable, "bench/compare_reference.py", "--tiny", "--paths", "ours_bf16,raw"],
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "--paths takes names from reference,ours_fp32,ours_bf16,raw_bf16, got 'ours_bf16,raw'" in proc.stderr
 
 
 def test_time_to_accuracy_tiny_mode_reports_runs_and_target(fashion_dir):
