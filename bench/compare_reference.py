@@ -10,8 +10,10 @@ transforms; ours is `accelerate launch --config_file accelerate_configs/cpu_2pro
 Ours runs twice, in fp32 and with `--mixed_precision bf16` (both channels_last, fused AdamW).
 A third path, bench/reference/raw_ddp_mnist.py, is our bf16 hot loop written against
 torch.distributed alone (DistributedSampler + DDP, same data path and model): ours/raw shows what
-accelerate and our loop cost on top. Runs alternate A/B/C/D so drift hits all; the table gives
-medians of training seconds per epoch (no start-up, no evaluation) and the ratios.
+accelerate and our loop cost on top. Runs alternate A/B/C/D, D/C/B/A, ... so drift and run order hit
+all alike; the table gives medians of training seconds per epoch (no start-up, no evaluation) and the
+ratios; ours/raw also per repeat, from the two neighbouring runs (--paths ours_bf16,raw_bf16 runs
+only those two).
 The floors are the same model's forward/backward/step as ours runs it (channels_last, fused AdamW)
 over one epoch of in-memory batches of 100 in one process with all cores, no data loading and no
 communication, in fp32 and bf16.
@@ -158,8 +160,8 @@ def main(argv=None):
                  "raw_bf16": lambda: raw_ddp(data_root, args.epochs, env)}
         paths = {name: path for name, path in paths.items() if name in chosen}
         runs = {name: [] for name in paths}
-        for repeat in range(args.repeats):  # A/B/C/D, A/B/C/D, ...
-            for name, path in paths.items():
+        for repeat in range(args.repeats):  # A/B/C/D, D/C/B/A, ...: drift and run order hit every path alike
+            for name, path in (list(paths.items()) if repeat % 2 == 0 else list(paths.items())[::-1]):
                 runs[name].append(path())
             print(f"repeat {repeat + 1}: " + ", ".join(f"{name} {rs[-1]['epoch_seconds']:.2f}" for name, rs in
                                                        runs.items()) + " s/epoch", flush=True)
@@ -185,7 +187,8 @@ def main(argv=None):
             print(f"RATIO {name}/reference epoch time = {median[name] / median['reference']:.3f}")
     if "ours_bf16" in runs and "raw_bf16" in runs:
         # Each repeat's two runs are neighbours in time, so their ratio cancels most of the host's drift.
-        paired = [raw["epoch_seconds"] / ours["epoch_seconds"] for ours, raw in zip(runs["ours_bf16"], runs["raw_bf16"])]
+        paired = [raw["epoch_seconds"] / ours["epoch_seconds"]
+                  for ours, raw in zip(runs["ours_bf16"], runs["raw_bf16"])]
         print(f"RATIO ours_bf16 throughput / raw DDP throughput = {median['raw_bf16'] / median['ours_bf16']:.3f} "
               f"(medians); per repeat: median {statistics.median(paired):.3f}, "
               f"range {min(paired):.3f}-{max(paired):.3f}")
