@@ -35,3 +35,17 @@ def test_time_to_accuracy_tiny_mode_reports_runs_and_target(fashion_dir):
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1 |")]
     assert len(rows) == 1 and rows[0].endswith("| 500 |")  # one run, all 500 test samples evaluated
     assert re.search(r"TARGET >= 91\.00% within 60 s: met by [01] of 1 runs", proc.stdout)
+
+
+def test_loop_overhead_tiny_mode_runs_both_loops_in_two_processes(fashion_dir):
+    proc = subprocess.run([sys.executable, "bench/loop_overhead.py", "--tiny"], cwd=REPO, env=clean_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # ours and ours_uncached share one model and step count: 2 x (1 warm-up + 30 turns) = 62 steps, and
+    # every 20th is logged, as train/mnist.py does
+    assert "world size 2" in proc.stdout and "ours logged steps 20..60 (3 records)" in proc.stdout
+    rows = [line.split(" | ")[0] for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert rows[1:] == ["| raw", "| ours", "| ours_uncached"], rows
+    for name in ("ours", "ours_uncached"):
+        assert re.search(rf"RATIO {name} throughput / raw DDP throughput = \d+\.\d+ \(median of turns \d+\.\d+\)",
+                         proc.stdout), name

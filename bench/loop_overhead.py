@@ -1,0 +1,211 @@
+"""What accelerate and our loop cost per step, measured inside the same two processes as a raw DDP loop.
+
+    python bench/loop_overhead.py                  # ~1.5 minutes on 2 cores
+    python bench/loop_overhead.py --tiny           # seconds; what the test suite runs
+
+compare_reference.py times whole runs one after another; this host's speed drifts by 10-20% within
+a minute, so its ours/raw ratio moves by several percent between runs of the bench and cannot settle
+a 1-3% question. Here the loops live in the same two processes (launched with
+accelerate_configs/cpu_2proc.yaml) and take turns, one step each by default, so drift hits them alike;
+over ~1500 turns the ratio of total times is the overhead. The loops:
+
+- raw: bench/reference/raw_ddp_mnist.py's step (DistributedSampler loader, torch DDP without buffer
+  broadcast, autocast around the forward, fused AdamW, `.item()` every 20 steps);
+- ours: train/mnist.py's step with the objects it builds (make_accelerator; prepared model, optimizer,
+  loader and scheduler; accumulate, accelerator.backward, the scheduler tick, tqdm, and every 20 steps
+  the mean loss reduced over ranks and appended to a metrics.jsonl);
+- ours_uncached: the same with accelerate's per-step lookup of the lomo_optim package, which
+  make_accelerator caches, put back: what the cache is worth.
+
+Same data (Fashion-MNIST), ConvNet, channels_last, bf16, 50 samples per process. A check of the
+instrument: with ours' pieces swapped for raw's one by one, the last variant (all swapped) came out at
+1.000.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+FASHION_DIR = "/usr/share/datasets/fashion-mnist"
+
+
+def worker(args):
+    import accelerate.optimizer
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader
+    from torch.utils.data.distributed import DistributedSampler
+    from tqdm.auto import tqdm
+
+    from data import collate_batch, load_dataset, normalize_images
+    from train import mnist
+    from train.common import make_accelerator, make_scheduler
+
+    uncached_lookup = accelerate.optimizer.is_lomo_available  # before make_accelerator caches it
+    accelerator = make_accelerator(mnist.parse_args(["--mixed_precision", "bf16"]))
+    train_set, _, _ = load_dataset("fashion_mnist", args.data_dir)
+    if args.tiny:
+        train_set = train_set.subset(1000)
+    mean, std = train_set.mean, train_set.std
+    batch_size, channels_last = 50, torch.channels_last
+
+    def to_inputs(images):
+        return normalize_images(images, mean, std).contiguous(memory_format=channels_last)
+
+    def model_and_optimizer():
+        torch.manual_seed(42)
+        model = mnist.ConvNet().to(memory_format=channels_last)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
+
+    class Batches:
+        """An endless stream of one loader's batches, a new epoch (set_epoch) when one runs out."""
+
+        def __init__(self, loader, set_epoch):
+            self.loader, self.set_epoch, self.epoch, self.it = loader, set_epoch, 0, iter(())
+
+        def next(self):
+            try:
+                return next(self.it)
+            except StopIteration:
+                self.set_epoch(self.epoch)
+                self.epoch, self.it = self.epoch + 1, iter(self.loader)
+                return next(self.it)
+
+    # ------------------------------------------------ raw: as bench/reference/raw_ddp_mnist.py
+    raw_model, raw_optimizer = model_and_optimizer()
+    raw_model = DDP(raw_model, broadcast_buffers=False)
+    sampler = DistributedSampler(train_set, shuffle=True, seed=42, drop_last=True)
+    raw_batches = Batches(DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True,
+                                     collate_fn=collate_batch), sampler.set_epoch)
+    raw_state = {"step": 0}
+
+    def raw_steps(n):
+        for _ in range(n):
+            batch = raw_batches.next()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = raw_model(to_inputs(batch["image"])).float()
+            loss = F.cross_entropy(logits, batch["label"])
+            loss.backward()
+            raw_optimizer.step()
+            raw_optimizer.zero_grad(set_to_none=True)
+            raw_state["step"] += 1
+            if raw_state["step"] % 20 == 0:
+                loss.item()
+
+    # ------------------------------------------------ ours: as train/mnist.py's training loop
+    model, optimizer = model_and_optimizer()
+    loader = DataLoader(train_set, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=collate_batch)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    lr_scheduler = accelerator.prepare(make_scheduler(optimizer, "constant", 0, 10**9))
+    ours_batches = Batches(loader, loader.set_epoch)
+    progress = tqdm(total=10**9, unit="samples", unit_scale=True, disable=not accelerator.is_local_main_process)
+    log_path = os.path.join(args.log_dir, "metrics.jsonl")
+    global_batch_size = batch_size * accelerator.num_processes
+    state = {"completed_steps": 0, "loss_sum": torch.zeros(()), "loss_count": 0, "t_log": time.perf_counter()}
+
+    def our_steps(n):
+        loss_sum, loss_count, t_log = state["loss_sum"], state["loss_count"], state["t_log"]
+        for _ in range(n):
+            batch = ours_batches.next()
+            with accelerator.accumulate(model):
+                loss = F.cross_entropy(model(to_inputs(batch["image"])), batch["label"], label_smoothing=0.0)
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            loss_sum, loss_count = loss_sum + loss.detach(), loss_count + 1
+            if not accelerator.sync_gradients:
+                continue
+            state["completed_steps"] += 1
+            lr = lr_scheduler.get_last_lr()[0]
+            if not accelerator.optimizer_step_was_skipped:
+                lr_scheduler.step()
+            progress.update(global_batch_size)
+            if state["completed_steps"] % 20 == 0:
+                train_loss = accelerator.reduce(loss_sum / loss_count, reduction="mean").item()
+                record = {"step": state["completed_steps"], "train_loss": train_loss, "lr": lr,
+                          "samples_per_second": 20 * global_batch_size / (time.perf_counter() - t_log)}
+                if accelerator.is_main_process:
+                    with open(log_path, "a") as f:
+                        f.write(json.dumps(record) + "\n")
+                progress.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")
+                loss_sum, loss_count, t_log = torch.zeros_like(loss_sum), 0, time.perf_counter()
+        state.update(loss_sum=loss_sum, loss_count=loss_count, t_log=t_log)
+
+    def our_steps_uncached(n):
+        cached, accelerate.optimizer.is_lomo_available = accelerate.optimizer.is_lomo_available, uncached_lookup
+        try:
+            our_steps(n)
+        finally:
+            accelerate.optimizer.is_lomo_available = cached
+
+    loops = {"raw": raw_steps, "ours": our_steps, "ours_uncached": our_steps_uncached}
+    for run in loops.values():  # warm-up: DDP's first-iteration bucket rebuild, oneDNN kernel creation
+        run(args.block)
+    ms_per_step = {name: [] for name in loops}
+    for block in range(args.blocks):  # A/B/C, C/B/A, ...
+        for name, run in (list(loops.items()) if block % 2 == 0 else list(loops.items())[::-1]):
+            accelerator.wait_for_everyone()
+            start = time.perf_counter()
+            run(args.block)
+            ms_per_step[name].append(1000 * (time.perf_counter() - start) / args.block)
+    progress.close()
+    if accelerator.is_main_process:
+        with open(log_path) as f:
+            logged_steps = [json.loads(line)["step"] for line in f]
+        print("RESULT " + json.dumps({"world_size": accelerator.num_processes, "ms_per_step": ms_per_step,
+                                      "logged_steps": logged_steps}), flush=True)
+    del model, optimizer, raw_model, raw_optimizer  # DDP reducers before the gloo group goes (see train/mnist.py)
+    accelerator.free_memory()
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--blocks", type=int, default=1500, help="Turns each loop takes.")
+    parser.add_argument("--block", type=int, default=1, help="Steps per turn.")
+    parser.add_argument("--data_dir", default=FASHION_DIR)
+    parser.add_argument("--tiny", action="store_true", help="1000 samples, 30 turns: checks the bench runs")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--log_dir", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.blocks, args.block = 30, 1  # 30 steps: epochs roll over, the loss is logged at step 20
+    if args.worker:
+        return worker(args)
+    import tempfile
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               os.path.join(REPO, "accelerate_configs", "cpu_2proc.yaml"), os.path.abspath(__file__), "--worker",
+               "--log_dir", tmp, "--data_dir", args.data_dir, "--blocks", str(args.blocks), "--block", str(args.block)] + ["--tiny"] * args.tiny
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"error: the bench workers failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    result = json.loads(lines[-1][len("RESULT "):])
+    ms = result["ms_per_step"]
+    print(f"{args.blocks} alternating turns of {args.block} step(s) per loop, world size {result['world_size']}, "
+          f"bf16, 50 samples per process{' (tiny)' if args.tiny else ''}; ours logged steps "
+          f"{result['logged_steps'][0]}..{result['logged_steps'][-1]} ({len(result['logged_steps'])} records)")
+    print("| loop | ms/step (median) | ms/step (mean) | throughput vs raw (total time) | vs raw, median of turns |")
+    print("|---|---|---|---|---|")
+    for name, values in ms.items():
+        paired = statistics.median(r / v for r, v in zip(ms["raw"], values))
+        print(f"| {name} | {statistics.median(values):.3f} | {statistics.mean(values):.3f} | "
+              f"{sum(ms['raw']) / sum(values):.3f} | {paired:.3f} |")
+    for name in ms:
+        if name != "raw":
+            print(f"RATIO {name} throughput / raw DDP throughput = {sum(ms['raw']) / sum(ms[name]):.3f} "
+                  f"(median of turns {statistics.median(r / v for r, v in zip(ms['raw'], ms[name])):.3f})")
+
+if __name__ == "__main__":
+    main()
