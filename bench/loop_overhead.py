@@ -99,7 +99,7 @@ def worker(args):
             if raw_state["step"] % 20 == 0:
                 loss.item()
 
-    # ------------------------------------------------ ours: as train/mnist.py's training loop
+    # ------------------------------------------------ ours: a copy of train/mnist.py's loop body; keep them in step
     model, optimizer = model_and_optimizer()
     loader = DataLoader(train_set, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=collate_batch)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
