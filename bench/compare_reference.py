@@ -171,7 +171,10 @@ def main(argv=None):
           f"{' (tiny: 1000 samples)' if args.tiny else ''}")
     print("| path | train s/epoch (median) | test accuracy | eval samples | wall s (median) | vs reference |")
     print("|---|---|---|---|---|---|")
-    versus = lambda seconds: f"{median['reference'] / seconds:.2f}x" if "reference" in median else ""  # noqa: E731
+
+    def versus(seconds):  # speed-up over the reference, when it ran
+        return f"{median['reference'] / seconds:.2f}x" if "reference" in median else ""
+
     for name, rs in runs.items():
         print(f"| {PATHS[name]} | {median[name]:.2f} | {rs[-1]['accuracy']:.4f} | {rs[-1]['eval_samples']} | "
               f"{statistics.median(r['wall'] for r in rs):.1f} | {versus(median[name])} |")
@@ -192,6 +195,7 @@ def main(argv=None):
         print(f"RATIO ours_bf16 throughput / raw DDP throughput = {median['raw_bf16'] / median['ours_bf16']:.3f} "
               f"(medians); per repeat: median {statistics.median(paired):.3f}, "
               f"range {min(paired):.3f}-{max(paired):.3f}")
+
 
 if __name__ == "__main__":
     main()
