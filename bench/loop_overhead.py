@@ -37,7 +37,6 @@ FASHION_DIR = "/usr/share/datasets/fashion-mnist"
 def worker(args):
     import accelerate.optimizer
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader
@@ -46,10 +45,11 @@ def worker(args):
 
     from data import collate_batch, load_dataset, normalize_images
     from train import mnist
-    from train.common import make_accelerator, make_scheduler
+    from train.common import log_metrics, make_accelerator, make_scheduler
 
     uncached_lookup = accelerate.optimizer.is_lomo_available  # before make_accelerator caches it
-    accelerator = make_accelerator(mnist.parse_args(["--mixed_precision", "bf16"]))
+    script_args = mnist.parse_args(["--mixed_precision", "bf16", "--output_dir", args.log_dir])
+    accelerator = make_accelerator(script_args)
     train_set, _, _ = load_dataset("fashion_mnist", args.data_dir)
     if args.tiny:
         train_set = train_set.subset(1000)
@@ -106,9 +106,9 @@ def worker(args):
     lr_scheduler = accelerator.prepare(make_scheduler(optimizer, "constant", 0, 10**9))
     ours_batches = Batches(loader, loader.set_epoch)
     progress = tqdm(total=10**9, unit="samples", unit_scale=True, disable=not accelerator.is_local_main_process)
-    log_path = os.path.join(args.log_dir, "metrics.jsonl")
     global_batch_size = batch_size * accelerator.num_processes
-    state = {"completed_steps": 0, "loss_sum": torch.zeros(()), "loss_count": 0, "t_log": time.perf_counter()}
+    state = {"completed_steps": 0, "loss_sum": torch.zeros((), device=accelerator.device), "loss_count": 0,
+             "t_log": time.perf_counter()}
 
     def our_steps(n):
         loss_sum, loss_count, t_log = state["loss_sum"], state["loss_count"], state["t_log"]
@@ -129,11 +129,9 @@ def worker(args):
             progress.update(global_batch_size)
             if state["completed_steps"] % 20 == 0:
                 train_loss = accelerator.reduce(loss_sum / loss_count, reduction="mean").item()
-                record = {"step": state["completed_steps"], "train_loss": train_loss, "lr": lr,
-                          "samples_per_second": 20 * global_batch_size / (time.perf_counter() - t_log)}
-                if accelerator.is_main_process:
-                    with open(log_path, "a") as f:
-                        f.write(json.dumps(record) + "\n")
+                log_metrics(accelerator, script_args, {"step": state["completed_steps"], "train_loss": train_loss,
+                                                       "lr": lr, "samples_per_second": 20 * global_batch_size /
+                                                       (time.perf_counter() - t_log)})
                 progress.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")
                 loss_sum, loss_count, t_log = torch.zeros_like(loss_sum), 0, time.perf_counter()
         state.update(loss_sum=loss_sum, loss_count=loss_count, t_log=t_log)
@@ -157,7 +155,7 @@ def worker(args):
             ms_per_step[name].append(1000 * (time.perf_counter() - start) / args.block)
     progress.close()
     if accelerator.is_main_process:
-        with open(log_path) as f:
+        with open(os.path.join(args.log_dir, "metrics.jsonl")) as f:
             logged_steps = [json.loads(line)["step"] for line in f]
         print("RESULT " + json.dumps({"world_size": accelerator.num_processes, "ms_per_step": ms_per_step,
                                       "logged_steps": logged_steps}), flush=True)
@@ -186,7 +184,8 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                os.path.join(REPO, "accelerate_configs", "cpu_2proc.yaml"), os.path.abspath(__file__), "--worker",
-               "--log_dir", tmp, "--data_dir", args.data_dir, "--blocks", str(args.blocks), "--block", str(args.block)] + ["--tiny"] * args.tiny
+               "--log_dir", tmp, "--data_dir", args.data_dir, "--blocks", str(args.blocks), "--block", str(args.block),
+               *["--tiny"] * args.tiny]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
