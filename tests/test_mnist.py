@@ -115,6 +115,52 @@ def test_optimizer_step_does_not_search_the_import_path(monkeypatch):
     assert optimizer.optimizer.state[model.weight]["step"] == 4  # the steps did run
 
 
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_zero_grad_inspects_the_optimizer_once_and_keeps_accelerates_behaviour(monkeypatch):
+    """accelerate 1.15's optimizer.zero_grad() runs inspect.signature at every call; make_accelerator
+    caches the answer (README, Speed). What zero_grad does stays accelerate's: nothing while
+    gradients accumulate, set_to_none honoured, and an optimizer without that argument called
+    without it, or refused when it is passed."""
+    import inspect
+
+    from train.common import make_accelerator
+
+    accelerator = make_accelerator(mnist.parse_args(["--cpu", "--gradient_accumulation_steps", "2"]))
+
+    class NoSetToNone(torch.optim.SGD):
+        def zero_grad(self):
+            super().zero_grad(set_to_none=True)
+
+    model = torch.nn.Linear(2, 1)
+    optimizer, plain = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           NoSetToNone(model.parameters(), lr=0.1))
+    signatures, signature = [], inspect.signature
+    monkeypatch.setattr(inspect, "signature", lambda obj, *a, **k: signatures.append(obj) or signature(obj, *a, **k))
+
+    def micro_step(set_to_none=None):
+        with accelerator.accumulate(model):
+            model(torch.ones(1, 2)).sum().backward()
+            optimizer.zero_grad() if set_to_none is None else optimizer.zero_grad(set_to_none=set_to_none)
+        return accelerator.sync_gradients, model.weight.grad
+
+    synced, grad = micro_step()
+    assert not synced and torch.equal(grad, torch.ones(1, 2))  # accumulating: left alone
+    synced, grad = micro_step()
+    assert synced and grad is None  # set_to_none defaults to True
+    first_calls = len(signatures)
+    for _ in range(3):
+        micro_step()
+    synced, grad = micro_step(set_to_none=False)
+    assert synced and torch.equal(grad, torch.zeros(1, 2))
+    assert len(signatures) == first_calls <= 1
+
+    model(torch.ones(1, 2)).sum().backward()
+    plain.zero_grad()
+    assert model.weight.grad is None
+    with pytest.raises(ValueError, match="not supported by this optimizer"):
+        plain.zero_grad(set_to_none=False)
+
+
 def test_loaded_tensors_are_uint8_in_memory(fashion_dir):
     from data import load_dataset, normalize_images
 

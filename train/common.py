@@ -1,6 +1,7 @@
 """Helpers that more than one script in train/ needs. Plain functions, no Trainer."""
 import argparse
 import functools
+import inspect
 import json
 import math
 import os
@@ -107,6 +108,7 @@ def make_accelerator(args, **kwargs):
     of a CPU step here; scripts average them over ranks with average_buffers() before evaluating.
     """
     _cache_lomo_lookup()
+    _cache_zero_grad_signature()
     return Accelerator(
         cpu=args.cpu or not torch.accelerator.is_available(),
         mixed_precision=args.mixed_precision,
@@ -129,6 +131,36 @@ def _cache_lomo_lookup():
     lookup = getattr(accelerate.optimizer, "is_lomo_available", None)
     if lookup is not None and not hasattr(lookup, "cache_info"):
         accelerate.optimizer.is_lomo_available = functools.cache(lookup)
+
+
+@functools.cache
+def _accepts_set_to_none(zero_grad):
+    return "set_to_none" in inspect.signature(zero_grad).parameters
+
+
+def _zero_grad(self, set_to_none=None):
+    """AcceleratedOptimizer.zero_grad of accelerate 1.15 with its signature check cached: the same
+    branches and the same error, without an inspect.signature call per step."""
+    if self.gradient_state.sync_gradients:
+        zero_grad = self.optimizer.zero_grad
+        if _accepts_set_to_none(getattr(zero_grad, "__func__", zero_grad)):
+            zero_grad(set_to_none=True if set_to_none is None else set_to_none)
+        elif set_to_none is not None:
+            raise ValueError("`set_to_none` for Optimizer.zero_grad` is not supported by this optimizer.")
+        else:
+            zero_grad()
+
+
+def _cache_zero_grad_signature():
+    """accelerate 1.15's AcceleratedOptimizer.zero_grad() runs inspect.signature on the wrapped
+    optimizer's zero_grad at every call, to learn whether it takes set_to_none: ~0.07 ms of a ~12 ms
+    2-process CPU step here (README, "Speed"). Only that version's method is replaced (one that
+    still calls inspect.signature); a newer accelerate that changed it is left alone."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    current = AcceleratedOptimizer.zero_grad
+    if current is not _zero_grad and "signature" in getattr(current, "__code__", _zero_grad.__code__).co_names:
+        AcceleratedOptimizer.zero_grad = _zero_grad
 
 
 def average_buffers(accelerator, model):
