@@ -14,8 +14,9 @@ over ~1500 turns the ratio of total times is the overhead. The loops:
 - ours: train/mnist.py's step with the objects it builds (make_accelerator; prepared model, optimizer,
   loader and scheduler; accumulate, accelerator.backward, the scheduler tick, tqdm, and every 20 steps
   the mean loss reduced over ranks and appended to a metrics.jsonl);
-- ours_uncached: the same with accelerate's per-step lookup of the lomo_optim package, which
-  make_accelerator caches, put back: what the cache is worth.
+- ours_stock: the same with accelerate 1.15's own per-step lookups put back (whether lomo_optim is
+  installed, in optimizer.step; the zero_grad signature, in optimizer.zero_grad), which
+  make_accelerator caches: what the two caches are worth.
 
 Same data (Fashion-MNIST), ConvNet, channels_last, bf16, 50 samples per process. A check of the
 instrument: with ours' pieces swapped for raw's one by one, the last variant (all swapped) came out at
@@ -36,6 +37,7 @@ FASHION_DIR = "/usr/share/datasets/fashion-mnist"
 
 def worker(args):
     import accelerate.optimizer
+    from accelerate.optimizer import AcceleratedOptimizer
     import torch
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -47,7 +49,8 @@ def worker(args):
     from train import mnist
     from train.common import log_metrics, make_accelerator, make_scheduler
 
-    uncached_lookup = accelerate.optimizer.is_lomo_available  # before make_accelerator caches it
+    stock = {"lomo": accelerate.optimizer.is_lomo_available, "zero_grad": AcceleratedOptimizer.zero_grad}  # before
+    # make_accelerator caches them
     script_args = mnist.parse_args(["--mixed_precision", "bf16", "--output_dir", args.log_dir])
     accelerator = make_accelerator(script_args)
     train_set, _, _ = load_dataset("fashion_mnist", args.data_dir)
@@ -105,13 +108,13 @@ def worker(args):
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     lr_scheduler = accelerator.prepare(make_scheduler(optimizer, "constant", 0, 10**9))
     ours_batches = Batches(loader, loader.set_epoch)
-    progress = tqdm(total=10**9, unit="samples", unit_scale=True, disable=not accelerator.is_local_main_process)
+    progress = tqdm(total=10**9, unit="samples", unit_scale=True, disable=not accelerator.is_local_main_process,
+                    mininterval=0.5)
     global_batch_size = batch_size * accelerator.num_processes
-    state = {"completed_steps": 0, "loss_sum": torch.zeros((), device=accelerator.device), "loss_count": 0,
-             "t_log": time.perf_counter()}
+    state = {"completed_steps": 0, "losses": [], "t_log": time.perf_counter()}
 
     def our_steps(n):
-        loss_sum, loss_count, t_log = state["loss_sum"], state["loss_count"], state["t_log"]
+        losses, t_log = state["losses"], state["t_log"]
         for _ in range(n):
             batch = ours_batches.next()
             with accelerator.accumulate(model):
@@ -119,7 +122,7 @@ def worker(args):
                 accelerator.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            loss_sum, loss_count = loss_sum + loss.detach(), loss_count + 1
+            losses.append(loss.detach())
             if not accelerator.sync_gradients:
                 continue
             state["completed_steps"] += 1
@@ -128,22 +131,23 @@ def worker(args):
                 lr_scheduler.step()
             progress.update(global_batch_size)
             if state["completed_steps"] % 20 == 0:
-                train_loss = accelerator.reduce(loss_sum / loss_count, reduction="mean").item()
+                train_loss = accelerator.reduce(torch.stack(losses).mean(), reduction="mean").item()
                 log_metrics(accelerator, script_args, {"step": state["completed_steps"], "train_loss": train_loss,
                                                        "lr": lr, "samples_per_second": 20 * global_batch_size /
                                                        (time.perf_counter() - t_log)})
-                progress.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}")
-                loss_sum, loss_count, t_log = torch.zeros_like(loss_sum), 0, time.perf_counter()
-        state.update(loss_sum=loss_sum, loss_count=loss_count, t_log=t_log)
+                progress.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", refresh=False)
+                losses, t_log = [], time.perf_counter()
+        state.update(losses=losses, t_log=t_log)
 
-    def our_steps_uncached(n):
-        cached, accelerate.optimizer.is_lomo_available = accelerate.optimizer.is_lomo_available, uncached_lookup
+    def our_steps_stock(n):
+        cached = accelerate.optimizer.is_lomo_available, AcceleratedOptimizer.zero_grad
+        accelerate.optimizer.is_lomo_available, AcceleratedOptimizer.zero_grad = stock["lomo"], stock["zero_grad"]
         try:
             our_steps(n)
         finally:
-            accelerate.optimizer.is_lomo_available = cached
+            accelerate.optimizer.is_lomo_available, AcceleratedOptimizer.zero_grad = cached
 
-    loops = {"raw": raw_steps, "ours": our_steps, "ours_uncached": our_steps_uncached}
+    loops = {"raw": raw_steps, "ours": our_steps, "ours_stock": our_steps_stock}
     for run in loops.values():  # warm-up: DDP's first-iteration bucket rebuild, oneDNN kernel creation
         run(args.block)
     ms_per_step = {name: [] for name in loops}

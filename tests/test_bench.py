@@ -41,11 +41,11 @@ def test_loop_overhead_tiny_mode_runs_both_loops_in_two_processes(fashion_dir):
     proc = subprocess.run([sys.executable, "bench/loop_overhead.py", "--tiny"], cwd=REPO, env=clean_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # ours and ours_uncached share one model and step count: 2 x (1 warm-up + 30 turns) = 62 steps, and
+    # ours and ours_stock share one model and step count: 2 x (1 warm-up + 30 turns) = 62 steps, and
     # every 20th is logged, as train/mnist.py does
     assert "world size 2" in proc.stdout and "ours logged steps 20..60 (3 records)" in proc.stdout
     rows = [line.split(" | ")[0] for line in proc.stdout.splitlines() if line.startswith("| ")]
-    assert rows[1:] == ["| raw", "| ours", "| ours_uncached"], rows
-    for name in ("ours", "ours_uncached"):
+    assert rows[1:] == ["| raw", "| ours", "| ours_stock"], rows
+    for name in ("ours", "ours_stock"):
         assert re.search(rf"RATIO {name} throughput / raw DDP throughput = \d+\.\d+ \(median of turns \d+\.\d+\)",
                          proc.stdout), name
