@@ -1,16 +1,19 @@
 """What accelerate and our loop cost per step, measured inside the same two processes as a raw DDP loop.
 
-    python bench/loop_overhead.py                  # ~1.5 minutes on 2 cores
+    python bench/loop_overhead.py                  # ~2 minutes on 2 cores
     python bench/loop_overhead.py --tiny           # seconds; what the test suite runs
 
 compare_reference.py times whole runs one after another; this host's speed drifts by 10-20% within
 a minute, so its ours/raw ratio moves by several percent between runs of the bench and cannot settle
 a 1-3% question. Here the loops live in the same two processes (launched with
 accelerate_configs/cpu_2proc.yaml) and take turns, one step each by default, so drift hits them alike;
-over ~1500 turns the ratio of total times is the overhead. The loops:
+over 1500 turns the ratio of total times is the overhead. The loops:
 
 - raw: bench/reference/raw_ddp_mnist.py's step (DistributedSampler loader, torch DDP without buffer
   broadcast, autocast around the forward, fused AdamW, `.item()` every 20 steps);
+- raw_logged: raw plus the bookkeeping our loop does and raw does not, in plain torch: the scheduler
+  tick, the losses kept for logging, a tqdm bar, and every 20 steps the mean loss all-reduced
+  (torch.distributed) and appended to a JSONL file. Ours against it is accelerate's cost alone;
 - ours: train/mnist.py's step with the objects it builds (make_accelerator; prepared model, optimizer,
   loader and scheduler; accumulate, accelerator.backward, the scheduler tick, tqdm, and every 20 steps
   the mean loss reduced over ranks and appended to a metrics.jsonl);
@@ -39,6 +42,7 @@ def worker(args):
     import accelerate.optimizer
     from accelerate.optimizer import AcceleratedOptimizer
     import torch
+    import torch.distributed as dist
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader
@@ -102,6 +106,44 @@ def worker(args):
             if raw_state["step"] % 20 == 0:
                 loss.item()
 
+    # ------------------------------------------------ raw_logged: raw with our loop's bookkeeping, no accelerate
+    logged_model, logged_optimizer = model_and_optimizer()  # its own: the scheduler wraps optimizer.step
+    logged_model = DDP(logged_model, broadcast_buffers=False)
+    logged_sampler = DistributedSampler(train_set, shuffle=True, seed=42, drop_last=True)
+    logged_batches = Batches(DataLoader(train_set, batch_size=batch_size, sampler=logged_sampler, drop_last=True,
+                                        collate_fn=collate_batch), logged_sampler.set_epoch)
+    logged_scheduler = make_scheduler(logged_optimizer, "constant", 0, 10**9)
+    logged_progress = tqdm(total=10**9, unit="samples", unit_scale=True, disable=dist.get_rank() != 0, mininterval=0.5)
+    logged_state = {"step": 0, "losses": [], "t_log": time.perf_counter()}
+
+    def raw_logged_steps(n):
+        losses, t_log = logged_state["losses"], logged_state["t_log"]
+        for _ in range(n):
+            batch = logged_batches.next()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = logged_model(to_inputs(batch["image"])).float()
+            loss = F.cross_entropy(logits, batch["label"], label_smoothing=0.0)
+            loss.backward()
+            logged_optimizer.step()
+            logged_optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.detach())
+            logged_state["step"] += 1
+            lr = logged_scheduler.get_last_lr()[0]
+            logged_scheduler.step()
+            logged_progress.update(batch_size * dist.get_world_size())
+            if logged_state["step"] % 20 == 0:
+                mean_loss = torch.stack(losses).mean()
+                dist.all_reduce(mean_loss)
+                train_loss = mean_loss.item() / dist.get_world_size()
+                if dist.get_rank() == 0:
+                    with open(os.path.join(args.log_dir, "raw_metrics.jsonl"), "a") as f:
+                        f.write(json.dumps({"step": logged_state["step"], "train_loss": train_loss, "lr": lr,
+                                            "samples_per_second": 20 * batch_size * dist.get_world_size() /
+                                            (time.perf_counter() - t_log)}) + "\n")
+                logged_progress.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", refresh=False)
+                losses, t_log = [], time.perf_counter()
+        logged_state.update(losses=losses, t_log=t_log)
+
     # ------------------------------------------------ ours: a copy of train/mnist.py's loop body; keep them in step
     model, optimizer = model_and_optimizer()
     loader = DataLoader(train_set, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=collate_batch)
@@ -147,23 +189,26 @@ def worker(args):
         finally:
             accelerate.optimizer.is_lomo_available, AcceleratedOptimizer.zero_grad = cached
 
-    loops = {"raw": raw_steps, "ours": our_steps, "ours_stock": our_steps_stock}
+    loops = {"raw": raw_steps, "raw_logged": raw_logged_steps, "ours": our_steps, "ours_stock": our_steps_stock}
     for run in loops.values():  # warm-up: DDP's first-iteration bucket rebuild, oneDNN kernel creation
         run(args.block)
     ms_per_step = {name: [] for name in loops}
-    for block in range(args.blocks):  # A/B/C, C/B/A, ...
+    for block in range(args.blocks):  # A/B/C/D, D/C/B/A, ...
         for name, run in (list(loops.items()) if block % 2 == 0 else list(loops.items())[::-1]):
             accelerator.wait_for_everyone()
             start = time.perf_counter()
             run(args.block)
             ms_per_step[name].append(1000 * (time.perf_counter() - start) / args.block)
     progress.close()
+    logged_progress.close()
     if accelerator.is_main_process:
-        with open(os.path.join(args.log_dir, "metrics.jsonl")) as f:
-            logged_steps = [json.loads(line)["step"] for line in f]
+        logged_steps = {}
+        for name, file in (("ours", "metrics.jsonl"), ("raw_logged", "raw_metrics.jsonl")):
+            with open(os.path.join(args.log_dir, file)) as f:
+                logged_steps[name] = [json.loads(line)["step"] for line in f]
         print("RESULT " + json.dumps({"world_size": accelerator.num_processes, "ms_per_step": ms_per_step,
                                       "logged_steps": logged_steps}), flush=True)
-    del model, optimizer, raw_model, raw_optimizer  # DDP reducers before the gloo group goes (see train/mnist.py)
+    del model, optimizer, raw_model, raw_optimizer, logged_model, logged_optimizer  # DDP reducers before the gloo group goes (see train/mnist.py)
     accelerator.free_memory()
     accelerator.wait_for_everyone()
     accelerator.end_training()
@@ -197,18 +242,19 @@ def main(argv=None):
     result = json.loads(lines[-1][len("RESULT "):])
     ms = result["ms_per_step"]
     print(f"{args.blocks} alternating turns of {args.block} step(s) per loop, world size {result['world_size']}, "
-          f"bf16, 50 samples per process{' (tiny)' if args.tiny else ''}; ours logged steps "
-          f"{result['logged_steps'][0]}..{result['logged_steps'][-1]} ({len(result['logged_steps'])} records)")
+          f"bf16, 50 samples per process{' (tiny)' if args.tiny else ''}; logged steps: " +
+          ", ".join(f"{name} {steps[0]}..{steps[-1]} ({len(steps)} records)"
+                    for name, steps in result["logged_steps"].items()))
     print("| loop | ms/step (median) | ms/step (mean) | throughput vs raw (total time) | vs raw, median of turns |")
     print("|---|---|---|---|---|")
     for name, values in ms.items():
         paired = statistics.median(r / v for r, v in zip(ms["raw"], values))
         print(f"| {name} | {statistics.median(values):.3f} | {statistics.mean(values):.3f} | "
               f"{sum(ms['raw']) / sum(values):.3f} | {paired:.3f} |")
-    for name in ms:
-        if name != "raw":
-            print(f"RATIO {name} throughput / raw DDP throughput = {sum(ms['raw']) / sum(ms[name]):.3f} "
-                  f"(median of turns {statistics.median(r / v for r, v in zip(ms['raw'], ms[name])):.3f})")
+    for name, base, label in [(name, "raw", "raw DDP") for name in ms if name != "raw"] + [
+            ("ours", "raw_logged", "raw_logged (accelerate's cost alone)")]:
+        print(f"RATIO {name} throughput / {label} throughput = {sum(ms[base]) / sum(ms[name]):.3f} "
+              f"(median of turns {statistics.median(b / v for b, v in zip(ms[base], ms[name])):.3f})")
 
 if __name__ == "__main__":
     main()
