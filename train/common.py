@@ -107,8 +107,7 @@ def make_accelerator(args, **kwargs):
     DDP's broadcast_buffers is off: broadcasting BatchNorm statistics before every forward cost 20-25%
     of a CPU step here; scripts average them over ranks with average_buffers() before evaluating.
     """
-    _cache_lomo_lookup()
-    _cache_zero_grad_signature()
+    _cache_per_step_lookups()
     return Accelerator(
         cpu=args.cpu or not torch.accelerator.is_available(),
         mixed_precision=args.mixed_precision,
@@ -120,17 +119,21 @@ def make_accelerator(args, **kwargs):
     )
 
 
-def _cache_lomo_lookup():
-    """accelerate 1.15's AcceleratedOptimizer.step() asks importlib twice per call whether the
-    lomo_optim package is installed: a find_spec over every sys.path entry, ~0.2 ms of a ~12 ms
-    2-process CPU step here, the largest piece of accelerate's per-step cost measured here (README, "Speed").
-    What is installed does not change during a run, so the answer is computed once (transformers
-    caches the same check)."""
+def _cache_per_step_lookups():
+    """accelerate 1.15 looks up, at every optimizer step, answers that cannot change during a run
+    (README, "Speed"; 2-process CPU step here ~12 ms):
+    - AcceleratedOptimizer.step() asks importlib twice whether lomo_optim is installed, a find_spec
+      over every sys.path entry: ~0.2 ms (transformers caches the same check);
+    - AcceleratedOptimizer.zero_grad() runs inspect.signature on the wrapped optimizer: ~0.07 ms.
+    Both are computed once. Each is replaced only where accelerate still has that code."""
     import accelerate.optimizer
 
     lookup = getattr(accelerate.optimizer, "is_lomo_available", None)
     if lookup is not None and not hasattr(lookup, "cache_info"):
         accelerate.optimizer.is_lomo_available = functools.cache(lookup)
+    optimizer_class = accelerate.optimizer.AcceleratedOptimizer
+    if "signature" in getattr(optimizer_class.zero_grad, "__code__", _zero_grad.__code__).co_names:
+        optimizer_class.zero_grad = _zero_grad
 
 
 @functools.cache
@@ -140,7 +143,7 @@ def _accepts_set_to_none(zero_grad):
 
 def _zero_grad(self, set_to_none=None):
     """AcceleratedOptimizer.zero_grad of accelerate 1.15 with its signature check cached: the same
-    branches and the same error, without an inspect.signature call per step."""
+    branches and the same error."""
     if self.gradient_state.sync_gradients:
         zero_grad = self.optimizer.zero_grad
         if _accepts_set_to_none(getattr(zero_grad, "__func__", zero_grad)):
@@ -149,18 +152,6 @@ def _zero_grad(self, set_to_none=None):
             raise ValueError("`set_to_none` for Optimizer.zero_grad` is not supported by this optimizer.")
         else:
             zero_grad()
-
-
-def _cache_zero_grad_signature():
-    """accelerate 1.15's AcceleratedOptimizer.zero_grad() runs inspect.signature on the wrapped
-    optimizer's zero_grad at every call, to learn whether it takes set_to_none: ~0.07 ms of a ~12 ms
-    2-process CPU step here (README, "Speed"). Only that version's method is replaced (one that
-    still calls inspect.signature); a newer accelerate that changed it is left alone."""
-    from accelerate.optimizer import AcceleratedOptimizer
-
-    current = AcceleratedOptimizer.zero_grad
-    if current is not _zero_grad and "signature" in getattr(current, "__code__", _zero_grad.__code__).co_names:
-        AcceleratedOptimizer.zero_grad = _zero_grad
 
 
 def average_buffers(accelerator, model):
