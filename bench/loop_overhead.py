@@ -208,10 +208,28 @@ def worker(args):
                 logged_steps[name] = [json.loads(line)["step"] for line in f]
         print("RESULT " + json.dumps({"world_size": accelerator.num_processes, "ms_per_step": ms_per_step,
                                       "logged_steps": logged_steps}), flush=True)
-    del model, optimizer, raw_model, raw_optimizer, logged_model, logged_optimizer  # DDP reducers before the gloo group goes (see train/mnist.py)
+    # DDP reducers before the gloo group goes (see train/mnist.py)
+    del model, optimizer, raw_model, raw_optimizer, logged_model, logged_optimizer
     accelerator.free_memory()
     accelerator.wait_for_everyone()
     accelerator.end_training()
+
+
+def run_workers(script, worker_args):
+    """`script --worker` in 2 processes (accelerate_configs/cpu_2proc.yaml) with a scratch --log_dir:
+    what its main process printed after RESULT, parsed."""
+    import tempfile
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               os.path.join(REPO, "accelerate_configs", "cpu_2proc.yaml"), os.path.abspath(script), "--worker",
+               "--log_dir", tmp, *worker_args]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"error: the bench workers failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 def main(argv=None):
@@ -227,19 +245,8 @@ def main(argv=None):
         args.blocks, args.block = 30, 1  # 30 steps: epochs roll over, the loss is logged at step 20
     if args.worker:
         return worker(args)
-    import tempfile
-
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               os.path.join(REPO, "accelerate_configs", "cpu_2proc.yaml"), os.path.abspath(__file__), "--worker",
-               "--log_dir", tmp, "--data_dir", args.data_dir, "--blocks", str(args.blocks), "--block", str(args.block),
-               *["--tiny"] * args.tiny]
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"error: the bench workers failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = run_workers(__file__, ["--data_dir", args.data_dir, "--blocks", str(args.blocks),
+                                    "--block", str(args.block), *["--tiny"] * args.tiny])
     ms = result["ms_per_step"]
     print(f"{args.blocks} alternating turns of {args.block} step(s) per loop, world size {result['world_size']}, "
           f"bf16, 50 samples per process{' (tiny)' if args.tiny else ''}; logged steps: " +

@@ -51,3 +51,21 @@ def test_loop_overhead_tiny_mode_runs_its_loops_in_two_processes(fashion_dir):
                        ("ours", r"raw_logged \(accelerate's cost alone\)")):
         assert re.search(rf"RATIO {name} throughput / {base} throughput = \d+\.\d+ \(median of turns \d+\.\d+\)",
                          proc.stdout), (name, base)
+
+
+def test_step_phases_tiny_mode_times_every_phase_on_both_ranks(fashion_dir):
+    proc = subprocess.run([sys.executable, "bench/step_phases.py", "--tiny"], cwd=REPO, env=clean_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "20 steps of each loop, alternating, world size 2" in proc.stdout
+    table = {cells[0]: cells[1:] for cells in (line.strip("| ").split(" | ") for line in proc.stdout.splitlines()
+                                               if line.startswith("| ") and not line.startswith("| phase"))}
+    assert list(table) == ["data", "forward", "backward", "step", "zero_grad", "loss kept", "scheduler", "tqdm",
+                           "loss all-reduce", "log line", "total"]
+    us = {phase: list(map(float, cells[:4])) for phase, cells in table.items()}  # raw, ours rank 0; raw, ours rank 1
+    for phase in ("data", "forward", "backward", "step", "zero_grad", "total"):
+        assert min(us[phase]) > 0, (phase, us[phase])
+    for phase in ("loss kept", "scheduler", "loss all-reduce"):  # our bookkeeping, on both ranks
+        assert us[phase][0] == us[phase][2] == 0 < min(us[phase][1], us[phase][3]), (phase, us[phase])
+    for phase in ("tqdm", "log line"):  # drawn and written on rank 0
+        assert us[phase][0] == us[phase][2] == 0 < us[phase][1], (phase, us[phase])
