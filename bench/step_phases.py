@@ -1,6 +1,6 @@
 """Where the time of a training step goes: each phase timed, ours beside the raw DDP loop, on both ranks.
 
-    python bench/step_phases.py            # ~1 minute on 2 cores: one epoch of each loop
+    python bench/step_phases.py            # under a minute on 2 cores: one epoch of each loop
     python bench/step_phases.py --tiny     # seconds; what the test suite runs
 
 loop_overhead.py measures how much slower our step is; this shows where the difference sits. The
