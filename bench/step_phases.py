@@ -73,22 +73,25 @@ def worker(args):
     seconds = {"raw": dict.fromkeys(PHASES, 0.0), "ours": dict.fromkeys(PHASES, 0.0)}
     clock = time.perf_counter
 
+    def add(spent, t):
+        for phase, start, end in zip(PHASES, t, t[1:]):
+            spent[phase] += end - start
+
     def raw_step(batches, spent):
-        t0 = clock()
+        t = [clock()]
         batch = next(batches)
-        t1 = clock()
+        t.append(clock())
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits = raw_model(to_inputs(batch["image"])).float()
         loss = F.cross_entropy(logits, batch["label"])
-        t2 = clock()
+        t.append(clock())
         loss.backward()
-        t3 = clock()
+        t.append(clock())
         raw_optimizer.step()
-        t4 = clock()
+        t.append(clock())
         raw_optimizer.zero_grad(set_to_none=True)
-        t5 = clock()
-        for phase, (start, end) in zip(PHASES, [(t0, t1), (t1, t2), (t2, t3), (t3, t4), (t4, t5)]):
-            spent[phase] += end - start
+        t.append(clock())
+        add(spent, t)
 
     state = {"completed_steps": 0, "losses": [], "t_log": clock()}
 
@@ -123,8 +126,7 @@ def worker(args):
             progress.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", refresh=False)
             state.update(losses=[], t_log=time.perf_counter())
             t.append(clock())
-        for phase, start, end in zip(PHASES, t, t[1:]):
-            spent[phase] += end - start
+        add(spent, t)
 
     sampler.set_epoch(0)
     loader.set_epoch(0)
