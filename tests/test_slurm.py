@@ -21,14 +21,15 @@ def fake_slurm_bin(tmp_path):
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(
         '#!/bin/bash\n[ "$1 $2" = "show hostnames" ] || exit 2\n'
-        'case "$3" in "node[01-02]") printf "node01\\nnode02\\n";; *) echo "$3";; esac\n')
+        'case "$3" in "node[01-02]") printf "node01\\nnode02\\n";; "big[1-20000]") seq -f "big%g" 20000;;\n'
+        '  *) echo "$3";; esac\n')
     (bin_dir / "scontrol").chmod(0o755)
     return f"{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}"
 
 
 def derive(path_env, node_id, **extra):
     slurm = {"SLURM_JOB_NODELIST": "node[01-02]", "SLURM_NNODES": "2", "SLURM_NODEID": str(node_id),
-             "SLURM_JOB_ID": "123456", "SLURM_GPUS_ON_NODE": "8", **extra}
+             "SLURM_JOB_ID": "123456", "SLURM_GPUS_ON_NODE": "8", "GPUS_PER_NODE": "", **extra}
     env = clean_env(PATH=path_env, DRY_RUN="1", **slurm)
     proc = subprocess.run(["bash", LAUNCHER, "train/mnist.py", "--num_train_epochs", "5"], cwd=REPO, env=env,
                           capture_output=True, text=True)
@@ -50,6 +51,36 @@ def test_gpu_count_with_repeat_suffix_and_config_choice(fake_slurm_bin):
                        ACCELERATE_CONFIG="accelerate_configs/2node_8gpu_c10d.yaml")
     assert proc.returncode == 0, proc.stderr
     assert cmd[cmd.index("--num_processes") + 1] == "8" and "accelerate_configs/2node_8gpu_c10d.yaml" in cmd
+
+
+def test_long_node_list_takes_the_first_host(fake_slurm_bin):
+    # 20000 hosts overflow the pipe: a reader that stops after one line kills scontrol with SIGPIPE.
+    for _ in range(3):
+        proc, cmd = derive(fake_slurm_bin, 0, SLURM_JOB_NODELIST="big[1-20000]", SLURM_NNODES="20000")
+        assert proc.returncode == 0, proc.stderr
+        assert cmd[cmd.index("--main_process_ip") + 1] == "big1"
+
+
+def fake_nvidia_smi(path_env, tmp_path, script):
+    bin_dir = tmp_path / "smi"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/bash\n" + script)
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    return f"{bin_dir}:{path_env}"
+
+
+def test_gpu_count_from_nvidia_smi(fake_slurm_bin, tmp_path):
+    path_env = fake_nvidia_smi(fake_slurm_bin, tmp_path, 'for i in 0 1 2 3; do echo "GPU $i: NVIDIA H100"; done\n')
+    proc, cmd = derive(path_env, 0, SLURM_GPUS_ON_NODE="")
+    assert proc.returncode == 0, proc.stderr
+    assert cmd[cmd.index("--num_processes") + 1] == "8"
+
+
+def test_no_gpus_is_a_clear_error(fake_slurm_bin, tmp_path):
+    path_env = fake_nvidia_smi(fake_slurm_bin, tmp_path, 'echo "NVIDIA-SMI has failed" >&2; exit 9\n')
+    proc, cmd = derive(path_env, 0, SLURM_GPUS_ON_NODE="")
+    assert proc.returncode == 1 and cmd == []
+    assert "no GPUs found" in proc.stderr and "set GPUS_PER_NODE" in proc.stderr
 
 
 def test_outside_srun_is_a_clear_error(fake_slurm_bin):

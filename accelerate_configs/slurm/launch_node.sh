@@ -4,15 +4,20 @@
 #   SLURM_JOB_NODELIST  -> head node (first host): main_process_ip
 #   SLURM_JOB_ID        -> main_process_port, 20000 + job id mod 20000, so jobs sharing a head node differ
 #   SLURM_NNODES        -> num_machines;  SLURM_NODEID -> machine_rank
-#   SLURM_GPUS_ON_NODE  -> processes per node (or GPUS_PER_NODE; else nvidia-smi's count)
+#   GPUS_PER_NODE, else SLURM_GPUS_ON_NODE, else nvidia-smi's count -> processes per node
 # ACCELERATE_CONFIG picks the base config (default: the static 2-node template); its per-node keys
 # are all overridden here.
 set -euo pipefail
 : "${SLURM_JOB_NODELIST:?not inside a SLURM job (SLURM_JOB_NODELIST is unset)}"
 : "${SLURM_NNODES:?SLURM_NNODES is unset}"
 : "${SLURM_NODEID:?SLURM_NODEID is unset: start this with srun, one task per node}"
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-gpus_per_node=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-$(nvidia-smi -L 2>/dev/null | wc -l)}}
+# Not `| head -n 1`: head exits after one line, scontrol dies of SIGPIPE writing the rest, and
+# pipefail turns that into exit 141 at random (always, for a long node list).
+hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
+head_node=${hosts%%$'\n'*}
+# `|| true`: without a driver nvidia-smi fails, and under pipefail that would end the script here
+# instead of at the clear error below.
+gpus_per_node=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-$({ nvidia-smi -L 2>/dev/null || true; } | wc -l)}}
 gpus_per_node=${gpus_per_node%%(*}  # SLURM may write e.g. "8(x2)"
 if [ "${gpus_per_node:-0}" -lt 1 ]; then
   echo "error: no GPUs found on $(hostname); set GPUS_PER_NODE or request --gpus-per-node" >&2
