@@ -70,16 +70,23 @@ def fake_nvidia_smi(path_env, tmp_path, script):
 
 
 def test_gpu_count_from_nvidia_smi(fake_slurm_bin, tmp_path):
-    path_env = fake_nvidia_smi(fake_slurm_bin, tmp_path, 'for i in 0 1 2 3; do echo "GPU $i: NVIDIA H100"; done\n')
+    # Four GPUs, the first split into MIG slices, which nvidia-smi -L lists as indented lines.
+    path_env = fake_nvidia_smi(fake_slurm_bin, tmp_path,
+                               'for i in 0 1 2 3; do echo "GPU $i: NVIDIA H100 (UUID: GPU-$i)"; done\n'
+                               'echo "  MIG 3g.40gb     Device  0: (UUID: MIG-a)"\n'
+                               'echo "  MIG 3g.40gb     Device  1: (UUID: MIG-b)"\n')
     proc, cmd = derive(path_env, 0, SLURM_GPUS_ON_NODE="")
     assert proc.returncode == 0, proc.stderr
     assert cmd[cmd.index("--num_processes") + 1] == "8"
 
 
-def test_no_gpus_is_a_clear_error(fake_slurm_bin, tmp_path):
-    path_env = fake_nvidia_smi(fake_slurm_bin, tmp_path, 'echo "NVIDIA-SMI has failed" >&2; exit 9\n')
+@pytest.mark.parametrize("smi", ['echo "No devices were found"; exit 6\n',
+                                 'echo "NVIDIA-SMI has failed because it couldn\'t communicate with the driver"; exit 9\n'],
+                         ids=["no_devices", "no_driver"])
+def test_no_gpus_is_a_clear_error(fake_slurm_bin, tmp_path, smi):
+    path_env = fake_nvidia_smi(fake_slurm_bin, tmp_path, smi)
     proc, cmd = derive(path_env, 0, SLURM_GPUS_ON_NODE="")
-    assert proc.returncode == 1 and cmd == []
+    assert proc.returncode == 1 and cmd == [], proc.stderr
     assert "no GPUs found" in proc.stderr and "set GPUS_PER_NODE" in proc.stderr
 
 

@@ -15,9 +15,10 @@ set -euo pipefail
 # pipefail turns that into exit 141 at random (always, for a long node list).
 hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
 head_node=${hosts%%$'\n'*}
-# `|| true`: without a driver nvidia-smi fails, and under pipefail that would end the script here
-# instead of at the clear error below.
-gpus_per_node=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-$({ nvidia-smi -L 2>/dev/null || true; } | wc -l)}}
+# Count "GPU n:" lines only: without devices nvidia-smi prints "No devices were found", and MIG
+# slices add indented lines. `|| true`: a failing nvidia-smi (no driver) or grep (no match) would
+# otherwise end the script under pipefail, before the clear error below.
+gpus_per_node=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)}}
 gpus_per_node=${gpus_per_node%%(*}  # SLURM may write e.g. "8(x2)"
 if [ "${gpus_per_node:-0}" -lt 1 ]; then
   echo "error: no GPUs found on $(hostname); set GPUS_PER_NODE or request --gpus-per-node" >&2
