@@ -47,13 +47,20 @@ def main(argv=None):
             if proc.returncode != 0:
                 raise SystemExit(f"error: make train-only failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
             results = json.load(open(os.path.join(out, "all_results.json")))
+            header = next((line for line in proc.stdout.splitlines() if line.startswith("world_size=")), "")
+            precision = header.split("mixed_precision=", 1)[-1].split(" global_batch_size")[0]
             accuracies = [h["eval_accuracy"] for h in results["history"]]
-            runs.append({"wall": wall, "accuracy": results["eval_accuracy"], "per_epoch": accuracies,
+            runs.append({"precision": precision, "wall": wall, "accuracy": results["eval_accuracy"], "per_epoch": accuracies,
                          "eval_samples": results["eval_samples"], "epoch_seconds": results["epoch_seconds"]})
             print(f"run {repeat + 1}: {wall:.1f} s from launch, test accuracy per epoch "
                   f"{' '.join(f'{a:.4f}' for a in accuracies)}", flush=True)
     met = sum(r["accuracy"] >= args.target_accuracy and r["wall"] <= args.target_seconds for r in runs)
+    sys.path.insert(0, REPO)
+    from train.common import cpu_has_native_bf16
+
+    native, what = cpu_has_native_bf16()
     print(f"\n`make train-only {' '.join(make_vars)}`, {args.repeats} run(s){' (tiny)' if args.tiny else ''}")
+    print(f"CPU: {what} (native bf16: {'yes' if native else 'no'}); mixed_precision={runs[0]['precision']}")
     print("| run | wall s (launch to exit) | train s/epoch (mean) | final test accuracy | eval samples |")
     print("|---|---|---|---|---|")
     for i, r in enumerate(runs, 1):

@@ -187,6 +187,20 @@ def _download(spec, download_root):
     return None
 
 
+def check_data_dir(name, data_dir):
+    """The folder under `data_dir` that holds the four idx files of dataset `name`, found without
+    reading them (cheap enough to run before any process starts training); DataError if none."""
+    spec = DATASETS[name]
+    if not os.path.isdir(data_dir):
+        raise DataError(f"--data_dir {data_dir} does not exist; fix the path, or to get the data: {spec.how_to_get}")
+    folder = _find_idx_folder(data_dir, spec)
+    if folder is None:
+        wanted = ", ".join(stem + "[.gz]" for stems in SPLIT_FILES.values() for stem in stems)
+        raise DataError(f"no {name} idx files in {data_dir} (looked for {wanted} there and in "
+                        f"{os.path.join(data_dir, spec.torchvision_name, 'raw')}); {spec.how_to_get}")
+    return folder
+
+
 def load_dataset(name, data_dir=None, download_root=DEFAULT_DOWNLOAD_ROOT):
     """Return (train, test, source): two ImageClassificationTensors and a line saying where they came from.
 
@@ -196,13 +210,7 @@ def load_dataset(name, data_dir=None, download_root=DEFAULT_DOWNLOAD_ROOT):
         raise DataError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}")
     spec = DATASETS[name]
     if data_dir is not None:
-        if not os.path.isdir(data_dir):
-            raise DataError(f"--data_dir {data_dir} does not exist; fix the path, or to get the data: {spec.how_to_get}")
-        folder = _find_idx_folder(data_dir, spec)
-        if folder is None:
-            wanted = ", ".join(stem + "[.gz]" for stems in SPLIT_FILES.values() for stem in stems)
-            raise DataError(f"no {name} idx files in {data_dir} (looked for {wanted} there and in "
-                            f"{os.path.join(data_dir, spec.torchvision_name, 'raw')}); {spec.how_to_get}")
+        folder = check_data_dir(name, data_dir)
         train, test = _load_folder(folder, spec)
         return train, test, f"{folder} (--data_dir)"
 

@@ -10,6 +10,7 @@ without an address or rank, c10d with same_network: true, FSDP2 options of the w
 import argparse
 import dataclasses
 import difflib
+import os
 import sys
 
 import yaml
@@ -81,16 +82,22 @@ def problems(path, machine_rank=None, gpu_count=None):
         if fsdp.get("fsdp_version") == 2 and not isinstance(fsdp.get("fsdp_reshard_after_forward", True), bool):
             found.append("fsdp_reshard_after_forward must be true or false with fsdp_version: 2 (FSDP1's "
                          f"{fsdp.get('fsdp_reshard_after_forward')!r} is not accepted)")
+    per_machine = processes // machines
+    if dtype == "MULTI_CPU" and per_machine > 1 and not (raw.get("mpirun_config") or {}).get("mpirun_hostfile"):
+        found.append(f"distributed_type MULTI_CPU with {per_machine} processes per machine runs as ONE process "
+                     "(world size 1): accelerate launch starts MULTI_CPU through mpirun only, with "
+                     "mpirun_config.mpirun_hostfile set; for CPU processes on this machine use distributed_type: "
+                     "MULTI_GPU (the wizard's multi-GPU answer), which our scripts run on the CPU when there is no GPU, "
+                     "as accelerate_configs/cpu_2proc.yaml does")
     wants_gpus = dtype in GPU_TYPES or (dtype == "NO" and raw.get("gpu_ids") not in (None, "", "all"))
     if wants_gpus and not raw.get("use_cpu"):
         if gpu_count is None:
             import torch
             gpu_count = torch.cuda.device_count()
-        per_machine = processes // machines
-        if gpu_count == 0:
-            found.append(f"this config is for GPUs ({dtype}, use_cpu: false) but this machine has none; use "
-                         "accelerate_configs/cpu.yaml or cpu_2proc.yaml here")
-        elif gpu_count < per_machine:
+        if gpu_count == 0 and dtype not in ("MULTI_GPU", "NO"):
+            found.append(f"distributed_type {dtype} needs GPUs and this machine has none (accelerate would run it "
+                         "as plain data parallel on the CPU); use accelerate_configs/cpu_2proc.yaml here")
+        elif gpu_count and gpu_count < per_machine:
             found.append(f"{per_machine} processes per machine but only {gpu_count} GPU(s) here; set num_processes "
                          f"to {gpu_count * machines} (one per GPU on each machine)")
     if not found:
@@ -112,11 +119,33 @@ def main(argv=None):
         print(f"error: {args.config_file}: {line}", file=sys.stderr)
     if found:
         return 1
-    with open(args.config_file) as f:
-        raw = yaml.safe_load(f)
-    print(f"ok: {args.config_file}: {raw.get('distributed_type')}, {raw.get('num_processes', 1)} process(es) on "
-          f"{raw.get('num_machines', 1)} machine(s), mixed_precision={raw.get('mixed_precision', 'no')}")
+    print(f"ok: {args.config_file}: {summary(args.config_file)}")
     return 0
+
+
+def summary(path, gpu_count=None):
+    """What a config that passed problems() runs here, in words."""
+    with open(path) as f:
+        raw = yaml.safe_load(f)
+    dtype = str(raw.get("distributed_type", "NO")).upper()
+    processes, machines = int(raw.get("num_processes", 1) or 1), int(raw.get("num_machines", 1) or 1)
+    text = (f"{dtype}, {processes} process(es) on {machines} machine(s), "
+            f"mixed_precision={raw.get('mixed_precision', 'no')}")
+    if gpu_count is None:
+        import torch
+        gpu_count = torch.cuda.device_count()
+    if dtype in ("MULTI_GPU", "NO") and (gpu_count == 0 or raw.get("use_cpu")):
+        text += (f"; no GPU used here: our scripts run it as {processes // machines} CPU process(es) per machine"
+                 + (" (gloo)" if processes > 1 else ""))
+        if processes // machines > (os.cpu_count() or 1):
+            text += f"; warning: more processes than the {os.cpu_count()} CPU cores here"
+        if raw.get("mixed_precision") == "bf16":
+            from train.common import cpu_has_native_bf16
+
+            native, what = cpu_has_native_bf16()
+            if not native:
+                text += f"; warning: bf16 is emulated on this CPU ({what}), ~10x slower than mixed_precision: 'no'"
+    return text
 
 
 if __name__ == "__main__":

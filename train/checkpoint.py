@@ -12,29 +12,71 @@ import pickle
 import random
 import re
 import shutil
+import sys
 
 import numpy as np
 import torch
 
+from train.cli import fail, first_local_process
 from train.common import write_json
 
 CHECKPOINT_FORMAT = 1
-RUN_FILES = ("all_results.json", "model.safetensors", "checkpoints")  # what makes a folder "hold a run"
+
+
+def check_output_dir(args):
+    """Before anything starts (no process group, no data yet): what --output_dir holds decides
+    whether this run may go on. A finished run is never touched without --overwrite_output_dir:
+    resuming it says so and exits 0, so a retry loop around a finished job ends well."""
+    out = args.output_dir
+    resume = args.resume_from_checkpoint
+    if resume not in (None, "latest") and not os.path.isfile(os.path.join(resume, "meta.json")):
+        fail(f"--resume_from_checkpoint {resume} is not a checkpoint (no meta.json there); pass an "
+             "OUTPUT_DIR/checkpoints/step_N folder or 'latest'")
+    results = os.path.join(out, "all_results.json")
+    checkpoints = list_checkpoints(out)
+    weights = os.path.isfile(os.path.join(out, "model.safetensors"))
+    holds_run = os.path.isfile(results) or weights or os.path.isdir(os.path.join(out, "checkpoints"))
+    if not holds_run:
+        return
+    if args.overwrite_output_dir:
+        if resume:
+            fail("--overwrite_output_dir and --resume_from_checkpoint contradict each other; pass one")
+        return
+    if os.path.isfile(results):
+        try:
+            with open(results) as f:
+                step = f"step {json.load(f).get('step')}"
+        except (OSError, ValueError):
+            step = "unreadable all_results.json"
+        if resume:
+            if first_local_process():
+                print(f"{out} holds a finished run ({step}); nothing to resume, nothing changed. To train it again "
+                      "pass --overwrite_output_dir; to continue it elsewhere, --resume_from_checkpoint "
+                      f"{out}/checkpoints/step_N with another --output_dir", flush=True)
+            sys.exit(0)
+        fail(f"--output_dir {out} holds a finished run ({step}); pass --overwrite_output_dir to replace it, or "
+             "another --output_dir")
+    if checkpoints:
+        if not resume:
+            fail(f"--output_dir {out} holds an unfinished run with checkpoints up to {os.path.basename(checkpoints[-1])}"
+                 "; pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir to replace it, or "
+                 "another --output_dir")
+    elif weights:
+        fail(f"--output_dir {out} holds a run's weights (model.safetensors) but no checkpoint, so it cannot be "
+             "resumed; pass --overwrite_output_dir to replace it, or another --output_dir")
+    elif not resume:
+        fail(f"--output_dir {out} holds a run that stopped before its first checkpoint; pass --resume_from_checkpoint "
+             "latest to start it again from step 0, --overwrite_output_dir to replace it, or another --output_dir")
+
 
 def prepare_output_dir(accelerator, args):
-    """Refuse to write over an earlier run unless the user resumes it or asks to replace it."""
-    holds_run = any(os.path.exists(os.path.join(args.output_dir, name)) for name in RUN_FILES)
-    if holds_run and args.overwrite_output_dir and args.resume_from_checkpoint:
-        raise SystemExit("error: --overwrite_output_dir and --resume_from_checkpoint contradict each other; pass one")
-    if holds_run and not (args.overwrite_output_dir or args.resume_from_checkpoint):
-        raise SystemExit(f"error: --output_dir {args.output_dir} already holds a run; pass --resume_from_checkpoint "
-                         "latest to continue it, --overwrite_output_dir to replace it, or another --output_dir")
+    """With --overwrite_output_dir, delete what an earlier run left (check_output_dir has allowed it)."""
     accelerator.wait_for_everyone()  # every rank has looked before anything is deleted
-    if holds_run and args.overwrite_output_dir and accelerator.is_main_process:
+    if args.overwrite_output_dir and accelerator.is_main_process:
         shutil.rmtree(os.path.join(args.output_dir, "checkpoints"), ignore_errors=True)
         shutil.rmtree(os.path.join(args.output_dir, "tensorboard"), ignore_errors=True)
-        for name in ("metrics.jsonl", "curves.png"):  # a replaced run's log must not mix into the new one
-            if os.path.exists(os.path.join(args.output_dir, name)):
+        for name in ("metrics.jsonl", "curves.png", "all_results.json", "model.safetensors"):
+            if os.path.exists(os.path.join(args.output_dir, name)):  # a replaced run must not mix into the new one
                 os.remove(os.path.join(args.output_dir, name))
     accelerator.wait_for_everyone()
 
@@ -48,20 +90,14 @@ def list_checkpoints(output_dir):
 
 
 def find_checkpoint(accelerator, args):
-    """The checkpoint to resume from, or None for a fresh start."""
-    if args.resume_from_checkpoint is None:
+    """The checkpoint to resume from, or None for a fresh start (check_output_dir has vetted the path)."""
+    if args.resume_from_checkpoint != "latest":
+        return args.resume_from_checkpoint
+    found = list_checkpoints(args.output_dir)
+    if not found:
+        accelerator.print(f"no checkpoint in {args.output_dir}/checkpoints yet: starting fresh")
         return None
-    if args.resume_from_checkpoint == "latest":
-        found = list_checkpoints(args.output_dir)
-        if not found:
-            accelerator.print(f"no checkpoint in {args.output_dir}/checkpoints yet: starting fresh")
-            return None
-        return found[-1]
-    path = args.resume_from_checkpoint
-    if not os.path.isfile(os.path.join(path, "meta.json")):
-        raise SystemExit(f"error: --resume_from_checkpoint {path} is not a checkpoint (no meta.json there); "
-                         "pass an OUTPUT_DIR/checkpoints/step_N folder or 'latest'")
-    return path
+    return found[-1]
 
 
 def data_position(epoch, batches_done, batches_per_epoch):

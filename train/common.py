@@ -1,69 +1,17 @@
 """Helpers that more than one script in train/ needs. Plain functions, no Trainer."""
-import argparse
 import functools
 import inspect
 import json
 import math
 import os
 import sys
+import warnings
 from datetime import timedelta
 from urllib.parse import urlparse
 
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
-
-
-def positive_int(text):
-    """argparse type: an int >= 1, so `--per_device_train_batch_size 0` fails at parse time."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def positive_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def steps_or_epoch(text):
-    return "epoch" if text == "epoch" else positive_int(text)
-
-
-def add_common_args(parser):
-    """Flags every script shares, named as in transformers' run_*_no_trainer.py scripts."""
-    parser.add_argument("--num_train_epochs", type=positive_int, default=3, help="Passes over the training data.")
-    parser.add_argument("--max_train_steps", type=positive_int, default=None,
-                        help="Optimizer steps to run; overrides --num_train_epochs when set.")
-    parser.add_argument("--gradient_accumulation_steps", type=positive_int, default=1,
-                        help="Micro-batches per optimizer step.")
-    parser.add_argument("--seed", type=int, default=42, help="Seed for weights, shuffling and dropout.")
-    parser.add_argument("--output_dir", type=str, default=None, help="Where weights, metrics and checkpoints go.")
-    parser.add_argument("--overwrite_output_dir", action="store_true",
-                        help="Replace a run already in --output_dir (its checkpoints are deleted).")
-    parser.add_argument("--checkpointing_steps", type=steps_or_epoch, default=None,
-                        help="Save a checkpoint every N optimizer steps, or 'epoch' at the end of each epoch.")
-    parser.add_argument("--resume_from_checkpoint", type=str, default=None,
-                        help="A checkpoint folder (OUTPUT_DIR/checkpoints/step_N) or 'latest': the newest "
-                             "complete one in --output_dir, or a fresh start if there is none yet.")
-    parser.add_argument("--checkpoints_total_limit", type=positive_int, default=None,
-                        help="Keep only the newest N checkpoints.")
-    parser.add_argument("--ddp_timeout", type=positive_int, default=300,
-                        help="Seconds a collective may wait for a peer before the run fails (torch's default is "
-                             "30 minutes, which is how long survivors of a dead rank would hang).")
-    parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
-                        help="Overrides the accelerate config's mixed_precision.")
-    parser.add_argument("--cpu", action="store_true",
-                        help="Train on the CPU even when a GPU is visible (the default when none is).")
 
 
 def _env_rendezvous_per_attempt(url, timeout=None, **kwargs):
@@ -95,6 +43,46 @@ def _process_group_kwargs(args):
     return InitProcessGroupKwargs(**kwargs)
 
 
+def cpu_has_native_bf16(cpu_flags=None, capability=None, onednn_isa=None):
+    """(yes, what) for the CPU's bf16: native with AVX512-BF16 or AMX, when torch and oneDNN may use
+    them (ATEN_CPU_CAPABILITY=avx2 / ONEDNN_MAX_CPU_ISA=AVX2 limit a big CPU to AVX2 kernels).
+    Without native support bf16 autocast is emulated: measured 10x slower than fp32 on an AVX2 EPYC."""
+    if cpu_flags is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpu_flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+        except OSError:  # not Linux: nothing to tell native bf16 by, so fp32
+            cpu_flags = []
+    capability = capability if capability is not None else torch.backends.cpu.get_cpu_capability()
+    onednn_isa = (onednn_isa if onednn_isa is not None else os.environ.get("ONEDNN_MAX_CPU_ISA", "")).upper()
+    native = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in cpu_flags]
+    if not native:
+        return False, f"{capability} without AVX512-BF16/AMX"
+    if not capability.startswith("AVX512") or (onednn_isa and "BF16" not in onednn_isa and "AMX" not in onednn_isa):
+        return False, f"{native[0]} present but kernels limited to {capability}" + (
+            f", ONEDNN_MAX_CPU_ISA={onednn_isa}" if onednn_isa else "")
+    return True, f"{native[0]}, {capability}"
+
+
+def choose_mixed_precision(requested, on_cpu):
+    """(mode, why) for --mixed_precision. `auto` takes fp16/bf16 from the accelerate config
+    (accelerate launch exports it as ACCELERATE_MIXED_PRECISION; a config's 'no' cannot be told from
+    no answer, since launch always exports one), else bf16 where the hardware runs it natively."""
+    source = "as asked"
+    if requested in (None, "auto") and os.environ.get("ACCELERATE_MIXED_PRECISION", "no") != "no":
+        requested, source = os.environ["ACCELERATE_MIXED_PRECISION"], "from the accelerate config"
+    if requested not in (None, "auto"):
+        return requested, source
+    if on_cpu:
+        native, what = cpu_has_native_bf16()
+        return ("bf16", f"auto: native bf16 on this CPU, {what}") if native else \
+            ("no", f"auto: no native bf16 on this CPU, {what}")
+    if torch.cuda.is_available():
+        return ("bf16", "auto: the GPU supports bf16") if torch.cuda.is_bf16_supported() else \
+            ("no", "auto: the GPU has no bf16; fp16 needs loss scaling, pass --mixed_precision fp16 for it")
+    return "no", "auto: bf16 on this accelerator is not checked; pass --mixed_precision bf16 for it"
+
+
 def make_accelerator(args, **kwargs):
     """The one Accelerator a script builds.
 
@@ -108,9 +96,14 @@ def make_accelerator(args, **kwargs):
     of a CPU step here; scripts average them over ranks with average_buffers() before evaluating.
     """
     _cache_per_step_lookups()
+    # torch 2.15 renames broadcast_buffers to forward_sync_buffers, which accelerate 1.15's
+    # DistributedDataParallelKwargs cannot pass; the warning itself says to keep broadcast_buffers=False
+    # until then, so it is silenced, and only it
+    warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+    cpu = args.cpu or not torch.accelerator.is_available()
     return Accelerator(
-        cpu=args.cpu or not torch.accelerator.is_available(),
-        mixed_precision=args.mixed_precision,
+        cpu=cpu,
+        mixed_precision=choose_mixed_precision(args.mixed_precision, cpu)[0],
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         step_scheduler_with_optimizer=False,
@@ -154,6 +147,24 @@ def _zero_grad(self, set_to_none=None):
             zero_grad()
 
 
+def main_process_first(accelerator, load, errors):
+    """load() on the main process, then on the others: one process downloads or writes files, the
+    others read them. If the main process fails with one of `errors`, every process stops with its
+    message, instead of the others timing out in a barrier with a traceback of their own."""
+    from accelerate.utils import broadcast_object_list
+
+    result, message = None, None
+    if accelerator.is_main_process:
+        try:
+            result = load()
+        except errors as e:
+            message = str(e)
+    message = broadcast_object_list([message])[0] if accelerator.num_processes > 1 else message
+    if message is not None:
+        raise SystemExit(f"error: {message}")
+    return result if accelerator.is_main_process else load()
+
+
 def average_buffers(accelerator, model):
     """Set floating-point buffers (BatchNorm running statistics) to their mean over ranks, so every
     rank evaluates and saves the same model, with statistics from all ranks' data."""
@@ -164,7 +175,7 @@ def average_buffers(accelerator, model):
                     buffer.copy_(accelerator.reduce(buffer, reduction="mean"))
 
 
-def announce(accelerator, global_batch_size):
+def announce(accelerator, global_batch_size, args):
     """One line per process, then a header from the main process: what is really running, so a
     wrong launch (two independent world-size-1 runs, say) shows at once."""
     # one write() per line, so lines from different processes do not interleave mid-line
@@ -172,14 +183,29 @@ def announce(accelerator, global_batch_size):
                      f"device={accelerator.device}\n")
     sys.stdout.flush()
     accelerator.wait_for_everyone()
+    precision, why = choose_mixed_precision(args.mixed_precision, accelerator.device.type == "cpu")
     accelerator.print(f"world_size={accelerator.num_processes} device={accelerator.device.type} "
                       f"distributed_type={accelerator.distributed_type.value} "
-                      f"mixed_precision={accelerator.mixed_precision} global_batch_size={global_batch_size} "
+                      f"mixed_precision={accelerator.mixed_precision} ({why}) global_batch_size={global_batch_size} "
                       f"threads_per_process={torch.get_num_threads()}")
+    native, what = cpu_has_native_bf16()
+    if precision == "bf16" and accelerator.device.type == "cpu" and not native:
+        accelerator.print(f"warning: bf16 on a CPU without native bf16 ({what}) is emulated, ~10x slower than fp32; "
+                          "--mixed_precision auto (the default) picks fp32 here")
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type.value != "FSDP":
         # accelerate 1.15 turns an FSDP config into plain DDP when cpu=True, without a word
         accelerator.print("warning: the config asks for FSDP, but accelerate runs FSDP on GPUs only: this run is "
                           f"{accelerator.distributed_type.value} (plain data parallel, unsharded)")
+    # accelerate launch exports MASTER_ADDR only when asked for several processes; a MULTI_CPU config
+    # or --cpu --num_processes N without an MPI hostfile then starts one plain process, and accelerate
+    # exposes nothing else that tells it (no WORLD_SIZE, no requested count)
+    launched_alone = "MASTER_ADDR" in os.environ and "ACCELERATE_MIXED_PRECISION" in os.environ and not any(
+        name in os.environ for name in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"))
+    if accelerator.num_processes == 1 and launched_alone:
+        accelerator.print("warning: the launch asked for several processes but this is ONE (world_size=1): accelerate "
+                          "starts a MULTI_CPU config or --cpu --num_processes N as a single process unless it has an "
+                          "MPI hostfile; use accelerate_configs/cpu_2proc.yaml, or answer multi-GPU in `accelerate "
+                          "config` (our scripts run it as CPU processes when there is no GPU)")
 
 
 def plan_steps(args, batches_per_epoch):
@@ -223,13 +249,6 @@ def save_final(accelerator, model, args, results):
     if accelerator.is_main_process:
         write_json(os.path.join(args.output_dir, "all_results.json"), results)
         write_json(os.path.join(args.output_dir, "args.json"), vars(args))
-
-
-def add_tracking_args(parser):
-    parser.add_argument("--with_tracking", action="store_true",
-                        help="Send metrics to the --report_to trackers (files under OUTPUT_DIR/tensorboard).")
-    parser.add_argument("--report_to", type=str, default="tensorboard",
-                        help="accelerate tracker(s) for --with_tracking: tensorboard, wandb, ..., or all.")
 
 
 def tracking_kwargs(args):

@@ -10,7 +10,6 @@ rounding whatever the process count:
 
 Writes model.safetensors, all_results.json and args.json to --output_dir.
 """
-import argparse
 import os
 import sys
 
@@ -23,22 +22,25 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
-from train.checkpoint import (data_position, find_checkpoint, load_checkpoint, prepare_output_dir,
+from train.checkpoint import (check_output_dir, data_position, find_checkpoint, load_checkpoint, prepare_output_dir,
                               save_checkpoint)
-from train.common import add_common_args, announce, make_accelerator, plan_steps, positive_float, positive_int, save_final
+from train.cli import make_parser, positive_float, positive_int, run
+from train.common import announce, make_accelerator, plan_steps, save_final
 
 SCRIPT = "regression"  # recorded in checkpoints, so another script's checkpoint is refused
 NUM_FEATURES = 20
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--num_train_samples", type=positive_int, default=1024, help="Synthetic training samples.")
-    parser.add_argument("--num_eval_samples", type=positive_int, default=257, help="Synthetic held-out samples.")
-    parser.add_argument("--per_device_train_batch_size", type=positive_int, default=16, help="Batch size per process.")
-    parser.add_argument("--per_device_eval_batch_size", type=positive_int, default=64, help="Eval batch per process.")
-    parser.add_argument("--learning_rate", type=positive_float, default=0.05, help="SGD learning rate.")
-    add_common_args(parser)
+    parser = make_parser(__doc__)
+    data, optimization = parser.groups["data"], parser.groups["optimization"]
+    data.add_argument("--num_train_samples", type=positive_int, default=1024, help="Synthetic training samples.")
+    data.add_argument("--num_eval_samples", type=positive_int, default=257, help="Synthetic held-out samples.")
+    optimization.add_argument("--per_device_train_batch_size", type=positive_int, default=16,
+                              help="Batch size per process.")
+    optimization.add_argument("--per_device_eval_batch_size", type=positive_int, default=64,
+                              help="Eval batch per process.")
+    optimization.add_argument("--learning_rate", type=positive_float, default=0.05, help="SGD learning rate.")
     parser.set_defaults(num_train_epochs=2, output_dir="runs/regression")
     return parser.parse_args(argv)
 
@@ -58,10 +60,11 @@ def make_data(num_train_samples, num_eval_samples, seed):
 
 def main(args):
     # ---------------------------------------------------------------- accelerator
+    check_output_dir(args)  # before any process waits on another
     accelerator = make_accelerator(args)
     set_seed(args.seed)
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
-    announce(accelerator, global_batch_size)
+    announce(accelerator, global_batch_size, args)
     prepare_output_dir(accelerator, args)
 
     # ---------------------------------------------------------------- data
@@ -136,4 +139,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    run(main, parse_args())

@@ -1,0 +1,188 @@
+"""The command line of every script in train/: argument types, grouped --help with defaults, the
+shared flags, one-line errors printed once per launch, and Ctrl-C that says how to resume.
+
+Every process of an `accelerate launch` parses the same argv and meets the same bad path, so an
+error printed by each would appear N times; before any process group exists, the only way to pick
+one printer is the LOCAL_RANK that torchrun sets (absent outside torchrun: a single process).
+"""
+import argparse
+import difflib
+import math
+import os
+import shlex
+import signal
+import sys
+
+GROUPS = (("data", "data"), ("model", "model"), ("optimization", "optimization"),
+          ("checkpoints", "output and checkpoints"), ("tracking", "logging and tracking"),
+          ("hardware", "hardware and precision"))
+
+
+def first_local_process():
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def positive_int(text):
+    """argparse type: an int >= 1, so `--per_device_train_batch_size 0` fails at parse time."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def steps_or_epoch(text):
+    return "epoch" if text == "epoch" else positive_int(text)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows each flag's default, except for switches and unset values, where it says nothing."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, True, False, argparse.SUPPRESS) or "%(default)" in (action.help or ""):
+            return action.help
+        return f"{action.help} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the flags grouped (`parser.groups["data"]`, ...), defaults in --help, no
+    abbreviations (`--lr` must not silently mean `--lr_scheduler_type`), and errors as one line."""
+
+    def __init__(self, doc):
+        super().__init__(description=doc.split("\n")[0], allow_abbrev=False,
+                         formatter_class=_HelpFormatter)
+        self.groups = {key: self.add_argument_group(title) for key, title in GROUPS}
+
+    def error(self, message):
+        if message.startswith("unrecognized arguments:"):
+            known = [s for action in self._actions for s in action.option_strings if s not in ("-h", "--help")]
+            for word in message.split(":", 1)[1].split():
+                close = difflib.get_close_matches(word.split("=")[0], known, n=1, cutoff=0.75) \
+                    if word.startswith("--") else []
+                if close:
+                    message += f" (did you mean {close[0]}?)"
+                    break
+        if first_local_process():
+            sys.stderr.write(f"error: {message}; see {self.prog} --help\n")
+        sys.exit(2)
+
+
+def make_parser(doc):
+    """The parser of a script in train/, with the flags every script shares, named as in
+    transformers' run_*_no_trainer.py scripts; the script adds its own to `parser.groups`."""
+    parser = Parser(doc)
+    g = parser.groups
+    g["optimization"].add_argument("--num_train_epochs", type=positive_int, default=3,
+                                   help="Passes over the training data.")
+    g["optimization"].add_argument("--max_train_steps", type=positive_int, default=None,
+                                   help="Optimizer steps to run; overrides --num_train_epochs when set.")
+    g["optimization"].add_argument("--gradient_accumulation_steps", type=positive_int, default=1,
+                                   help="Micro-batches per optimizer step.")
+    g["optimization"].add_argument("--seed", type=int, default=42, help="Seed for weights, shuffling and dropout.")
+    g["checkpoints"].add_argument("--output_dir", type=str, default=None,
+                                  help="Where weights, metrics and checkpoints go.")
+    g["checkpoints"].add_argument("--overwrite_output_dir", action="store_true",
+                                  help="Replace a run already in --output_dir (its checkpoints are deleted).")
+    g["checkpoints"].add_argument("--checkpointing_steps", type=steps_or_epoch, default=None,
+                                  help="Save a checkpoint every N optimizer steps, or 'epoch' at each epoch's end.")
+    g["checkpoints"].add_argument("--resume_from_checkpoint", type=str, default=None,
+                                  help="A checkpoint folder (OUTPUT_DIR/checkpoints/step_N) or 'latest': the newest "
+                                       "complete one in --output_dir, or a fresh start if there is none yet.")
+    g["checkpoints"].add_argument("--checkpoints_total_limit", type=positive_int, default=None,
+                                  help="Keep only the newest N checkpoints.")
+    g["hardware"].add_argument("--mixed_precision", choices=["auto", "no", "fp16", "bf16"], default="auto",
+                               help="auto: bf16 on GPUs that support it and on CPUs with native bf16 (AVX512-BF16, "
+                                    "AMX), else fp32, unless the accelerate config asks for fp16/bf16.")
+    g["hardware"].add_argument("--cpu", action="store_true",
+                               help="Train on the CPU even when a GPU is visible (the default when none is).")
+    g["hardware"].add_argument("--ddp_timeout", type=positive_int, default=300,
+                               help="Seconds a collective may wait for a peer before the run fails (torch's default "
+                                    "is 30 minutes, which is how long survivors of a dead rank would hang).")
+    return parser
+
+
+def add_tracking_args(parser):
+    g = parser.groups["tracking"]
+    g.add_argument("--with_tracking", action="store_true",
+                   help="Send metrics to the --report_to trackers (files under OUTPUT_DIR/tensorboard).")
+    g.add_argument("--report_to", type=str, default="tensorboard",
+                   help="accelerate tracker(s) for --with_tracking: tensorboard, wandb, ..., or all.")
+
+
+def fail(message):
+    """Stop every process with `message` as the error: the line is printed once (see run())."""
+    raise SystemExit(f"error: {message}")
+
+
+def _launcher_argv():
+    """The argv of the `accelerate launch` or torchrun that started this process (its parent),
+    tidied to `accelerate launch ...`; None when there is none, or no /proc to read it from."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            argv = [a.decode() for a in f.read().split(b"\0") if a]
+    except OSError:
+        return None
+    script = os.path.realpath(sys.argv[0])
+    cut = next((i for i, a in enumerate(argv) if os.path.realpath(a) == script), None)
+    if cut is None:
+        return None
+    argv = argv[:cut]
+    for i, a in enumerate(argv):
+        if a == "-m" and argv[i + 1:i + 2] == ["accelerate.commands.launch"]:
+            return ["accelerate", "launch", *argv[i + 2:]]
+        if os.path.basename(a) in ("accelerate", "torchrun"):
+            return [os.path.basename(a), *argv[i + 1:]]
+    return None
+
+
+def resume_command():
+    """This run's own command with --resume_from_checkpoint latest and without --overwrite_output_dir."""
+    args, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif a == "--resume_from_checkpoint":
+            skip = True
+        elif not (a == "--overwrite_output_dir" or a.startswith("--resume_from_checkpoint=")):
+            args.append(a)
+    script = os.path.relpath(sys.argv[0]) if not os.path.isabs(sys.argv[0]) else sys.argv[0]
+    launcher = _launcher_argv() or ["python"]
+    return shlex.join([*launcher, script, *args, "--resume_from_checkpoint", "latest"])
+
+
+def run(main, args):
+    """main(args) with the two ways out that users meet most made short: an error is one line
+    from one process and exit 1; Ctrl-C is one line with the last checkpoint and the command that
+    resumes from it, and exit 130. Both leave at once: a process group left to interpreter exit can
+    hang or abort, and checkpoints are written atomically, so nothing half-written is left."""
+    try:
+        return main(args)
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        message, code = e.code, 1
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher forwards a second SIGINT
+        from train.checkpoint import list_checkpoints
+
+        found = list_checkpoints(args.output_dir) if args.output_dir else []
+        where = (f"last checkpoint {found[-1]}" if found else
+                 "no checkpoint yet (--checkpointing_steps saves them), so a resume starts from step 0")
+        message, code = f"interrupted; {where}; resume with: {resume_command()}", 130
+    if first_local_process():
+        sys.stderr.write(message + "\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
