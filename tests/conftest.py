@@ -10,6 +10,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(REPO, "accelerate_configs")
 FASHION_DIR = "/usr/share/datasets/fashion-mnist"
 
+# The suite asserts fp32 numerics (1 process = 2 processes to 1e-6, say) of runs that leave
+# --mixed_precision at `auto`, which picks bf16 on CPUs with native bf16. Limiting oneDNN to AVX2
+# makes `auto` pick fp32 on every CPU, here and in every process the tests start; the tests of
+# `auto` itself set what they need.
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+
 
 def clean_env(**extra):
     """The environment a user's shell would have: no PYTHONPATH help, no leftover launcher state."""

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from conftest import CONFIGS, REPO, clean_env
-from train.check_config import problems
+from train.check_config import problems, summary
 
 GOOD_2NODE = """\
 distributed_type: MULTI_GPU
@@ -47,7 +47,10 @@ def test_each_bad_config_gets_its_line(tmp_path, case):
 def test_more_processes_than_gpus():
     assert problems(f"{CONFIGS}/8gpu.yaml", gpu_count=4) == [
         "8 processes per machine but only 4 GPU(s) here; set num_processes to 4 (one per GPU on each machine)"]
-    assert "has none" in problems(f"{CONFIGS}/1gpu.yaml", gpu_count=0)[0]
+    assert "FSDP needs GPUs and this machine has none" in problems(f"{CONFIGS}/fsdp2_4gpu.yaml", gpu_count=0)[0]
+    # without GPUs the scripts run a GPU layout on the CPU: accepted, and said so
+    assert problems(f"{CONFIGS}/1gpu.yaml", gpu_count=0) == []
+    assert "no GPU used here: our scripts run it as 4 CPU process(es)" in summary(f"{CONFIGS}/4gpu.yaml", gpu_count=0)
     assert problems(f"{CONFIGS}/2node_8gpu.yaml", gpu_count=8) == []
 
 

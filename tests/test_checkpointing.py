@@ -226,7 +226,7 @@ def test_existing_run_is_not_overwritten_unless_asked(tmp_path):
     assert run_script("regression", "--max_train_steps", 3, "--output_dir", out).returncode == 0
     before = (out / "model.safetensors").read_bytes()
     proc = run_script("regression", "--max_train_steps", 3, "--seed", 9, "--output_dir", out)
-    assert proc.returncode != 0 and "already holds a run" in proc.stderr
+    assert proc.returncode != 0 and "holds a finished run (step 3); pass --overwrite_output_dir" in proc.stderr
     assert (out / "model.safetensors").read_bytes() == before
     proc = run_script("regression", "--max_train_steps", 3, "--seed", 9, "--overwrite_output_dir", "--output_dir", out)
     assert proc.returncode == 0 and (out / "model.safetensors").read_bytes() != before

@@ -191,7 +191,7 @@ def test_fsdp_config_on_cpu_says_it_runs_plain_ddp(fashion_dir, tmp_path):
     assert "warning: the config asks for FSDP, but accelerate runs FSDP on GPUs only: this run is MULTI_CPU" in proc.stdout
 
 
-@pytest.mark.parametrize("model", sorted(mnist.MODELS))
+@pytest.mark.parametrize("model", sorted(m for m, kw in mnist.MODELS.items() if not kw.get("norm_after_pool")))
 def test_pool_before_relu_is_bitwise_the_seed_model(model):
     """ConvNet pools before its ReLUs (faster); outputs and gradients must equal the seed's order."""
     torch.manual_seed(0)
@@ -239,5 +239,6 @@ def test_resume_with_another_model_is_refused(fashion_dir, tmp_path):
     args = ["--max_train_samples", "640", "--max_eval_samples", "100", "--num_train_epochs", "1",
             "--per_device_train_batch_size", "32", "--checkpointing_steps", "10", "--output_dir", str(tmp_path)]
     mnist.main(mnist.parse_args(args))
+    os.remove(tmp_path / "all_results.json")  # unfinished, as a crash leaves it: a finished run is not resumed
     with pytest.raises(SystemExit, match="does not fit this model"):
         mnist.main(mnist.parse_args(args + ["--model", "convnet_wide", "--resume_from_checkpoint", "latest"]))

@@ -45,7 +45,8 @@ def test_header_reports_the_real_world_size_and_global_batch(tracked_run):
     proc, _ = tracked_run
     header = [line for line in proc.stdout.splitlines() if line.startswith("world_size=")]
     assert len(header) == 1, proc.stdout[-2000:]  # printed once, by the main process
-    assert "world_size=2 device=cpu distributed_type=MULTI_CPU mixed_precision=no global_batch_size=64" in header[0]
+    assert header[0].startswith("world_size=2 device=cpu distributed_type=MULTI_CPU mixed_precision=no (auto: ")
+    assert " global_batch_size=64 " in header[0]
 
 
 def test_metrics_jsonl_has_every_logged_step_and_every_evaluation(tracked_run):
