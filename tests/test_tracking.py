@@ -45,6 +45,7 @@ def test_header_reports_the_real_world_size_and_global_batch(tracked_run):
     proc, _ = tracked_run
     header = [line for line in proc.stdout.splitlines() if line.startswith("world_size=")]
     assert len(header) == 1, proc.stdout[-2000:]  # printed once, by the main process
+    assert "Warning" not in output_of(proc)  # no FutureWarning (broadcast_buffers) or other warnings
     assert header[0].startswith("world_size=2 device=cpu distributed_type=MULTI_CPU mixed_precision=no (auto: ")
     assert " global_batch_size=64 " in header[0]
 
