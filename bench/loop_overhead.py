@@ -17,13 +17,13 @@ over 1500 turns the ratio of total times is the overhead. The loops:
 - ours: train/mnist.py's step with the objects it builds (make_accelerator; prepared model, optimizer,
   loader and scheduler; accumulate, accelerator.backward, the scheduler tick, tqdm, and every 20 steps
   the mean loss reduced over ranks and appended to a metrics.jsonl);
-- ours_stock: the same with accelerate 1.15's own per-step lookups put back (whether lomo_optim is
-  installed, in optimizer.step; the zero_grad signature, in optimizer.zero_grad), which
-  make_accelerator caches: what the two caches are worth.
 
-Same data (Fashion-MNIST), ConvNet, channels_last, bf16, 50 samples per process. A check of the
-instrument: with ours' pieces swapped for raw's one by one, the last variant (all swapped) came out at
-1.000.
+Same data (Fashion-MNIST), the seed's ConvNet, channels_last, 50 samples per process, in the precision
+`--mixed_precision auto` picks on this CPU (bf16 with native bf16, else fp32; --mixed_precision to
+force one). A check of the instrument: with ours' pieces swapped for raw's one by one, the last variant
+(all swapped) came out at 1.000. Nothing of accelerate is patched: until 2026-11 make_accelerator
+cached two of accelerate's per-step lookups by replacing its functions (about 1.5% of a step), which
+would break on accelerate's next release.
 """
 import argparse
 import json
@@ -39,8 +39,8 @@ FASHION_DIR = "/usr/share/datasets/fashion-mnist"
 
 
 def worker(args):
-    import accelerate.optimizer
-    from accelerate.optimizer import AcceleratedOptimizer
+    import contextlib
+
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -53,10 +53,12 @@ def worker(args):
     from train import mnist
     from train.common import log_metrics, make_accelerator, make_scheduler
 
-    stock = {"lomo": accelerate.optimizer.is_lomo_available, "zero_grad": AcceleratedOptimizer.zero_grad}  # before
-    # make_accelerator caches them
-    script_args = mnist.parse_args(["--mixed_precision", "bf16", "--output_dir", args.log_dir])
+    script_args = mnist.parse_args(["--mixed_precision", args.mixed_precision, "--output_dir", args.log_dir])
     accelerator = make_accelerator(script_args)
+    bf16 = accelerator.mixed_precision == "bf16"
+
+    def autocast():  # what accelerate's autocast does, for the raw loops
+        return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     train_set, _, _ = load_dataset("fashion_mnist", args.data_dir)
     if args.tiny:
         train_set = train_set.subset(1000)
@@ -96,7 +98,7 @@ def worker(args):
     def raw_steps(n):
         for _ in range(n):
             batch = raw_batches.next()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with autocast():
                 logits = raw_model(to_inputs(batch["image"])).float()
             loss = F.cross_entropy(logits, batch["label"])
             loss.backward()
@@ -120,7 +122,7 @@ def worker(args):
         losses, t_log = logged_state["losses"], logged_state["t_log"]
         for _ in range(n):
             batch = logged_batches.next()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with autocast():
                 logits = logged_model(to_inputs(batch["image"])).float()
             loss = F.cross_entropy(logits, batch["label"], label_smoothing=0.0)
             loss.backward()
@@ -181,15 +183,7 @@ def worker(args):
                 losses, t_log = [], time.perf_counter()
         state.update(losses=losses, t_log=t_log)
 
-    def our_steps_stock(n):
-        cached = accelerate.optimizer.is_lomo_available, AcceleratedOptimizer.zero_grad
-        accelerate.optimizer.is_lomo_available, AcceleratedOptimizer.zero_grad = stock["lomo"], stock["zero_grad"]
-        try:
-            our_steps(n)
-        finally:
-            accelerate.optimizer.is_lomo_available, AcceleratedOptimizer.zero_grad = cached
-
-    loops = {"raw": raw_steps, "raw_logged": raw_logged_steps, "ours": our_steps, "ours_stock": our_steps_stock}
+    loops = {"raw": raw_steps, "raw_logged": raw_logged_steps, "ours": our_steps}
     for run in loops.values():  # warm-up: DDP's first-iteration bucket rebuild, oneDNN kernel creation
         run(args.block)
     ms_per_step = {name: [] for name in loops}
@@ -207,6 +201,7 @@ def worker(args):
             with open(os.path.join(args.log_dir, file)) as f:
                 logged_steps[name] = [json.loads(line)["step"] for line in f]
         print("RESULT " + json.dumps({"world_size": accelerator.num_processes, "ms_per_step": ms_per_step,
+                                      "mixed_precision": accelerator.mixed_precision,
                                       "logged_steps": logged_steps}), flush=True)
     # DDP reducers before the gloo group goes (see train/mnist.py)
     del model, optimizer, raw_model, raw_optimizer, logged_model, logged_optimizer
@@ -237,6 +232,7 @@ def main(argv=None):
     parser.add_argument("--blocks", type=int, default=1500, help="Turns each loop takes.")
     parser.add_argument("--block", type=int, default=1, help="Steps per turn.")
     parser.add_argument("--data_dir", default=FASHION_DIR)
+    parser.add_argument("--mixed_precision", choices=["auto", "no", "bf16"], default="auto")
     parser.add_argument("--tiny", action="store_true", help="1000 samples, 30 turns: checks the bench runs")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--log_dir", default=None, help=argparse.SUPPRESS)
@@ -246,10 +242,12 @@ def main(argv=None):
     if args.worker:
         return worker(args)
     result = run_workers(__file__, ["--data_dir", args.data_dir, "--blocks", str(args.blocks),
-                                    "--block", str(args.block), *["--tiny"] * args.tiny])
+                                    "--block", str(args.block), "--mixed_precision", args.mixed_precision,
+                                    *["--tiny"] * args.tiny])
     ms = result["ms_per_step"]
     print(f"{args.blocks} alternating turns of {args.block} step(s) per loop, world size {result['world_size']}, "
-          f"bf16, 50 samples per process{' (tiny)' if args.tiny else ''}; logged steps: " +
+          f"mixed_precision={result['mixed_precision']}, 50 samples per process{' (tiny)' if args.tiny else ''}; "
+          "logged steps: " +
           ", ".join(f"{name} {steps[0]}..{steps[-1]} ({len(steps)} records)"
                     for name, steps in result["logged_steps"].items()))
     print("| loop | ms/step (median) | ms/step (mean) | throughput vs raw (total time) | vs raw, median of turns |")

@@ -1,6 +1,4 @@
 """Helpers that more than one script in train/ needs. Plain functions, no Trainer."""
-import functools
-import inspect
 import json
 import math
 import os
@@ -95,7 +93,6 @@ def make_accelerator(args, **kwargs):
     DDP's broadcast_buffers is off: broadcasting BatchNorm statistics before every forward cost 20-25%
     of a CPU step here; scripts average them over ranks with average_buffers() before evaluating.
     """
-    _cache_per_step_lookups()
     # torch 2.15 renames broadcast_buffers to forward_sync_buffers, which accelerate 1.15's
     # DistributedDataParallelKwargs cannot pass; the warning itself says to keep broadcast_buffers=False
     # until then, so it is silenced, and only it
@@ -110,41 +107,6 @@ def make_accelerator(args, **kwargs):
         kwargs_handlers=[_process_group_kwargs(args), DistributedDataParallelKwargs(broadcast_buffers=False)],
         **kwargs,
     )
-
-
-def _cache_per_step_lookups():
-    """accelerate 1.15 looks up, at every optimizer step, answers that cannot change during a run
-    (README, "Speed"; 2-process CPU step here ~12 ms):
-    - AcceleratedOptimizer.step() asks importlib twice whether lomo_optim is installed, a find_spec
-      over every sys.path entry: ~0.2 ms (transformers caches the same check);
-    - AcceleratedOptimizer.zero_grad() runs inspect.signature on the wrapped optimizer: ~0.07 ms.
-    Both are computed once. Each is replaced only where accelerate still has that code."""
-    import accelerate.optimizer
-
-    lookup = getattr(accelerate.optimizer, "is_lomo_available", None)
-    if lookup is not None and not hasattr(lookup, "cache_info"):
-        accelerate.optimizer.is_lomo_available = functools.cache(lookup)
-    optimizer_class = accelerate.optimizer.AcceleratedOptimizer
-    if "signature" in getattr(optimizer_class.zero_grad, "__code__", _zero_grad.__code__).co_names:
-        optimizer_class.zero_grad = _zero_grad
-
-
-@functools.cache
-def _accepts_set_to_none(zero_grad):
-    return "set_to_none" in inspect.signature(zero_grad).parameters
-
-
-def _zero_grad(self, set_to_none=None):
-    """AcceleratedOptimizer.zero_grad of accelerate 1.15 with its signature check cached: the same
-    branches and the same error."""
-    if self.gradient_state.sync_gradients:
-        zero_grad = self.optimizer.zero_grad
-        if _accepts_set_to_none(getattr(zero_grad, "__func__", zero_grad)):
-            zero_grad(set_to_none=True if set_to_none is None else set_to_none)
-        elif set_to_none is not None:
-            raise ValueError("`set_to_none` for Optimizer.zero_grad` is not supported by this optimizer.")
-        else:
-            zero_grad()
 
 
 def main_process_first(accelerator, load, errors):
