@@ -42,7 +42,9 @@ def worker(args):
 
     from data import collate_batch, load_dataset, normalize_images
     from train import mnist
-    from train.common import log_metrics, make_accelerator, make_scheduler
+    from train.accelerator import make_accelerator
+    from train.schedule import make_scheduler
+    from train.tracking import log_metrics
 
     script_args = mnist.parse_args(["--mixed_precision", "bf16", "--output_dir", args.log_dir])
     accelerator = make_accelerator(script_args)

@@ -140,7 +140,7 @@ def summary(path, gpu_count=None):
         if processes // machines > (os.cpu_count() or 1):
             text += f"; warning: more processes than the {os.cpu_count()} CPU cores here"
         if raw.get("mixed_precision") == "bf16":
-            from train.common import cpu_has_native_bf16
+            from train.accelerator import cpu_has_native_bf16
 
             native, what = cpu_has_native_bf16()
             if not native:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from train.cli import fail, first_local_process
-from train.common import write_json
+from train.tracking import write_json
 
 CHECKPOINT_FORMAT = 1
 
@@ -164,7 +164,7 @@ def save_checkpoint(accelerator, args, script, step, model, optimizer, lr_schedu
         write(obj, files[-1])
 
     # per rank: its RNG streams and its BatchNorm running statistics, which differ between ranks
-    # between evaluations (DDP's broadcast_buffers is off, see train/common.py)
+    # between evaluations (DDP's broadcast_buffers is off, see train/accelerator.py)
     buffers = {name: b.detach().cpu().clone() for name, b in accelerator.unwrap_model(model).named_buffers()}
     put(f"rank_state_{accelerator.process_index}.pt", {**_rng_state(), "buffers": buffers})
     if accelerator.is_main_process:

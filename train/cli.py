@@ -12,6 +12,7 @@ import os
 import shlex
 import signal
 import sys
+import time
 
 GROUPS = (("data", "data"), ("model", "model"), ("optimization", "optimization"),
           ("checkpoints", "output and checkpoints"), ("tracking", "logging and tracking"),
@@ -20,6 +21,24 @@ GROUPS = (("data", "data"), ("model", "model"), ("optimization", "optimization")
 
 def first_local_process():
     return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def exit_once(message, code):
+    """Print `message` from the first local process and exit with `code`, at once (a process group
+    left to interpreter exit can hang or abort; checkpoints are atomic, so nothing is half-written).
+    The other processes wait first: torchrun stops every worker as soon as one exits with an error, so
+    one that left before the first had printed would take the only line with it (seen here). If one
+    is still alive after the wait, the error was its own, and it prints it."""
+    if "LOCAL_RANK" not in os.environ:  # one process, no launcher: a plain exit, catchable in-process
+        sys.stderr.write(message + "\n")
+        sys.exit(code)
+    if not first_local_process():
+        time.sleep(5)
+        message = f"[local rank {os.environ['LOCAL_RANK']}] {message}"
+    sys.stderr.write(message + "\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def positive_int(text):
@@ -74,9 +93,7 @@ class Parser(argparse.ArgumentParser):
                 if close:
                     message += f" (did you mean {close[0]}?)"
                     break
-        if first_local_process():
-            sys.stderr.write(f"error: {message}; see {self.prog} --help\n")
-        sys.exit(2)
+        exit_once(f"error: {message}; see {self.prog} --help", 2)
 
 
 def make_parser(doc):
@@ -165,8 +182,7 @@ def resume_command():
 def run(main, args):
     """main(args) with the two ways out that users meet most made short: an error is one line
     from one process and exit 1; Ctrl-C is one line with the last checkpoint and the command that
-    resumes from it, and exit 130. Both leave at once: a process group left to interpreter exit can
-    hang or abort, and checkpoints are written atomically, so nothing half-written is left."""
+    resumes from it, and exit 130."""
     try:
         return main(args)
     except SystemExit as e:
@@ -180,9 +196,7 @@ def run(main, args):
         found = list_checkpoints(args.output_dir) if args.output_dir else []
         where = (f"last checkpoint {found[-1]}" if found else
                  "no checkpoint yet (--checkpointing_steps saves them), so a resume starts from step 0")
+        if not first_local_process():  # torchrun's agent got the SIGINT too and waits for every worker
+            os._exit(130)
         message, code = f"interrupted; {where}; resume with: {resume_command()}", 130
-    if first_local_process():
-        sys.stderr.write(message + "\n")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_once(message, code)

@@ -31,8 +31,9 @@ from data.sharding import ParquetSource, PlanError, ShardedIterableDataset, chec
 from train.checkpoint import (check_output_dir, data_position, find_checkpoint, load_checkpoint, prepare_output_dir,
                               save_checkpoint)
 from train.cli import add_tracking_args, fail, make_parser, positive_float, positive_int, run
-from train.common import (announce, average_buffers, log_metrics, main_process_first, make_accelerator, make_scheduler,
-                          plan_steps, plot_metrics, save_final, start_tracking, tracking_kwargs)
+from train.accelerator import announce, average_buffers, main_process_first, make_accelerator
+from train.schedule import make_scheduler, plan_steps
+from train.tracking import log_metrics, plot_metrics, save_final, start_tracking, tracking_kwargs
 
 SCRIPT = "mnist"  # recorded in checkpoints, so another script's checkpoint is refused
 MODELS = {"convnet": {"channels": (16, 32), "kernel_sizes": (5, 5)},  # the seed notes' model: 2.8 M multiply-adds

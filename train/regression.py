@@ -25,7 +25,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from train.checkpoint import (check_output_dir, data_position, find_checkpoint, load_checkpoint, prepare_output_dir,
                               save_checkpoint)
 from train.cli import make_parser, positive_float, positive_int, run
-from train.common import announce, make_accelerator, plan_steps, save_final
+from train.accelerator import announce, make_accelerator
+from train.schedule import plan_steps
+from train.tracking import save_final
 
 SCRIPT = "regression"  # recorded in checkpoints, so another script's checkpoint is refused
 NUM_FEATURES = 20

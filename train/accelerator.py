@@ -1,6 +1,6 @@
-"""Helpers that more than one script in train/ needs. Plain functions, no Trainer."""
-import json
-import math
+"""The accelerator every script builds, and what runs on it before training: the process group
+(with its restart-safe rendezvous), the mixed precision chosen for the hardware, the header that
+shows what is really running, and the main-process-first data load."""
 import os
 import sys
 import warnings
@@ -19,7 +19,9 @@ def _env_rendezvous_per_attempt(url, timeout=None, **kwargs):
     without a per-attempt prefix, so after `--max_restarts` restarts the workers a rank can read its
     peer's address from the dead attempt and fail ("Gloo connectFullMesh failed ... Connection
     refused"; 3 of 3 restarts here, pytorch#135712 has the same root cause). A prefix per attempt
-    gives every attempt fresh keys.
+    gives every attempt fresh keys. torch has no public way to put a prefix into env://, so its
+    private handler is wrapped (not replaced): registered under a new scheme, through public
+    register_rendezvous_handler.
     """
     from torch.distributed import PrefixStore
     from torch.distributed.rendezvous import _env_rendezvous_handler
@@ -168,119 +170,3 @@ def announce(accelerator, global_batch_size, args):
                           "starts a MULTI_CPU config or --cpu --num_processes N as a single process unless it has an "
                           "MPI hostfile; use accelerate_configs/cpu_2proc.yaml, or answer multi-GPU in `accelerate "
                           "config` (our scripts run it as CPU processes when there is no GPU)")
-
-
-def plan_steps(args, batches_per_epoch):
-    """(max_train_steps, num_train_epochs) from the per-process batch count of the prepared loader."""
-    steps_per_epoch = math.ceil(batches_per_epoch / args.gradient_accumulation_steps)
-    if steps_per_epoch == 0:
-        raise SystemExit("error: the training set is smaller than one global batch; lower "
-                         "--per_device_train_batch_size or use more training samples")
-    max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
-    return max_train_steps, math.ceil(max_train_steps / steps_per_epoch)
-
-
-def make_scheduler(optimizer, name, num_warmup_steps, num_training_steps):
-    """LambdaLR for `name` in (constant, linear, cosine) with linear warmup, in optimizer steps."""
-    def lr_lambda(step):
-        if step < num_warmup_steps:
-            return (step + 1) / (num_warmup_steps + 1)
-        progress = min(1.0, (step - num_warmup_steps) / max(1, num_training_steps - num_warmup_steps))
-        if name == "linear":
-            return 1.0 - progress
-        if name == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
-
-
-def write_json(path, payload):
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)  # readers never see a half-written file
-
-
-def save_final(accelerator, model, args, results):
-    """The run's outputs: model.safetensors, all_results.json and args.json in --output_dir."""
-    accelerator.wait_for_everyone()
-    accelerator.save_model(model, args.output_dir)  # written by the main process
-    if accelerator.is_main_process:
-        write_json(os.path.join(args.output_dir, "all_results.json"), results)
-        write_json(os.path.join(args.output_dir, "args.json"), vars(args))
-
-
-def tracking_kwargs(args):
-    """Accelerator arguments for --with_tracking: trackers write under OUTPUT_DIR/tensorboard/."""
-    if not args.with_tracking:
-        return {}
-    return {"log_with": args.report_to, "project_dir": os.path.join(args.output_dir, "tensorboard")}
-
-
-def start_tracking(accelerator, args, project_name, completed_steps):
-    """Start the trackers and cut metrics.jsonl back to `completed_steps`, so a resumed run neither
-    repeats nor loses lines (the steps logged after the checkpoint are logged again)."""
-    if args.with_tracking:
-        # hparams must be scalars: tensorboard rejects None
-        config = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
-        accelerator.init_trackers(project_name, config=config)
-    path = os.path.join(args.output_dir, "metrics.jsonl")
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-        records = _read_jsonl(path) if completed_steps else []
-        with open(path + ".tmp", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records if r["step"] <= completed_steps)
-        os.replace(path + ".tmp", path)  # a crash now leaves the old log, never half of it
-    accelerator.wait_for_everyone()
-
-
-def log_metrics(accelerator, args, record):
-    """One record (a dict with "step") to OUTPUT_DIR/metrics.jsonl and, with --with_tracking, the trackers."""
-    if args.with_tracking:
-        accelerator.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
-    if accelerator.is_main_process:
-        with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
-def _read_jsonl(path):
-    """The records of a metrics.jsonl; a line torn by a crash mid-write is dropped."""
-    if not os.path.exists(path):
-        return []
-    records = []
-    with open(path) as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return records
-
-
-def plot_metrics(output_dir):
-    """OUTPUT_DIR/curves.png: training loss and eval accuracy against optimizer steps, from metrics.jsonl."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on servers
-    import matplotlib.pyplot as plt
-
-    records = _read_jsonl(os.path.join(output_dir, "metrics.jsonl"))
-    train = [r for r in records if "train_loss" in r]
-    evals = [r for r in records if "eval_accuracy" in r]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
-    ax_loss.plot([r["step"] for r in train], [r["train_loss"] for r in train], label="train")
-    ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval")
-    ax_loss.set(xlabel="optimizer step", ylabel="loss", title="loss")
-    ax_loss.legend()
-    ax_acc.plot([r["step"] for r in evals], [100 * r["eval_accuracy"] for r in evals], "o-")
-    ax_acc.set(xlabel="optimizer step", ylabel="accuracy (%)", title="eval accuracy")
-    for ax in (ax_loss, ax_acc):
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = os.path.join(output_dir, "curves.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
