@@ -63,12 +63,16 @@ def fashion_dir():
     return FASHION_DIR
 
 
-@pytest.fixture
-def fresh_accelerate_state():
+def reset_accelerate_state():
     """accelerate keeps process-wide singletons; reset them so in-process runs do not leak into each other."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
-    yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    yield
+    reset_accelerate_state()

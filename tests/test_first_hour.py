@@ -4,6 +4,7 @@ Ctrl-C that says how to resume, and honest figures after a resume."""
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import CONFIGS, REPO, clean_env, launch, output_of
+from conftest import CONFIGS, REPO, clean_env, launch, output_of, reset_accelerate_state
 from wizard import run_wizard
 from train import mnist
 from train.accelerator import cpu_has_native_bf16
@@ -123,8 +124,7 @@ def test_weights_without_checkpoint_refuse_to_resume(tmp_path):
 
 def test_unfinished_run_hint_names_the_resume(tmp_path, finished_run):
     out = tmp_path / "run"
-    os.makedirs(out / "checkpoints")
-    os.system(f"cp -r {finished_run}/checkpoints/step_00000064 {out}/checkpoints/")
+    shutil.copytree(finished_run / "checkpoints" / "step_00000064", out / "checkpoints" / "step_00000064")
     proc = script("regression", "--output_dir", out)
     assert proc.returncode == 1
     assert "holds an unfinished run with checkpoints up to step_00000064; pass --resume_from_checkpoint latest " \
@@ -246,15 +246,14 @@ def test_help_is_grouped_with_defaults():
 def test_resumed_run_counts_the_time_before_its_checkpoint(tmp_path):
     args = [*map(str, TINY_MNIST), "--checkpointing_steps", "4", "--output_dir", str(tmp_path / "full")]
     mnist.main(mnist.parse_args(args))
-    os.makedirs(tmp_path / "resumed" / "checkpoints")
-    os.system(f"cp -r {tmp_path}/full/checkpoints/step_00000004 {tmp_path}/resumed/checkpoints/")
+    shutil.copytree(tmp_path / "full" / "checkpoints" / "step_00000004",
+                    tmp_path / "resumed" / "checkpoints" / "step_00000004")
     meta_path = tmp_path / "resumed" / "checkpoints" / "step_00000004" / "meta.json"
     meta = json.loads(meta_path.read_text())
     assert 0 < meta["epoch_elapsed"] < 100
     meta["epoch_elapsed"] = 1000.0  # as if the first 4 of 16 steps had taken 1000 s
     meta_path.write_text(json.dumps(meta))
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-    AcceleratorState._reset_state(True), GradientState._reset_state(), PartialState._reset_state()
+    reset_accelerate_state()
     results = mnist.main(mnist.parse_args([*args[:-1], str(tmp_path / "resumed"), "--resume_from_checkpoint", "latest"]))
     assert 1000 < results["epoch_seconds"][0] < 1100
     assert results["train_samples_per_second"] == pytest.approx(16 * 32 / sum(results["epoch_seconds"]))

@@ -1,6 +1,7 @@
 """The accelerator every script builds, and what runs on it before training: the process group
 (with its restart-safe rendezvous), the mixed precision chosen for the hardware, the header that
 shows what is really running, and the main-process-first data load."""
+import functools
 import os
 import sys
 import warnings
@@ -10,6 +11,8 @@ from urllib.parse import urlparse
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
+
+from train.cli import fail
 
 
 def _env_rendezvous_per_attempt(url, timeout=None, **kwargs):
@@ -43,16 +46,20 @@ def _process_group_kwargs(args):
     return InitProcessGroupKwargs(**kwargs)
 
 
+@functools.cache
+def _cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:  # not Linux: nothing to tell native bf16 by, so fp32
+        return []
+
+
 def cpu_has_native_bf16(cpu_flags=None, capability=None, onednn_isa=None):
     """(yes, what) for the CPU's bf16: native with AVX512-BF16 or AMX, when torch and oneDNN may use
     them (ATEN_CPU_CAPABILITY=avx2 / ONEDNN_MAX_CPU_ISA=AVX2 limit a big CPU to AVX2 kernels).
-    Without native support bf16 autocast is emulated: measured 10x slower than fp32 on an AVX2 EPYC."""
-    if cpu_flags is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpu_flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-        except OSError:  # not Linux: nothing to tell native bf16 by, so fp32
-            cpu_flags = []
+    Without native support bf16 autocast is emulated: 7-10x slower than fp32 on an AVX2 EPYC (measured)."""
+    cpu_flags = cpu_flags if cpu_flags is not None else _cpu_flags()
     capability = capability if capability is not None else torch.backends.cpu.get_cpu_capability()
     onednn_isa = (onednn_isa if onednn_isa is not None else os.environ.get("ONEDNN_MAX_CPU_ISA", "")).upper()
     native = [flag for flag in ("amx_bf16", "avx512_bf16") if flag in cpu_flags]
@@ -125,7 +132,7 @@ def main_process_first(accelerator, load, errors):
             message = str(e)
     message = broadcast_object_list([message])[0] if accelerator.num_processes > 1 else message
     if message is not None:
-        raise SystemExit(f"error: {message}")
+        fail(message)
     return result if accelerator.is_main_process else load()
 
 
@@ -147,15 +154,15 @@ def announce(accelerator, global_batch_size, args):
                      f"device={accelerator.device}\n")
     sys.stdout.flush()
     accelerator.wait_for_everyone()
-    precision, why = choose_mixed_precision(args.mixed_precision, accelerator.device.type == "cpu")
+    on_cpu = accelerator.device.type == "cpu"
+    why = choose_mixed_precision(args.mixed_precision, on_cpu)[1]
     accelerator.print(f"world_size={accelerator.num_processes} device={accelerator.device.type} "
                       f"distributed_type={accelerator.distributed_type.value} "
                       f"mixed_precision={accelerator.mixed_precision} ({why}) global_batch_size={global_batch_size} "
                       f"threads_per_process={torch.get_num_threads()}")
-    native, what = cpu_has_native_bf16()
-    if precision == "bf16" and accelerator.device.type == "cpu" and not native:
-        accelerator.print(f"warning: bf16 on a CPU without native bf16 ({what}) is emulated, ~10x slower than fp32; "
-                          "--mixed_precision auto (the default) picks fp32 here")
+    if accelerator.mixed_precision == "bf16" and on_cpu and not cpu_has_native_bf16()[0]:
+        accelerator.print(f"warning: bf16 on a CPU without native bf16 ({cpu_has_native_bf16()[1]}) is emulated, "
+                          "7-10x slower than fp32; --mixed_precision auto (the default) picks fp32 here")
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type.value != "FSDP":
         # accelerate 1.15 turns an FSDP config into plain DDP when cpu=True, without a word
         accelerator.print("warning: the config asks for FSDP, but accelerate runs FSDP on GPUs only: this run is "

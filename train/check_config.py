@@ -144,7 +144,7 @@ def summary(path, gpu_count=None):
 
             native, what = cpu_has_native_bf16()
             if not native:
-                text += f"; warning: bf16 is emulated on this CPU ({what}), ~10x slower than mixed_precision: 'no'"
+                text += f"; warning: bf16 is emulated on this CPU ({what}), 7-10x slower than mixed_precision: 'no'"
     return text
 
 

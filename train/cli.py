@@ -174,29 +174,30 @@ def resume_command():
             skip = True
         elif not (a == "--overwrite_output_dir" or a.startswith("--resume_from_checkpoint=")):
             args.append(a)
-    script = os.path.relpath(sys.argv[0]) if not os.path.isabs(sys.argv[0]) else sys.argv[0]
     launcher = _launcher_argv() or ["python"]
-    return shlex.join([*launcher, script, *args, "--resume_from_checkpoint", "latest"])
+    return shlex.join([*launcher, sys.argv[0], *args, "--resume_from_checkpoint", "latest"])
 
 
-def run(main, args):
-    """main(args) with the two ways out that users meet most made short: an error is one line
-    from one process and exit 1; Ctrl-C is one line with the last checkpoint and the command that
-    resumes from it, and exit 130."""
+def run(main, args, errors=()):
+    """main(args) with the two ways out that users meet most made short: an error (fail(), or one
+    of `errors`, the script's kinds of bad input) is one line from one process and exit 1; Ctrl-C is
+    one line with the last checkpoint and the command that resumes from it, and exit 130."""
     try:
         return main(args)
     except SystemExit as e:
         if not isinstance(e.code, str):
             raise
         message, code = e.code, 1
+    except errors as e:
+        message, code = f"error: {e}", 1
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher forwards a second SIGINT
+        if not first_local_process():  # torchrun's agent got the SIGINT too and waits for every worker
+            os._exit(130)
         from train.checkpoint import list_checkpoints
 
         found = list_checkpoints(args.output_dir) if args.output_dir else []
         where = (f"last checkpoint {found[-1]}" if found else
                  "no checkpoint yet (--checkpointing_steps saves them), so a resume starts from step 0")
-        if not first_local_process():  # torchrun's agent got the SIGINT too and waits for every worker
-            os._exit(130)
         message, code = f"interrupted; {where}; resume with: {resume_command()}", 130
     exit_once(message, code)

@@ -30,12 +30,13 @@ from data.prepare import prepare
 from data.sharding import ParquetSource, PlanError, ShardedIterableDataset, check_same_plan, shards_in
 from train.checkpoint import (check_output_dir, data_position, find_checkpoint, load_checkpoint, prepare_output_dir,
                               save_checkpoint)
-from train.cli import add_tracking_args, fail, make_parser, positive_float, positive_int, run
+from train.cli import add_tracking_args, make_parser, positive_float, positive_int, run
 from train.accelerator import announce, average_buffers, main_process_first, make_accelerator
 from train.schedule import make_scheduler, plan_steps
 from train.tracking import log_metrics, plot_metrics, save_final, start_tracking, tracking_kwargs
 
 SCRIPT = "mnist"  # recorded in checkpoints, so another script's checkpoint is refused
+USER_ERRORS = (DataError, PlanError)  # bad data or shards: one line for the user, not a traceback
 MODELS = {"convnet": {"channels": (16, 32), "kernel_sizes": (5, 5)},  # the seed notes' model: 2.8 M multiply-adds
           "convnet_fast": {"channels": (16, 32), "kernel_sizes": (5, 3), "norm_after_pool": True},  # 1.2 M: the recipe
           "convnet_wide": {"channels": (32, 64), "kernel_sizes": (3, 3)}}  # 3.9 M: the >= 92% recipe (README)
@@ -146,10 +147,7 @@ def main(args):
     t_launch = time.perf_counter()
     check_output_dir(args)  # bad paths fail here, in every process alike, before any of them waits on another
     if args.data_dir and not args.streaming:
-        try:
-            check_data_dir(args.dataset, args.data_dir)
-        except DataError as e:
-            fail(e)
+        check_data_dir(args.dataset, args.data_dir)
     accelerator = make_accelerator(args, **tracking_kwargs(args))
     set_seed(args.seed)  # same initial weights on every process; DDP also broadcasts them
     global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
@@ -159,24 +157,22 @@ def main(args):
     # ---------------------------------------------------------------- data
     parquet_dir = args.parquet_dir or os.path.join("runs", "parquet", args.dataset)
     mean, std = DATASETS[args.dataset].mean, DATASETS[args.dataset].std
+
     def load():  # one process downloads or writes shards, the others then read
         if not args.streaming:
             return load_dataset(args.dataset, args.data_dir)
         if not shards_in(parquet_dir, "train") and accelerator.is_main_process:
             prepare(args.dataset, parquet_dir, data_dir=args.data_dir)
 
-    try:
-        loaded = main_process_first(accelerator, load, (DataError, PlanError))
-        if args.streaming:
-            source = f"{parquet_dir} (parquet shards, sharded iterable)"
-            train_loader = sharded_loader(accelerator, parquet_dir, "train", args.per_device_train_batch_size, args,
-                                          args.max_train_samples, train=True)
-            eval_loader = sharded_loader(accelerator, parquet_dir, "test", args.per_device_eval_batch_size, args,
-                                         args.max_eval_samples, train=False)
-            num_train, num_eval = train_loader.dataset.plan.num_samples, eval_loader.dataset.plan.num_samples
-    except (DataError, PlanError) as e:
-        fail(e)
-    if not args.streaming:
+    loaded = main_process_first(accelerator, load, USER_ERRORS)
+    if args.streaming:
+        source = f"{parquet_dir} (parquet shards, sharded iterable)"
+        train_loader = sharded_loader(accelerator, parquet_dir, "train", args.per_device_train_batch_size, args,
+                                      args.max_train_samples, train=True)
+        eval_loader = sharded_loader(accelerator, parquet_dir, "test", args.per_device_eval_batch_size, args,
+                                     args.max_eval_samples, train=False)
+        num_train, num_eval = train_loader.dataset.plan.num_samples, eval_loader.dataset.plan.num_samples
+    else:
         train_set, eval_set, source = loaded
         train_set, eval_set = train_set.subset(args.max_train_samples), eval_set.subset(args.max_eval_samples)
         num_train, num_eval = len(train_set), len(eval_set)
@@ -218,10 +214,7 @@ def main(args):
         resumed_seconds = meta.get("epoch_elapsed", 0.0)  # the interrupted epoch's training time before the save
         starting_epoch, skip_batches = meta["data"]["epoch"], meta["data"]["next_batch"]
         if args.streaming:
-            try:
-                train_loader.load_state_dict(meta["data"])
-            except PlanError as e:
-                fail(e)
+            train_loader.load_state_dict(meta["data"])
     start_tracking(accelerator, args, SCRIPT, completed_steps)
 
     def position(epoch, batches_done):
@@ -322,4 +315,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    run(main, parse_args())
+    run(main, parse_args(), USER_ERRORS)
