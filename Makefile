@@ -17,7 +17,9 @@ FASHION_DIR := /usr/share/datasets/fashion-mnist
 RECIPE := --per_device_train_batch_size 64 --learning_rate 6e-3 --num_warmup_steps 100 --lr_scheduler_type cosine \
 	--label_smoothing 0.1
 
-.PHONY: setup train train-only test
+IMAGES_DIR ?= runs/images/fashion_mnist
+
+.PHONY: setup train train-only test images train-images
 
 # apt for the offline Fashion-MNIST copy (Debian's dataset-fashion-mnist), pip for the Python packages.
 setup:
@@ -35,6 +37,17 @@ train-only:
 	$(PYTHON) -m accelerate.commands.launch --config_file $(CONFIG) train/mnist.py \
 	  --dataset $(DATASET) --model $(MODEL) --num_train_epochs $(EPOCHS) --mixed_precision $(MIXED_PRECISION) $(RECIPE) \
 	  --with_tracking --output_dir $(OUTPUT_DIR) --overwrite_output_dir $(EXTRA)
+
+# Fashion-MNIST as PNG class folders (IMAGES_DIR/{train,validation}/CLASS/N.png): real images to try
+# train/image_classification.py on, offline
+images: setup
+	@if [ ! -d $(IMAGES_DIR)/train ]; then $(PYTHON) -m data.prepare --dataset fashion_mnist --format images \
+	  --output_dir $(IMAGES_DIR); fi
+
+train-images: images
+	$(PYTHON) -m accelerate.commands.launch --config_file $(CONFIG) train/image_classification.py \
+	  --train_dir $(IMAGES_DIR)/train --validation_dir $(IMAGES_DIR)/validation --num_train_epochs $(EPOCHS) \
+	  --with_tracking --output_dir runs/image_classification --overwrite_output_dir $(EXTRA)
 
 test: setup
 	$(PYTHON) -m pytest

@@ -1,6 +1,10 @@
-"""Write MNIST / Fashion-MNIST as parquet shards for the streaming path.
+"""Write MNIST / Fashion-MNIST as parquet shards for the streaming path, or as image folders of PNGs.
 
     python -m data.prepare --dataset fashion_mnist --output_dir runs/parquet/fashion_mnist --num_shards 8
+    python -m data.prepare --dataset fashion_mnist --format images --output_dir runs/images/fashion_mnist
+
+Image folders: OUTPUT_DIR/{train,validation}/CLASS_NAME/NNNNN.png, the layout train/image_classification.py
+reads (validation is the test split); --max_per_class N writes a small slice, the first N of each class.
 
 Each split becomes NUM_SHARDS files `{split}-{i:05d}-of-{n:05d}.parquet` with columns `image` (784
 raw bytes) and `label` (int64). Rows go into row groups of --rows_per_group rows, the sharded
@@ -75,11 +79,53 @@ def prepare(dataset, output_dir, num_shards=8, rows_per_group=32, data_dir=None)
     return output_dir
 
 
+CLASS_NAMES = {"mnist": [str(d) for d in range(10)],
+               "fashion_mnist": ["T-shirt_top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker",
+                                 "Bag", "Ankle_boot"]}
+
+
+def write_image_folders(dataset, output_dir, data_dir=None, max_per_class=None):
+    """Write train and validation (the test split) as folders of grayscale PNGs, one per class
+    (atomically); return output_dir."""
+    from PIL import Image
+
+    from data.mnist import load_dataset
+
+    train, test, source = load_dataset(dataset, data_dir)
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".prepare-", dir=parent)
+    counts = {}
+    try:
+        for split, ds in (("train", train), ("validation", test)):
+            written = [0] * 10
+            for name in CLASS_NAMES[dataset]:
+                os.makedirs(os.path.join(tmp, split, name))
+            for i, (image, label) in enumerate(zip(ds.images.numpy(), ds.labels.tolist())):
+                if max_per_class is None or written[label] < max_per_class:
+                    Image.fromarray(image, mode="L").save(os.path.join(tmp, split, CLASS_NAMES[dataset][label],
+                                                                       f"{i:05d}.png"))
+                    written[label] += 1
+            counts[split] = sum(written)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
+        if os.path.isdir(output_dir):
+            shutil.rmtree(output_dir)
+        os.replace(tmp, output_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"wrote {counts['train']} train + {counts['validation']} validation PNGs of {dataset} ({source}) "
+          f"to {output_dir}/{{train,validation}}/CLASS_NAME/")
+    return output_dir
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dataset", choices=["mnist", "fashion_mnist"], default="fashion_mnist")
     parser.add_argument("--data_dir", default=None, help="Folder with the idx files (see data/mnist.py).")
     parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--format", choices=["parquet", "images"], default="parquet",
+                        help="parquet shards (the streaming path of train/mnist.py) or image folders of PNGs.")
+    parser.add_argument("--max_per_class", type=int, default=None, help="images: write the first N of each class.")
     parser.add_argument("--num_shards", type=int, default=8)
     parser.add_argument("--rows_per_group", type=int, default=32)
     args = parser.parse_args(argv)
@@ -87,7 +133,10 @@ def main(argv=None):
         raise SystemExit("error: --num_shards and --rows_per_group must be positive")
     from data.mnist import DataError
     try:
-        prepare(args.dataset, args.output_dir, args.num_shards, args.rows_per_group, args.data_dir)
+        if args.format == "images":
+            write_image_folders(args.dataset, args.output_dir, args.data_dir, args.max_per_class)
+        else:
+            prepare(args.dataset, args.output_dir, args.num_shards, args.rows_per_group, args.data_dir)
     except DataError as e:
         raise SystemExit(f"error: {e}") from None
 

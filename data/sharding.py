@@ -240,6 +240,8 @@ class ShardedIterableDataset(IterableDataset):
 
     def set_epoch(self, epoch, start_batch=0):
         self.epoch, self.start_batch = epoch, start_batch
+        if hasattr(self.source, "set_epoch"):  # a source with random transforms seeded by epoch
+            self.source.set_epoch(epoch)
 
     def __len__(self):
         return self.plan.num_batches() - self.start_batch

@@ -118,10 +118,12 @@ def make_accelerator(args, **kwargs):
     )
 
 
-def main_process_first(accelerator, load, errors):
+def main_process_first(accelerator, load, errors, share=False):
     """load() on the main process, then on the others: one process downloads or writes files, the
-    others read them. If the main process fails with one of `errors`, every process stops with its
-    message, instead of the others timing out in a barrier with a traceback of their own."""
+    others read them. With share=True the others receive the main process's result instead (a
+    folder scanned once, the same list on every rank). If the main process fails with one of
+    `errors`, every process stops with its message, instead of the others timing out in a barrier
+    with a traceback of their own."""
     from accelerate.utils import broadcast_object_list
 
     result, message = None, None
@@ -130,10 +132,12 @@ def main_process_first(accelerator, load, errors):
             result = load()
         except errors as e:
             message = str(e)
-    message = broadcast_object_list([message])[0] if accelerator.num_processes > 1 else message
+    if accelerator.num_processes > 1:
+        message, shared = broadcast_object_list([message, result if share else None])
+        result = shared if share else result
     if message is not None:
         fail(message)
-    return result if accelerator.is_main_process else load()
+    return result if accelerator.is_main_process or share else load()
 
 
 def average_buffers(accelerator, model):
@@ -146,7 +150,7 @@ def average_buffers(accelerator, model):
                     buffer.copy_(accelerator.reduce(buffer, reduction="mean"))
 
 
-def announce(accelerator, global_batch_size, args):
+def announce(accelerator, args):
     """One line per process, then a header from the main process: what is really running, so a
     wrong launch (two independent world-size-1 runs, say) shows at once."""
     # one write() per line, so lines from different processes do not interleave mid-line
@@ -155,6 +159,7 @@ def announce(accelerator, global_batch_size, args):
     sys.stdout.flush()
     accelerator.wait_for_everyone()
     on_cpu = accelerator.device.type == "cpu"
+    global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     why = choose_mixed_precision(args.mixed_precision, on_cpu)[1]
     accelerator.print(f"world_size={accelerator.num_processes} device={accelerator.device.type} "
                       f"distributed_type={accelerator.distributed_type.value} "

@@ -75,7 +75,7 @@ def prepare_output_dir(accelerator, args):
     if args.overwrite_output_dir and accelerator.is_main_process:
         shutil.rmtree(os.path.join(args.output_dir, "checkpoints"), ignore_errors=True)
         shutil.rmtree(os.path.join(args.output_dir, "tensorboard"), ignore_errors=True)
-        for name in ("metrics.jsonl", "curves.png", "all_results.json", "model.safetensors"):
+        for name in ("metrics.jsonl", "curves.png", "all_results.json", "model.safetensors", "labels.json"):
             if os.path.exists(os.path.join(args.output_dir, name)):  # a replaced run must not mix into the new one
                 os.remove(os.path.join(args.output_dir, name))
     accelerator.wait_for_everyone()

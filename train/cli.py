@@ -119,6 +119,12 @@ def make_parser(doc):
                                        "complete one in --output_dir, or a fresh start if there is none yet.")
     g["checkpoints"].add_argument("--checkpoints_total_limit", type=positive_int, default=None,
                                   help="Keep only the newest N checkpoints.")
+    g["tracking"].add_argument("--logging_steps", type=positive_int, default=20,
+                               help="Log the mean training loss every N optimizer steps (each log is a device sync).")
+    g["tracking"].add_argument("--with_tracking", action="store_true",
+                               help="Send metrics to the --report_to trackers (files under OUTPUT_DIR/tensorboard).")
+    g["tracking"].add_argument("--report_to", type=str, default="tensorboard",
+                               help="accelerate tracker(s) for --with_tracking: tensorboard, wandb, ..., or all.")
     g["hardware"].add_argument("--mixed_precision", choices=["auto", "no", "fp16", "bf16"], default="auto",
                                help="auto: bf16 on GPUs that support it and on CPUs with native bf16 (AVX512-BF16, "
                                     "AMX), else fp32, unless the accelerate config asks for fp16/bf16.")
@@ -130,12 +136,20 @@ def make_parser(doc):
     return parser
 
 
-def add_tracking_args(parser):
-    g = parser.groups["tracking"]
-    g.add_argument("--with_tracking", action="store_true",
-                   help="Send metrics to the --report_to trackers (files under OUTPUT_DIR/tensorboard).")
-    g.add_argument("--report_to", type=str, default="tensorboard",
-                   help="accelerate tracker(s) for --with_tracking: tensorboard, wandb, ..., or all.")
+def add_optimizer_args(parser, learning_rate, train_batch_size, eval_batch_size, weight_decay=0.0,
+                       label_smoothing=0.0):
+    """The flags of an AdamW + warmup/schedule classifier, with the script's defaults."""
+    g = parser.groups["optimization"]
+    g.add_argument("--per_device_train_batch_size", type=positive_int, default=train_batch_size,
+                   help="Batch size per process; the global batch is this x processes x accumulation.")
+    g.add_argument("--per_device_eval_batch_size", type=positive_int, default=eval_batch_size,
+                   help="Evaluation batch size per process.")
+    g.add_argument("--learning_rate", type=positive_float, default=learning_rate, help="Peak AdamW learning rate.")
+    g.add_argument("--weight_decay", type=float, default=weight_decay, help="AdamW weight decay.")
+    g.add_argument("--lr_scheduler_type", choices=["constant", "linear", "cosine"], default="cosine",
+                   help="Learning-rate schedule after warmup.")
+    g.add_argument("--num_warmup_steps", type=int, default=0, help="Linear warmup steps.")
+    g.add_argument("--label_smoothing", type=float, default=label_smoothing, help="Cross-entropy label smoothing.")
 
 
 def fail(message):
@@ -189,7 +203,10 @@ def run(main, args, errors=()):
             raise
         message, code = e.code, 1
     except errors as e:
-        message, code = f"error: {e}", 1
+        text = str(e)
+        if "Original Traceback" in text:  # raised in a DataLoader worker: its own message is the last line
+            text = text.strip().splitlines()[-1].split(": ", 1)[-1]
+        message, code = f"error: {text}", 1
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher forwards a second SIGINT
         if not first_local_process():  # torchrun's agent got the SIGINT too and waits for every worker

@@ -22,12 +22,11 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
-from train.checkpoint import (check_output_dir, data_position, find_checkpoint, load_checkpoint, prepare_output_dir,
-                              save_checkpoint)
-from train.cli import make_parser, positive_float, positive_int, run
 from train.accelerator import announce, make_accelerator
-from train.schedule import plan_steps
-from train.tracking import save_final
+from train.checkpoint import check_output_dir, prepare_output_dir
+from train.cli import make_parser, positive_float, positive_int, run
+from train.loop import TrainingLoop
+from train.tracking import tracking_kwargs
 
 SCRIPT = "regression"  # recorded in checkpoints, so another script's checkpoint is refused
 NUM_FEATURES = 20
@@ -43,7 +42,7 @@ def parse_args(argv=None):
     optimization.add_argument("--per_device_eval_batch_size", type=positive_int, default=64,
                               help="Eval batch per process.")
     optimization.add_argument("--learning_rate", type=positive_float, default=0.05, help="SGD learning rate.")
-    parser.set_defaults(num_train_epochs=2, output_dir="runs/regression")
+    parser.set_defaults(num_train_epochs=2, logging_steps=8, output_dir="runs/regression")
     return parser.parse_args(argv)
 
 
@@ -60,83 +59,51 @@ def make_data(num_train_samples, num_eval_samples, seed):
     return draw(num_train_samples), draw(num_eval_samples)
 
 
-def main(args):
-    # ---------------------------------------------------------------- accelerator
-    check_output_dir(args)  # before any process waits on another
-    accelerator = make_accelerator(args)
-    set_seed(args.seed)
-    global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
-    announce(accelerator, global_batch_size, args)
-    prepare_output_dir(accelerator, args)
-
-    # ---------------------------------------------------------------- data
-    train_set, eval_set = make_data(args.num_train_samples, args.num_eval_samples, args.seed)
-    train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True, drop_last=True)
-    eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size)
-
-    # ---------------------------------------------------------------- model, optimizer
-    model = nn.Linear(NUM_FEATURES, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.learning_rate)
-
-    # ---------------------------------------------------------------- prepare
-    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
-    max_train_steps, num_train_epochs = plan_steps(args, len(train_loader))
-
-    # ---------------------------------------------------------------- resume
-    completed_steps, starting_epoch, skip_batches = 0, 0, 0
-    if resume_from := find_checkpoint(accelerator, args):
-        meta = load_checkpoint(accelerator, resume_from, SCRIPT, model, optimizer, None)
-        completed_steps, starting_epoch, skip_batches = meta["step"], meta["data"]["epoch"], meta["data"]["next_batch"]
-
-    def save(epoch, batches_done):
-        save_checkpoint(accelerator, args, SCRIPT, completed_steps, model, optimizer, None,
-                        data_position(epoch, batches_done, len(train_loader)))
-
-    # ---------------------------------------------------------------- train
-    for epoch in range(starting_epoch, num_train_epochs):
-        if completed_steps >= max_train_steps:
-            break
-        train_loader.set_epoch(epoch)
-        batches_done = skip_batches if epoch == starting_epoch else 0
-        # after set_epoch, so the skipped batches are this epoch's (bit-identical resume)
-        epoch_loader = accelerator.skip_first_batches(train_loader, batches_done) if batches_done else train_loader
-        for x, y in epoch_loader:
-            batches_done += 1
-            with accelerator.accumulate(model):
-                loss = F.mse_loss(model(x), y)  # mean over this process's batch; DDP averages over processes
-                accelerator.backward(loss)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            if not accelerator.sync_gradients:
-                continue
-            completed_steps += 1
-            if isinstance(args.checkpointing_steps, int) and completed_steps % args.checkpointing_steps == 0:
-                save(epoch, batches_done)
-            if completed_steps >= max_train_steps:
-                break
-        if args.checkpointing_steps == "epoch":
-            save(epoch, batches_done)
-
-    # ---------------------------------------------------------------- evaluate, save
+def evaluate(accelerator, model, loader):
+    """Mean squared error over exactly the held-out set: gather_for_metrics drops the samples the
+    prepared loader repeats to give every process the same number of batches."""
     model.eval()
     squared_error, count = 0.0, 0
     with torch.no_grad():
-        for x, y in eval_loader:
+        for x, y in loader:
             errors = accelerator.gather_for_metrics((model(x) - y).pow(2))
             squared_error += errors.sum().item()
             count += errors.numel()
-    results = {"eval_mse": squared_error / count, "eval_samples": count, "step": completed_steps,
-               "epoch": num_train_epochs, "resumed_from": resume_from, "world_size": accelerator.num_processes,
-               "global_batch_size": global_batch_size}
-    save_final(accelerator, model, args, results)
-    accelerator.print(f"final eval_mse={results['eval_mse']:.6f} eval_samples={count} steps={completed_steps} "
-                      f"-> {args.output_dir}")
-    # DDP's reducer holds gloo state: left for interpreter exit, it can abort a finished run (SIGABRT,
-    # "terminate called without an active exception"), so drop it before the group goes, after a barrier
-    del model, optimizer
-    accelerator.free_memory()  # the accelerator's own references to them
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    model.train()
+    return {"eval_mse": squared_error / count, "eval_samples": count}
+
+
+def main(args):
+    # ---------------------------------------------------------------- accelerator
+    check_output_dir(args)  # before any process waits on another
+    accelerator = make_accelerator(args, **tracking_kwargs(args))
+    set_seed(args.seed)
+    announce(accelerator, args)
+    prepare_output_dir(accelerator, args)
+
+    # ---------------------------------------------------------------- data, model, optimizer
+    train_set, eval_set = make_data(args.num_train_samples, args.num_eval_samples, args.seed)
+    train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True, drop_last=True)
+    eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size)
+    model = nn.Linear(NUM_FEATURES, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.learning_rate)
+    model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+
+    # ---------------------------------------------------------------- train
+    loop = TrainingLoop(accelerator, args, SCRIPT, model, optimizer, None, train_loader,
+                        evaluate=lambda: evaluate(accelerator, model, eval_loader), headline="eval_mse")
+    for x, y in loop.batches():
+        with accelerator.accumulate(model):
+            loss = F.mse_loss(model(x), y)  # mean over this process's batch; DDP averages over processes
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        loop.after_batch(loss)
+
+    # ---------------------------------------------------------------- save
+    results = loop.finish()
+    del model, optimizer  # before the process group goes (TrainingLoop.close)
+    loop.close()
     return results
 
 

@@ -69,8 +69,8 @@ def _read_jsonl(path):
     return records
 
 
-def plot_metrics(output_dir):
-    """OUTPUT_DIR/curves.png: training loss and eval accuracy against optimizer steps, from metrics.jsonl."""
+def plot_metrics(output_dir, metric="eval_accuracy"):
+    """OUTPUT_DIR/curves.png: training (and eval) loss and `metric` against optimizer steps, from metrics.jsonl."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers
@@ -78,14 +78,16 @@ def plot_metrics(output_dir):
 
     records = _read_jsonl(os.path.join(output_dir, "metrics.jsonl"))
     train = [r for r in records if "train_loss" in r]
-    evals = [r for r in records if "eval_accuracy" in r]
+    evals = [r for r in records if metric in r]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
     ax_loss.plot([r["step"] for r in train], [r["train_loss"] for r in train], label="train")
-    ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval")
+    if evals and "eval_loss" in evals[0]:
+        ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval")
     ax_loss.set(xlabel="optimizer step", ylabel="loss", title="loss")
     ax_loss.legend()
-    ax_acc.plot([r["step"] for r in evals], [100 * r["eval_accuracy"] for r in evals], "o-")
-    ax_acc.set(xlabel="optimizer step", ylabel="accuracy (%)", title="eval accuracy")
+    percent = metric.endswith("accuracy")
+    ax_acc.plot([r["step"] for r in evals], [(100 if percent else 1) * r[metric] for r in evals], "o-")
+    ax_acc.set(xlabel="optimizer step", ylabel=metric + (" (%)" if percent else ""), title=metric.replace("_", " "))
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -1,0 +1,224 @@
+"""Image folders, the layout torchvision's ImageFolder and most image datasets use:
+
+    DIR/CLASS_A/any/depth/img001.png
+    DIR/CLASS_B/img002.jpg
+
+Class names come from the subfolder names, sorted; a class's images may sit in nested folders.
+PNG, JPEG, BMP and WebP files in any mode (RGB, grayscale, palette, with alpha) and any size are
+read as RGB and resized or cropped to one square size by torchvision v2 transforms.
+
+Images are decoded when a batch needs them (in DataLoader workers when there are any), never held in
+memory, so the map-style dataset already reads only its own rank's share of a large folder. The
+streaming source puts the same files behind the exactly-once sharded plan of data/sharding.py.
+
+Random augmentation is seeded by (seed, epoch, sample), not by a global generator: a resumed run,
+a different worker count, or the streaming path draws the same crops and flips for the same sample.
+"""
+import hashlib
+import os
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from data.mnist import DataError
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # what torchvision's weights expect
+
+
+@dataclass
+class ImageFiles:
+    """The images of a folder: paths, integer labels, class names (label i is classes[i]), and what
+    the scan left out (`ignored`: files without an image extension; `unreadable`: (path, reason))."""
+    files: list
+    labels: list
+    classes: list
+    ignored: int = 0
+    unreadable: tuple = ()
+
+    def __len__(self):
+        return len(self.files)
+
+    def _take(self, ids):
+        return replace(self, files=[self.files[i] for i in ids], labels=[self.labels[i] for i in ids])
+
+    def subset(self, max_samples, seed):
+        """A random `max_samples` of the images (the same on every process), in folder order."""
+        if max_samples is None or max_samples >= len(self):
+            return self
+        ids = np.random.default_rng(seed).permutation(len(self))[:max_samples]
+        return self._take(sorted(ids))
+
+    def split(self, fraction, seed):
+        """(train, held out): a seeded random `fraction` of each class held out, at least one image."""
+        if not 0 < fraction < 1:
+            raise DataError(f"--train_val_split {fraction} is not a fraction between 0 and 1; pass e.g. 0.15")
+        rng, held = np.random.default_rng(seed), []
+        for label in range(len(self.classes)):
+            ids = [i for i, y in enumerate(self.labels) if y == label]
+            if len(ids) < 2:
+                raise DataError(f"class {self.classes[label]!r} has {len(ids)} image(s), too few to hold one out for "
+                                "validation; add images or pass --validation_dir")
+            held += list(rng.choice(ids, size=max(1, round(fraction * len(ids))), replace=False))
+        kept = sorted(set(range(len(self))) - set(held))
+        return self._take(kept), self._take(sorted(held))
+
+    def summary(self):
+        text = f"{len(self)} images in {len(self.classes)} classes"
+        if self.ignored:
+            text += f", ignored {self.ignored} file(s) without an image extension"
+        if self.unreadable:
+            path, reason = self.unreadable[0]
+            text += f", skipped {len(self.unreadable)} unreadable file(s) (first: {path}: {reason})"
+        return text
+
+
+def _readable(path):
+    """None if PIL recognises the file as an image (it reads the header only), else the reason."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            image.size
+        return None
+    except UnidentifiedImageError:
+        return "not an image"
+    except (OSError, ValueError, SyntaxError) as e:
+        return " ".join(str(e).split())[:100] or type(e).__name__
+
+
+def scan_image_folder(root, flag, classes=None):
+    """The ImageFiles of `root`; `classes`, if given, are the training classes a validation folder
+    must draw from. Bad layouts raise DataError naming `flag`, the folder and the fix. Files whose
+    header PIL cannot read are left out and counted (summary() says so), so one stray file does not
+    stop a run over thousands."""
+    if not os.path.isdir(root):
+        raise DataError(f"{flag} {root} is not a folder; pass a folder with one subfolder of images per class")
+    names = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)) and not d.startswith("."))
+    if not names:
+        loose = any(f.lower().endswith(IMAGE_EXTENSIONS) for f in os.listdir(root))
+        raise DataError(f"{flag} {root} has no class subfolders" + (
+            " (its images sit directly in it)" if loose else " (it is empty)") +
+            f"; put each class's images in {root}/CLASS_NAME/")
+    if classes is None and len(names) < 2:
+        raise DataError(f"{flag} {root} has one class folder ({names[0]}); a classifier needs at least two classes")
+    if classes is not None and (unknown := [n for n in names if n not in classes]):
+        raise DataError(f"{flag} {root} has class folder(s) the training set does not have: {', '.join(unknown[:5])}; "
+                        f"the training classes are {', '.join(classes)}")
+    classes = classes if classes is not None else names
+    files, labels, ignored, unreadable = [], [], 0, []
+    for name in names:
+        found, paths = 0, []
+        for folder, subfolders, filenames in os.walk(os.path.join(root, name), followlinks=True):
+            subfolders[:] = [d for d in subfolders if not d.startswith(".")]
+            paths += [os.path.join(folder, f) for f in filenames if not f.startswith(".")]
+        for path in sorted(paths):
+            if not path.lower().endswith(IMAGE_EXTENSIONS):
+                ignored += 1
+            elif reason := _readable(path):
+                unreadable.append((path, reason))
+            else:
+                files.append(path)
+                labels.append(classes.index(name))
+                found += 1
+        if not found:
+            raise DataError(f"{flag}: class folder {os.path.join(root, name)} holds no readable images "
+                            f"({', '.join(IMAGE_EXTENSIONS)}); add images or remove the folder")
+    return ImageFiles(files, labels, list(classes), ignored, tuple(unreadable))
+
+
+def list_images(path):
+    """An image file, or the image files under a folder (recursively, sorted), for prediction."""
+    if os.path.isfile(path):
+        return [path]
+    if not os.path.isdir(path):
+        raise DataError(f"--predict {path} is neither an image file nor a folder")
+    found = sorted(os.path.join(folder, f) for folder, _, names in os.walk(path, followlinks=True)
+                   for f in names if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith("."))
+    if not found:
+        raise DataError(f"--predict {path} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
+    return found
+
+
+def load_image(path):
+    """An RGB PIL image; a file that fails to decode past its header raises DataError with its path."""
+    from PIL import Image, ImageOps
+
+    try:
+        with Image.open(path) as image:
+            image = ImageOps.exif_transpose(image)  # camera JPEGs store their rotation in EXIF
+            if image.mode == "P" and "transparency" in image.info:
+                image = image.convert("RGBA")  # a palette's transparency goes through RGBA without a warning
+            return image.convert("RGB")
+    except (OSError, ValueError, SyntaxError) as e:
+        raise DataError(f"{path} cannot be decoded ({' '.join(str(e).split())[:100]}); delete or replace it") from None
+
+
+def image_transforms(image_size, train):
+    """torchvision v2 transforms from a PIL image to a uint8 tensor [3, image_size, image_size]:
+    a random resized crop and flip for training; resize the short side and crop the centre for
+    evaluation. uint8 keeps worker-to-process transfers 4x smaller; normalize() makes floats."""
+    from torchvision.transforms import v2
+
+    if train:
+        return v2.Compose([v2.PILToTensor(), v2.RandomResizedCrop(image_size, scale=(0.35, 1.0), antialias=True),
+                           v2.RandomHorizontalFlip()])
+    return v2.Compose([v2.PILToTensor(), v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size)])
+
+
+def normalize(images, mean=IMAGENET_MEAN, std=IMAGENET_STD):
+    """uint8 [B, 3, H, W] -> float, standardised per channel, on the batch's device."""
+    mean = torch.tensor(mean, device=images.device).view(1, -1, 1, 1)
+    std = torch.tensor(std, device=images.device).view(1, -1, 1, 1)
+    return (images.float() / 255.0 - mean) / std
+
+
+class ImageFolderDataset(Dataset):
+    """Map-style: sample i is {"image": uint8 [3, S, S], "label": int}, decoded on access."""
+
+    def __init__(self, images, transform, seed=0, random=False):
+        self.images, self.transform, self.seed, self.random = images, transform, seed, random
+        self.epoch = 0
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, index):
+        image = load_image(self.images.files[index])
+        if self.random:  # the draw depends on (seed, epoch, sample) only
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(hash((self.seed, self.epoch, int(index))) & (2 ** 63 - 1))
+                pixels = self.transform(image)
+        else:
+            pixels = self.transform(image)
+        return {"image": pixels, "label": self.images.labels[index]}
+
+
+class ImageFileSource:
+    """The same files as a source for data.sharding.ShardedIterableDataset: one file per read unit,
+    so a rank decodes exactly the images of its own batches."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+        self.unit_sizes = [1] * len(dataset)
+        self.rows_read = 0
+
+    def set_epoch(self, epoch):
+        self.dataset.set_epoch(epoch)
+
+    def read(self, ids):
+        self.rows_read += len(ids)
+        samples = [self.dataset[i] for i in ids.tolist()]
+        return {"image": torch.stack([s["image"] for s in samples]),
+                "label": torch.tensor([s["label"] for s in samples], dtype=torch.long)}
+
+    def fingerprint(self):
+        h = hashlib.blake2b(digest_size=16)
+        for path, label in zip(self.dataset.images.files, self.dataset.images.labels):
+            h.update(f"{os.path.basename(path)}:{label}\n".encode())
+        return h.hexdigest()

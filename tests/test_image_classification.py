@@ -1,0 +1,207 @@
+"""train/image_classification.py on real images: Fashion-MNIST written as PNG class folders (a small
+slice), trained with 2 real CPU processes; every validation image counted once; bit-identical resume
+after a SIGKILL on both data paths; prediction with the trained run; images of every format and mode;
+torchvision models by name and local pretrained weights; and each kind of bad folder as one line."""
+import json
+import os
+
+import pytest
+import torch
+from PIL import Image
+
+from conftest import launch, output_of, reset_accelerate_state, run_script
+from data.images import ImageFileSource, ImageFolderDataset, image_transforms, scan_image_folder
+from data.prepare import CLASS_NAMES, write_image_folders
+from data.sharding import ShardedIterableDataset
+from test_checkpointing import identical, kill_launch, weights
+from train import image_classification
+
+CLASSES = sorted(CLASS_NAMES["fashion_mnist"])
+SMALL = ["--image_size", 32, "--per_device_train_batch_size", 16, "--logging_steps", 5]
+
+
+@pytest.fixture(scope="module")
+def folders(fashion_dir, tmp_path_factory):
+    """60 training and 30 validation PNGs per class; one validation image removed, so 299 of them:
+    an odd count that fills no batch of any size the tests use."""
+    root = str(tmp_path_factory.mktemp("images") / "fashion_mnist")
+    write_image_folders("fashion_mnist", root, max_per_class=60)
+    for name in CLASSES:  # validation: keep 30 per class
+        files = sorted(os.listdir(os.path.join(root, "validation", name)))
+        for f in files[30:]:
+            os.remove(os.path.join(root, "validation", name, f))
+    os.remove(os.path.join(root, "validation", "Bag", sorted(os.listdir(os.path.join(root, "validation", "Bag")))[0]))
+    return os.path.join(root, "train"), os.path.join(root, "validation")
+
+
+@pytest.fixture(scope="module")
+def trained(folders, tmp_path_factory):
+    train_dir, validation_dir = folders
+    out = tmp_path_factory.mktemp("trained")
+    proc = launch("cpu_2proc", "image_classification", "--train_dir", train_dir, "--validation_dir", validation_dir,
+                  "--image_size", 32, "--num_train_epochs", 4, "--output_dir", out)
+    assert proc.returncode == 0, output_of(proc)
+    return proc, out
+
+
+def test_two_processes_learn_well_above_chance_and_count_every_image_once(trained):
+    proc, out = trained
+    assert "world_size=2 " in proc.stdout
+    assert proc.stdout.count("train: 600 images in 10 classes; validation: 299 images in 10 classes") == 1
+    results = json.load(open(out / "all_results.json"))
+    assert results["eval_samples"] == 299 and results["world_size"] == 2 and results["train_samples"] == 600
+    assert [h["eval_samples"] for h in results["history"]] == [299] * 4
+    assert results["eval_accuracy"] > 0.5, results  # chance is 0.1
+    assert json.load(open(out / "labels.json")) == CLASSES == results["classes"]
+    assert (out / "curves.png").stat().st_size > 0 and (out / "metrics.jsonl").stat().st_size > 0
+
+
+def test_predict_agrees_with_the_evaluation(trained, folders):
+    _, out = trained
+    proc = run_script("image_classification", "--predict", folders[1], "--output_dir", out)
+    assert proc.returncode == 0, output_of(proc)
+    lines = [line.split("\t") for line in proc.stdout.splitlines()]
+    assert len(lines) == 299 and all(c in CLASSES and 0 < float(p) <= 1 for _, c, p in lines)
+    correct = sum(os.path.basename(os.path.dirname(path)) == c for path, c, _ in lines)
+    assert abs(correct - json.load(open(out / "all_results.json"))["eval_accuracy"] * 299) <= 1
+    one = run_script("image_classification", "--predict", lines[0][0], "--output_dir", out)
+    assert one.returncode == 0 and one.stdout.count("\n") == 1
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["map_style", "streaming"])
+def test_sigkill_and_resume_is_bit_identical_under_two_processes(folders, tmp_path, streaming):
+    args = ["--train_dir", folders[0], "--validation_dir", folders[1], *SMALL, "--max_train_samples", 320,
+            "--num_train_epochs", 2, "--checkpointing_steps", 4, *(["--streaming"] if streaming else [])]
+    full, crashed = tmp_path / "full", tmp_path / "crashed"
+    proc = launch("cpu_2proc", "image_classification", *args, "--output_dir", full)
+    assert proc.returncode == 0, output_of(proc)
+    kill = ["--rank", 1, "--step", 14, "--marker", tmp_path / "killed"]  # mid epoch 2, after checkpoint 12
+    proc = kill_launch("cpu_2proc", "image_classification", kill, *args, "--output_dir", crashed)
+    assert proc.returncode != 0 and (tmp_path / "killed").exists(), output_of(proc)
+    proc = launch("cpu_2proc", "image_classification", *args, "--output_dir", crashed, "--resume_from_checkpoint",
+                  "latest")
+    assert proc.returncode == 0, output_of(proc)
+    assert f"resumed from {crashed}/checkpoints/step_00000012" in proc.stdout
+    assert identical(weights(crashed), weights(full))
+
+
+def test_streaming_source_reads_each_image_once_per_epoch_split_across_ranks(folders):
+    images = scan_image_folder(folders[1], "--validation_dir", CLASSES).subset(100, 0)
+    seen, reads = [], []
+    for rank in range(2):
+        source = ImageFileSource(ImageFolderDataset(images, image_transforms(32, True), seed=1, random=True))
+        dataset = ShardedIterableDataset(source, 20, rank=rank, world_size=2, seed=1, policy="drop")
+        seen += [i for batch in dataset for i in batch["index"].tolist()]
+        reads.append(source.rows_read)
+    assert sorted(seen) == list(range(100)) and reads == [50, 50]  # each rank decoded its half only
+
+
+def test_every_format_and_mode_and_size_becomes_one_rgb_square(tmp_path):
+    made = {"a/rgb.png": ("RGB", (40, 30)), "a/gray.jpg": ("L", (17, 50)), "a/nested/palette.bmp": ("P", (28, 28)),
+            "b/rgba.webp": ("RGBA", (64, 20)), "b/palette_alpha.png": ("P", (9, 33)), "b/16bit.png": ("I;16", (30, 30))}
+    for name, (mode, size) in made.items():
+        os.makedirs(tmp_path / os.path.dirname(name), exist_ok=True)
+        image = Image.new(mode, size, 7)
+        if name.endswith("palette_alpha.png"):
+            image.info["transparency"] = 0
+        image.save(tmp_path / name, **({"transparency": 0} if "alpha" in name else {}))
+    (tmp_path / "a" / "notes.txt").write_text("not an image")
+    (tmp_path / "b" / "broken.png").write_bytes(b"\x89PNG not really")
+    images = scan_image_folder(str(tmp_path), "--train_dir")
+    assert images.classes == ["a", "b"] and len(images) == 6 and images.labels == [0, 0, 0, 1, 1, 1]
+    assert "ignored 1 file(s) without an image extension" in images.summary()
+    assert "skipped 1 unreadable file(s) (first: " in images.summary() and "broken.png" in images.summary()
+    for train in (True, False):
+        dataset = ImageFolderDataset(images, image_transforms(24, train), random=train)
+        for i in range(len(dataset)):
+            sample = dataset[i]
+            assert sample["image"].shape == (3, 24, 24) and sample["image"].dtype == torch.uint8
+
+
+def test_augmentation_depends_on_seed_epoch_and_sample_only(folders):
+    images = scan_image_folder(folders[1], "--validation_dir", CLASSES).subset(4, 0)
+    dataset = ImageFolderDataset(images, image_transforms(32, True), seed=3, random=True)
+    first = [dataset[i]["image"] for i in range(4)]
+    torch.manual_seed(123)  # the global generator has no say
+    assert all(torch.equal(dataset[i]["image"], first[i]) for i in range(4))
+    dataset.set_epoch(1)
+    assert not all(torch.equal(dataset[i]["image"], first[i]) for i in range(4))
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_torchvision_model_by_name_with_local_pretrained_weights(folders, tmp_path):
+    import torchvision
+    from safetensors.torch import save_file
+
+    pretrained = torchvision.models.resnet18(num_classes=1000).state_dict()  # as a downloaded weights file would be
+    torch.save(pretrained, tmp_path / "resnet18.pth")
+    save_file({k: v.contiguous() for k, v in pretrained.items()}, str(tmp_path / "resnet18.safetensors"))
+    for name in ("resnet18.pth", "resnet18.safetensors"):
+        out = tmp_path / name.replace(".", "_")
+        results = image_classification.main(image_classification.parse_args(
+            ["--train_dir", folders[0], "--validation_dir", folders[1], "--model", "resnet18", "--image_size", "32",
+             "--max_train_steps", "2", "--max_eval_samples", "20", "--dataloader_num_workers", "0",
+             "--pretrained_weights", str(tmp_path / name), "--output_dir", str(out)]))
+        reset_accelerate_state()
+        saved = weights(out)
+        assert results["eval_samples"] == 20 and saved["fc.weight"].shape == (10, 512)
+        assert not torch.equal(saved["conv1.weight"], torchvision.models.resnet18(num_classes=10).conv1.weight)
+
+
+# ----------------------------------------------------------------------------- bad input: one line, exit 1
+
+def _class_folders(root, counts):
+    for name, n in counts.items():
+        os.makedirs(root / name, exist_ok=True)
+        for i in range(n):
+            Image.new("L", (8, 8), i).save(root / name / f"{i}.png")
+    return str(root)
+
+
+def _fails_with(proc, text):
+    output = output_of(proc)
+    assert proc.returncode == 1, output
+    assert text in output, output
+    assert "Traceback" not in output and output.count("error: ") == 1, output
+
+
+def test_bad_folders_each_fail_in_one_line(tmp_path):
+    good = _class_folders(tmp_path / "good", {"cat": 4, "dog": 4})
+    (tmp_path / "empty").mkdir()
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    Image.new("L", (8, 8)).save(loose / "x.png")
+    cases = {
+        str(tmp_path / "missing"): "is not a folder",
+        str(tmp_path / "empty"): "has no class subfolders (it is empty)",
+        str(loose): "has no class subfolders (its images sit directly in it)",
+        _class_folders(tmp_path / "one", {"cat": 3}): "has one class folder (cat); a classifier needs at least two",
+        _class_folders(tmp_path / "hollow", {"cat": 3, "dog": 0}): "hollow/dog holds no readable images",
+    }
+    for train_dir, text in cases.items():
+        _fails_with(run_script("image_classification", "--train_dir", train_dir, "--output_dir", tmp_path / "out"),
+                    text)
+    unknown = _class_folders(tmp_path / "val", {"cat": 2, "bird": 2})
+    _fails_with(run_script("image_classification", "--train_dir", good, "--validation_dir", unknown, "--output_dir",
+                           tmp_path / "out"), "has class folder(s) the training set does not have: bird")
+    _fails_with(run_script("image_classification", "--train_dir", good, "--model", "resnet_18", "--output_dir",
+                           tmp_path / "out"), "(did you mean resnet18")
+    _fails_with(run_script("image_classification", "--predict", good, "--output_dir", tmp_path / "nothing"),
+                "holds no finished image classification run")
+
+
+def test_image_that_fails_to_decode_in_a_worker_is_one_line(tmp_path):
+    root = _class_folders(tmp_path / "imgs", {"cat": 4, "dog": 4})
+    Image.new("RGB", (200, 200), 3).save(os.path.join(root, "dog", "big.png"))
+    data = open(os.path.join(root, "dog", "big.png"), "rb").read()
+    open(os.path.join(root, "dog", "big.png"), "wb").write(data[:len(data) // 2])  # header fine, pixels cut off
+    proc = run_script("image_classification", "--train_dir", root, "--validation_dir", root, "--output_dir",
+                      tmp_path / "out", "--per_device_train_batch_size", 2, "--image_size", 16)
+    _fails_with(proc, "big.png cannot be decoded")
+
+
+def test_bad_folder_under_two_processes_is_one_line(tmp_path):
+    proc = launch("cpu_2proc", "image_classification", "--train_dir", tmp_path, "--output_dir", tmp_path / "out",
+                  timeout=120)
+    output = output_of(proc)
+    assert proc.returncode != 0 and output.count("has no class subfolders (it is empty)") == 1, output

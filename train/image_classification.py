@@ -1,0 +1,149 @@
+"""Train an image classifier on your own image folders with Hugging Face Accelerate.
+
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml train/image_classification.py \
+        --train_dir IMAGES/train --validation_dir IMAGES/validation --output_dir runs/my_images
+    python train/image_classification.py --predict IMAGE_OR_FOLDER --output_dir runs/my_images
+
+Folders hold one subfolder of images per class (docs/images.md); labels.json keeps the class names.
+"""
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a file: Python put train/ on sys.path, not the repo root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.nn.functional as F
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader
+
+from data.images import (ImageFileSource, ImageFolderDataset, image_transforms, list_images, load_image, normalize,
+                         scan_image_folder)
+from data.mnist import DataError
+from data.sharding import PlanError
+from train.accelerator import announce, main_process_first, make_accelerator
+from train.checkpoint import check_output_dir, prepare_output_dir
+from train.cli import add_optimizer_args, make_parser, positive_float, positive_int, run
+from train.evaluation import evaluate_classifier
+from train.loop import TrainingLoop, sharded_loader
+from train.models import build_classifier, load_pretrained, load_trained_classifier
+from train.schedule import make_scheduler, plan_steps
+from train.tracking import tracking_kwargs, write_json
+
+SCRIPT = "image_classification"  # recorded in checkpoints, so another script's checkpoint is refused
+USER_ERRORS = (DataError, PlanError)
+
+
+def parse_args(argv=None):
+    parser = make_parser(__doc__)
+    data, model = parser.groups["data"], parser.groups["model"]
+    data.add_argument("--train_dir", type=str, help="Training images, one subfolder per class.")
+    data.add_argument("--validation_dir", type=str, help="Validation images, same class folders (a subset is fine).")
+    data.add_argument("--train_val_split", type=positive_float, default=0.15,
+                      help="Without --validation_dir: the fraction of each class held out for validation.")
+    data.add_argument("--image_size", type=positive_int, default=None,
+                      help="Square side the images are cropped to (default: 64 for convnet, 224 otherwise).")
+    data.add_argument("--max_train_samples", type=positive_int, help="Train on a random N images only.")
+    data.add_argument("--max_eval_samples", type=positive_int, help="Validate on a random N images only.")
+    data.add_argument("--streaming", action="store_true",
+                      help="Read through the exactly-once sharded iterable path (resumes with any process count).")
+    data.add_argument("--dataloader_num_workers", type=int, default=1, help="Processes decoding images per rank.")
+    model.add_argument("--model", type=str, default="convnet",
+                       help="convnet (built in, small) or a torchvision classification model: resnet18, ...")
+    model.add_argument("--pretrained_weights", type=str, help="A local state dict to start from; tensors that do "
+                       "not fit (a head for another class count) start fresh.")
+    model.add_argument("--predict", type=str, help="Print the predicted class of an image or of every image "
+                       "in a folder with the run in --output_dir, instead of training.")
+    add_optimizer_args(parser, learning_rate=2e-3, train_batch_size=32, eval_batch_size=64, weight_decay=0.05,
+                       label_smoothing=0.1)
+    parser.set_defaults(output_dir="runs/image_classification")
+    args = parser.parse_args(argv)
+    if not (args.train_dir or args.predict):
+        parser.error("--train_dir is required (or --predict IMAGE_OR_FOLDER with a trained --output_dir)")
+    args.image_size = args.image_size or (64 if args.model == "convnet" else 224)
+    return args
+
+
+def main(args):
+    check_output_dir(args)  # bad paths fail here, in every process alike, before any of them waits on another
+    accelerator = make_accelerator(args, **tracking_kwargs(args))
+    set_seed(args.seed)
+    announce(accelerator, args)
+    prepare_output_dir(accelerator, args)
+
+    # ---------------------------------------------------------------- data: scanned once, shared with every rank
+    def scan():
+        train = scan_image_folder(args.train_dir, "--train_dir")
+        if args.validation_dir:
+            return train, scan_image_folder(args.validation_dir, "--validation_dir", train.classes)
+        return train.split(args.train_val_split, args.seed)
+
+    train_files, eval_files = main_process_first(accelerator, scan, USER_ERRORS, share=True)
+    accelerator.print(f"train: {train_files.summary()}; validation: {eval_files.summary()}")
+    train_files, eval_files = train_files.subset(args.max_train_samples, args.seed), \
+        eval_files.subset(args.max_eval_samples, args.seed)
+    train_set = ImageFolderDataset(train_files, image_transforms(args.image_size, True), args.seed, random=True)
+    eval_set = ImageFolderDataset(eval_files, image_transforms(args.image_size, False))
+    if args.streaming:
+        train_loader = sharded_loader(accelerator, ImageFileSource(train_set), args.per_device_train_batch_size,
+                                      args.seed, True, args.dataloader_num_workers)
+        eval_loader = sharded_loader(accelerator, ImageFileSource(eval_set), args.per_device_eval_batch_size,
+                                     args.seed, False, args.dataloader_num_workers)
+    else:
+        train_loader = DataLoader(train_set, args.per_device_train_batch_size, shuffle=True, drop_last=True,
+                                  num_workers=args.dataloader_num_workers)
+        eval_loader = DataLoader(eval_set, args.per_device_eval_batch_size, num_workers=args.dataloader_num_workers)
+    if accelerator.is_main_process:
+        write_json(os.path.join(args.output_dir, "labels.json"), train_files.classes)
+
+    # ---------------------------------------------------------------- model, optimizer, schedule
+    model = build_classifier(args.model, len(train_files.classes), args.image_size)
+    if args.pretrained_weights:
+        fresh = load_pretrained(model, args.pretrained_weights)
+        accelerator.print(f"loaded {args.pretrained_weights}; fresh: {', '.join(fresh) or 'nothing'}")
+    model = model.to(memory_format=torch.channels_last)  # NHWC convolutions are faster on CPUs and GPUs
+
+    def to_inputs(images):
+        return normalize(images).contiguous(memory_format=torch.channels_last)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    if args.streaming:  # already sharded: prepare() would shard again
+        model, optimizer = accelerator.prepare(model, optimizer)
+    else:
+        model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
+    lr_scheduler = accelerator.prepare(make_scheduler(optimizer, args.lr_scheduler_type, args.num_warmup_steps,
+                                                      plan_steps(args, len(train_loader))[0]))
+
+    # ---------------------------------------------------------------- train
+    loop = TrainingLoop(accelerator, args, SCRIPT, model, optimizer, lr_scheduler, train_loader,
+                        evaluate=lambda: evaluate_classifier(accelerator, model, eval_loader, to_inputs),
+                        headline="eval_accuracy")
+    for batch in loop.batches():
+        with accelerator.accumulate(model):
+            loss = F.cross_entropy(model(to_inputs(batch["image"])), batch["label"],
+                                   label_smoothing=args.label_smoothing)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        loop.after_batch(loss)
+    results = loop.finish({"classes": train_files.classes, "train_samples": len(train_files)})
+    del model, optimizer  # before the process group goes (TrainingLoop.close)
+    loop.close()
+    return results
+
+
+def predict(args):
+    """Print `path<TAB>class<TAB>probability` for each image, with the run saved in --output_dir."""
+    model, classes, image_size = load_trained_classifier(args.output_dir)
+    files, transform = list_images(args.predict), image_transforms(image_size, train=False)
+    with torch.inference_mode():
+        for start in range(0, len(files), 64):
+            chunk = files[start:start + 64]
+            probabilities = model(normalize(torch.stack([transform(load_image(p)) for p in chunk]))).softmax(-1)
+            for path, p in zip(chunk, probabilities):
+                print(f"{path}\t{classes[int(p.argmax())]}\t{float(p.max()):.3f}")
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    run(predict if arguments.predict else main, arguments, USER_ERRORS)

@@ -1,0 +1,200 @@
+"""What every training loop in train/ repeats, kept in one place: where the run stands (resume from
+a checkpoint, data position), the batches it has left, step counting, the learning-rate schedule,
+logging, evaluation at each epoch's end, checkpoints, and the run's outputs.
+
+A script keeps its own loop in view:
+
+    loop = TrainingLoop(accelerator, args, "my_task", model, optimizer, lr_scheduler, train_loader,
+                        evaluate=lambda: evaluate_classifier(accelerator, model, eval_loader, to_inputs))
+    for batch in loop.batches():          # the rest of the run, from a checkpoint's exact position
+        with accelerator.accumulate(model):
+            loss = loss_fn(model(batch["image"]), batch["label"])
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        loop.after_batch(loss)            # on an optimizer step: schedule, log, checkpoint when due
+    results = loop.finish()               # weights, all_results.json, curves.png
+    del model, optimizer                  # see close()
+    loop.close()
+
+One path for the end of an epoch and the end of the run (nanochat's `last_step`): each evaluates,
+records and, when due, saves after the evaluation. A run resumed from its final checkpoint trains
+no batch and goes down the same path, so it evaluates once and writes the same outputs.
+"""
+import gc
+import math
+import time
+
+import torch
+from accelerate.utils import gather_object
+from tqdm.auto import tqdm
+
+from data.loader import ShardedLoader
+from data.sharding import ShardedIterableDataset, check_same_plan
+from train.checkpoint import data_position, find_checkpoint, load_checkpoint, save_checkpoint
+from train.schedule import plan_steps
+from train.tracking import log_metrics, plot_metrics, save_final, start_tracking
+
+
+def sharded_loader(accelerator, source, per_device_batch_size, seed, train, num_workers=0):
+    """This rank's batches of `source` (a data.sharding source): shuffled and `drop` for training,
+    in order and `pad` (masked by `valid`) for evaluation. Never passed to prepare(), which would
+    shard it a second time."""
+    dataset = ShardedIterableDataset(source, per_device_batch_size * accelerator.num_processes,
+                                     rank=accelerator.process_index, world_size=accelerator.num_processes,
+                                     seed=seed, shuffle=train, policy="drop" if train else "pad")
+    check_same_plan(dataset.identity(), gather_object)
+    return ShardedLoader(dataset, accelerator.device, num_workers=num_workers)
+
+
+def _format(metrics):
+    return " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+
+
+class TrainingLoop:
+    """The state of one run and what happens between optimizer steps; the step itself is the script's."""
+
+    def __init__(self, accelerator, args, script, model, optimizer, lr_scheduler, train_loader, evaluate,
+                 headline="eval_loss"):
+        self.accelerator, self.args, self.script = accelerator, args, script
+        self.model, self.optimizer, self.lr_scheduler, self.loader = model, optimizer, lr_scheduler, train_loader
+        self.evaluate, self.headline = evaluate, headline
+        self.sharded = isinstance(train_loader, ShardedLoader)  # keeps its own position; else set_epoch + skip
+        self.global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * \
+            args.gradient_accumulation_steps
+        self.batches_per_epoch = len(train_loader)  # per process; before a resume shortens the sharded loader
+        self.max_train_steps, self.num_train_epochs = plan_steps(args, self.batches_per_epoch)
+        self.t_start = time.perf_counter()
+        self.step, self.epoch, self.batches_done, self.history, self.epoch_seconds = 0, 0, 0, [], []
+        self.resumed_from, resumed_seconds = None, 0.0
+        if path := find_checkpoint(accelerator, args):
+            meta = load_checkpoint(accelerator, path, script, model, optimizer, lr_scheduler)
+            self.resumed_from, self.step, self.history = path, meta["step"], meta.get("history", [])
+            self.epoch_seconds, resumed_seconds = meta.get("epoch_seconds", []), meta.get("epoch_elapsed", 0.0)
+            self.epoch, self.batches_done = meta["data"]["epoch"], meta["data"]["next_batch"]
+            if self.sharded:
+                train_loader.load_state_dict(meta["data"])
+        self._resumed_seconds = resumed_seconds  # the interrupted epoch's training time before the save
+        start_tracking(accelerator, args, script, self.step)
+        accelerator.print(f"epochs={self.num_train_epochs} steps={self.max_train_steps} steps_per_epoch="
+                          f"{math.ceil(self.batches_per_epoch / args.gradient_accumulation_steps)}"
+                          + (f" resuming at step {self.step}" if self.resumed_from else ""))
+        self.progress = tqdm(total=self.max_train_steps * self.global_batch_size,
+                             initial=self.step * self.global_batch_size, unit="samples", unit_scale=True,
+                             disable=not accelerator.is_local_main_process, dynamic_ncols=True,
+                             mininterval=0.5)  # tqdm's 0.1 s redraws cost ~0.4% of a CPU step here (docs/speed.md)
+        self._losses = []  # detached, since the last log: no device sync and no tensor op per step
+
+    # ------------------------------------------------------------------------------ the batches
+    def batches(self):
+        """Every micro-batch the run has left, epoch after epoch, from where it stands: a new shuffle
+        per epoch (the same on every rank), and after a resume exactly the batches not yet trained."""
+        first_epoch, t_train = self.epoch, time.perf_counter()
+        for epoch in range(first_epoch, self.num_train_epochs):
+            if self.step >= self.max_train_steps:
+                break
+            self.loader.set_epoch(epoch)
+            if not self.sharded and hasattr(self.loader.dataset, "set_epoch"):
+                # accelerate hands the epoch to the sampler only; augmentations seeded by (epoch, sample) need it too
+                self.loader.dataset.set_epoch(epoch)
+            skip = self.batches_done if epoch == first_epoch else 0
+            epoch_loader = self.loader
+            if skip and not self.sharded:  # after set_epoch, so the skipped batches are this epoch's
+                epoch_loader = self.accelerator.skip_first_batches(self.loader, skip)
+            self.epoch, self.batches_done = epoch, skip
+            # a resumed epoch counts its time before the checkpoint too, so its seconds and samples/s
+            # describe the same work as an uninterrupted run's
+            self._t_epoch = time.perf_counter() - (self._resumed_seconds if epoch == first_epoch else 0.0)
+            self._t_log = time.perf_counter()
+            for batch in epoch_loader:
+                self.batches_done += 1
+                yield batch
+                if self.step >= self.max_train_steps:
+                    break
+            self.epoch_seconds.append(time.perf_counter() - self._t_epoch)
+            self._evaluate_and_save(epoch + 1, self.epoch_seconds[-1])
+        if not self.history or self.history[-1]["step"] != self.step:  # resumed from a checkpoint at the last step
+            self._evaluate_and_save(self.num_train_epochs, 0.0)
+        self.train_seconds = time.perf_counter() - t_train
+
+    def after_batch(self, loss):
+        """Call after every micro-batch; returns True when it completed an optimizer step."""
+        self._losses.append(loss.detach())
+        if not self.accelerator.sync_gradients:
+            return False
+        self.step += 1
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
+        if self.lr_scheduler is not None and not self.accelerator.optimizer_step_was_skipped:
+            self.lr_scheduler.step()  # fp16 overflow: no step, no schedule tick
+        self.progress.update(self.global_batch_size)
+        if self.step % self.args.logging_steps == 0:  # mean loss of all processes since the last log
+            train_loss = self.accelerator.reduce(torch.stack(self._losses).mean(), reduction="mean").item()
+            samples_per_second = self.args.logging_steps * self.global_batch_size / (time.perf_counter() - self._t_log)
+            log_metrics(self.accelerator, self.args, {"step": self.step, "train_loss": train_loss, "lr": lr,
+                                                      "samples_per_second": samples_per_second})
+            self.progress.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", refresh=False)
+            self._losses, self._t_log = [], time.perf_counter()
+        if self._save_due() and self.batches_done < self.batches_per_epoch:  # at an epoch's end: after evaluating
+            self.save()
+        return True
+
+    # ------------------------------------------------------------------------------ evaluation, checkpoints
+    def _save_due(self):
+        every = self.args.checkpointing_steps
+        return isinstance(every, int) and self.step % every == 0
+
+    def _evaluate_and_save(self, epoch, train_seconds):
+        metrics = self.evaluate()
+        self.history.append({"epoch": epoch, "step": self.step, "train_seconds": train_seconds, **metrics})
+        log_metrics(self.accelerator, self.args, {"step": self.step, "epoch": epoch, **metrics})
+        if self.accelerator.is_main_process:
+            self.progress.write(f"epoch {epoch}: {_format(metrics)} epoch_seconds={train_seconds:.1f}")
+        self._t_log = time.perf_counter()  # evaluation time is not training throughput
+        trained = train_seconds > 0  # not the evaluation of a run resumed at its end: nothing new to save
+        if trained and (self.args.checkpointing_steps == "epoch" or
+                        (self._save_due() and self.batches_done >= self.batches_per_epoch)):
+            self.save()
+
+    def position(self):
+        """Where the data stands, as checkpoints store it: valid for any world size when sharded."""
+        if self.sharded:
+            return self.loader.state_dict()
+        return data_position(self.epoch, self.batches_done, self.batches_per_epoch)
+
+    def save(self):
+        mid_epoch = self.batches_done < self.batches_per_epoch
+        elapsed = time.perf_counter() - self._t_epoch if mid_epoch else 0.0
+        return save_checkpoint(self.accelerator, self.args, self.script, self.step, self.model, self.optimizer,
+                               self.lr_scheduler, self.position(),
+                               extra={"history": self.history, "epoch_seconds": self.epoch_seconds,
+                                      "epoch_elapsed": elapsed})
+
+    # ------------------------------------------------------------------------------ the end
+    def finish(self, extra=None):
+        """Write model.safetensors, all_results.json (the last evaluation, timings, history and
+        `extra`), args.json and curves.png; print the summary line; return the results."""
+        self.progress.close()
+        trained = sum(self.epoch_seconds)
+        results = {**self.history[-1], "world_size": self.accelerator.num_processes,
+                   "global_batch_size": self.global_batch_size, "epoch_seconds": self.epoch_seconds,
+                   "wall_seconds": self.train_seconds, "history": self.history, "resumed_from": self.resumed_from,
+                   "train_samples_per_second": self.step * self.global_batch_size / max(trained, 1e-9), **(extra or {})}
+        save_final(self.accelerator, self.model, self.args, results)
+        if self.accelerator.is_main_process:
+            plot_metrics(self.args.output_dir, self.headline)
+        headline = {k: results[k] for k in (self.headline, "eval_samples") if k in results}
+        self.accelerator.print(f"final {_format(headline)} wall_seconds={time.perf_counter() - self.t_start:.1f} "
+                               f"(training {self.train_seconds:.1f}) samples_per_second="
+                               f"{results['train_samples_per_second']:.0f} -> {self.args.output_dir}")
+        return results
+
+    def close(self):
+        """Tear down in the order gloo needs. DDP's reducer holds gloo state: left for interpreter exit,
+        it can abort a finished run (SIGABRT, "terminate called without an active exception"), so
+        every reference to the prepared model goes before the process group does: the script deletes
+        its own first, this drops the loop's and the accelerator's."""
+        self.model = self.optimizer = self.lr_scheduler = self.evaluate = None
+        self.accelerator.free_memory()
+        gc.collect()
+        self.accelerator.wait_for_everyone()
+        self.accelerator.end_training()
