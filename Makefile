@@ -46,7 +46,7 @@ images: setup
 
 train-images: images
 	$(PYTHON) -m accelerate.commands.launch --config_file $(CONFIG) train/image_classification.py \
-	  --train_dir $(IMAGES_DIR)/train --validation_dir $(IMAGES_DIR)/validation --num_train_epochs $(EPOCHS) \
+	  --train_dir $(IMAGES_DIR)/train --validation_dir $(IMAGES_DIR)/validation --image_size 32 --num_train_epochs $(EPOCHS) \
 	  --with_tracking --output_dir runs/image_classification --overwrite_output_dir $(EXTRA)
 
 test: setup

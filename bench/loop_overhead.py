@@ -15,8 +15,9 @@ over 1500 turns the ratio of total times is the overhead. The loops:
   tick, the losses kept for logging, a tqdm bar, and every 20 steps the mean loss all-reduced
   (torch.distributed) and appended to a JSONL file. Ours against it is accelerate's cost alone;
 - ours: train/mnist.py's step with the objects it builds (make_accelerator; prepared model, optimizer,
-  loader and scheduler; accumulate, accelerator.backward, the scheduler tick, tqdm, and every 20 steps
-  the mean loss reduced over ranks and appended to a metrics.jsonl);
+  loader and scheduler; accumulate, accelerator.backward) inside train/loop.py's TrainingLoop (its
+  batches() generator and after_batch: the step count, scheduler tick, tqdm, and every 20 steps the
+  mean loss reduced over ranks and appended to a metrics.jsonl);
 
 Same data (Fashion-MNIST), the seed's ConvNet, channels_last, 50 samples per process, in the precision
 `--mixed_precision auto` picks on this CPU (bf16 with native bf16, else fp32; --mixed_precision to
@@ -52,10 +53,11 @@ def worker(args):
     from data import collate_batch, load_dataset, normalize_images
     from train import mnist
     from train.accelerator import make_accelerator
+    from train.loop import TrainingLoop
     from train.schedule import make_scheduler
-    from train.tracking import log_metrics
 
-    script_args = mnist.parse_args(["--mixed_precision", args.mixed_precision, "--output_dir", args.log_dir])
+    script_args = mnist.parse_args(["--mixed_precision", args.mixed_precision, "--output_dir", args.log_dir,
+                                    "--max_train_steps", str(10**9), "--per_device_train_batch_size", "50"])
     accelerator = make_accelerator(script_args)
     bf16 = accelerator.mixed_precision == "bf16"
 
@@ -148,42 +150,24 @@ def worker(args):
                 losses, t_log = [], time.perf_counter()
         logged_state.update(losses=losses, t_log=t_log)
 
-    # ------------------------------------------------ ours: a copy of train/mnist.py's loop body; keep them in step
+    # ------------------------------------------------ ours: train/mnist.py's step inside train/loop.py's TrainingLoop
     model, optimizer = model_and_optimizer()
     loader = DataLoader(train_set, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=collate_batch)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     lr_scheduler = accelerator.prepare(make_scheduler(optimizer, "constant", 0, 10**9))
-    ours_batches = Batches(loader, loader.set_epoch)
-    progress = tqdm(total=10**9, unit="samples", unit_scale=True, disable=not accelerator.is_local_main_process,
-                    mininterval=0.5)
-    global_batch_size = batch_size * accelerator.num_processes
-    state = {"completed_steps": 0, "losses": [], "t_log": time.perf_counter()}
+    loop = TrainingLoop(accelerator, script_args, "loop_overhead", model, optimizer, lr_scheduler, loader,
+                        evaluate=dict)  # no evaluation at the epoch ends: raw has none either
+    ours_batches = loop.batches()
 
     def our_steps(n):
-        losses, t_log = state["losses"], state["t_log"]
         for _ in range(n):
-            batch = ours_batches.next()
+            batch = next(ours_batches)
             with accelerator.accumulate(model):
                 loss = F.cross_entropy(model(to_inputs(batch["image"])), batch["label"], label_smoothing=0.0)
                 accelerator.backward(loss)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
-            if not accelerator.sync_gradients:
-                continue
-            state["completed_steps"] += 1
-            lr = lr_scheduler.get_last_lr()[0]
-            if not accelerator.optimizer_step_was_skipped:
-                lr_scheduler.step()
-            progress.update(global_batch_size)
-            if state["completed_steps"] % 20 == 0:
-                train_loss = accelerator.reduce(torch.stack(losses).mean(), reduction="mean").item()
-                log_metrics(accelerator, script_args, {"step": state["completed_steps"], "train_loss": train_loss,
-                                                       "lr": lr, "samples_per_second": 20 * global_batch_size /
-                                                       (time.perf_counter() - t_log)})
-                progress.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", refresh=False)
-                losses, t_log = [], time.perf_counter()
-        state.update(losses=losses, t_log=t_log)
+            loop.after_batch(loss)
 
     loops = {"raw": raw_steps, "raw_logged": raw_logged_steps, "ours": our_steps}
     for run in loops.values():  # warm-up: DDP's first-iteration bucket rebuild, oneDNN kernel creation
@@ -195,21 +179,19 @@ def worker(args):
             start = time.perf_counter()
             run(args.block)
             ms_per_step[name].append(1000 * (time.perf_counter() - start) / args.block)
-    progress.close()
+    loop.progress.close()
     logged_progress.close()
     if accelerator.is_main_process:
         logged_steps = {}
         for name, file in (("ours", "metrics.jsonl"), ("raw_logged", "raw_metrics.jsonl")):
             with open(os.path.join(args.log_dir, file)) as f:
-                logged_steps[name] = [json.loads(line)["step"] for line in f]
+                logged_steps[name] = [r["step"] for r in map(json.loads, f) if "train_loss" in r]
         print("RESULT " + json.dumps({"world_size": accelerator.num_processes, "ms_per_step": ms_per_step,
                                       "mixed_precision": accelerator.mixed_precision,
                                       "logged_steps": logged_steps}), flush=True)
     # DDP reducers before the gloo group goes (see train/mnist.py)
     del model, optimizer, raw_model, raw_optimizer, logged_model, logged_optimizer
-    accelerator.free_memory()
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    loop.close()
 
 
 def run_workers(script, worker_args):

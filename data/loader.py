@@ -8,8 +8,8 @@ This wrapper does the three things prepare would have done for us, and nothing e
 - registers with accelerate's GradientState and flags the last batch, so `accelerator.accumulate`
   syncs and steps at the end of the loader even when the batch count is not a multiple of the
   accumulation steps;
-- tracks the position (state_dict/load_state_dict), so `accelerator.register_for_checkpointing`
-  makes `save_state` carry it.
+- tracks the position (state_dict/load_state_dict): train/loop.py stores it in our checkpoints, and
+  in a script that uses accelerate's save_state, `accelerator.register_for_checkpointing` carries it.
 """
 from accelerate.data_loader import DataLoaderStateMixin
 from accelerate.state import GradientState

@@ -17,7 +17,7 @@ from test_checkpointing import identical, kill_launch, weights
 from train import image_classification
 
 CLASSES = sorted(CLASS_NAMES["fashion_mnist"])
-SMALL = ["--image_size", 32, "--per_device_train_batch_size", 16, "--logging_steps", 5]
+SMALL = ["--image_size", 32, "--per_device_train_batch_size", 16, "--logging_steps", 5, "--dataloader_num_workers", 1]
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +196,8 @@ def test_image_that_fails_to_decode_in_a_worker_is_one_line(tmp_path):
     data = open(os.path.join(root, "dog", "big.png"), "rb").read()
     open(os.path.join(root, "dog", "big.png"), "wb").write(data[:len(data) // 2])  # header fine, pixels cut off
     proc = run_script("image_classification", "--train_dir", root, "--validation_dir", root, "--output_dir",
-                      tmp_path / "out", "--per_device_train_batch_size", 2, "--image_size", 16)
+                      tmp_path / "out", "--per_device_train_batch_size", 2, "--image_size", 16,
+                      "--dataloader_num_workers", 1)  # raised in a worker, printed by the training process
     _fails_with(proc, "big.png cannot be decoded")
 
 

@@ -207,6 +207,9 @@ def run(main, args, errors=()):
         if "Original Traceback" in text:  # raised in a DataLoader worker: its own message is the last line
             text = text.strip().splitlines()[-1].split(": ", 1)[-1]
         message, code = f"error: {text}", 1
+    except BrokenPipeError:  # printing into a pipe that closed (`... | head`): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+        sys.exit(141)
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher forwards a second SIGINT
         if not first_local_process():  # torchrun's agent got the SIGINT too and waits for every worker

@@ -47,13 +47,13 @@ def parse_args(argv=None):
     data.add_argument("--max_eval_samples", type=positive_int, help="Validate on a random N images only.")
     data.add_argument("--streaming", action="store_true",
                       help="Read through the exactly-once sharded iterable path (resumes with any process count).")
-    data.add_argument("--dataloader_num_workers", type=int, default=1, help="Processes decoding images per rank.")
+    data.add_argument("--dataloader_num_workers", type=int, default=4 if torch.cuda.is_available() else 0,
+                      help="Processes decoding images per rank (0: in the training process, fastest on a CPU).")
     model.add_argument("--model", type=str, default="convnet",
                        help="convnet (built in, small) or a torchvision classification model: resnet18, ...")
-    model.add_argument("--pretrained_weights", type=str, help="A local state dict to start from; tensors that do "
-                       "not fit (a head for another class count) start fresh.")
-    model.add_argument("--predict", type=str, help="Print the predicted class of an image or of every image "
-                       "in a folder with the run in --output_dir, instead of training.")
+    model.add_argument("--pretrained_weights", type=str, help="A local state dict to start from (what does not fit "
+                       "starts fresh).")
+    model.add_argument("--predict", type=str, help="Instead of training: classify an image or folder with --output_dir.")
     add_optimizer_args(parser, learning_rate=2e-3, train_batch_size=32, eval_batch_size=64, weight_decay=0.05,
                        label_smoothing=0.1)
     parser.set_defaults(output_dir="runs/image_classification")
