@@ -13,6 +13,7 @@ process only. Shards are written to a temporary folder and renamed, so a crash n
 half-written set behind.
 """
 import argparse
+import math
 import os
 import shutil
 import sys
@@ -52,7 +53,8 @@ def to_arrow(tensor):
 
     if tensor.ndim == 1:
         return pa.array(tensor.numpy())
-    flat = tensor.reshape(len(tensor), -1).contiguous().numpy()  # one fixed-size bytes value per row
+    # one fixed-size bytes value per row; the width from the shape, since a 0-row tensor cannot infer it
+    flat = tensor.reshape(len(tensor), math.prod(tensor.shape[1:])).contiguous().numpy()
     width = flat.shape[1] * flat.itemsize
     offsets = pa.array(np.arange(0, (len(flat) + 1) * width, width, dtype=np.int32))
     return pa.BinaryArray.from_buffers(pa.binary(), len(flat), [None, offsets.buffers()[1], pa.py_buffer(flat.tobytes())])

@@ -43,7 +43,9 @@ def epoch_order(unit_sizes, seed, epoch, shuffle=True):
     full = max(unit_sizes) if len(unit_sizes) else 0
     order = [u for u in rng.permutation(len(unit_sizes)) if unit_sizes[u] == full]
     order += [u for u in range(len(unit_sizes)) if unit_sizes[u] != full]
-    pieces = [starts[u] + (rng.permutation(unit_sizes[u]) if unit_sizes[u] > 1 else np.zeros(1, np.int64))
+    # a unit of 0 rows contributes nothing (it once contributed a phantom id: its start, which is the
+    # next unit's first row, delivered twice per epoch); units of 1 row draw nothing from the generator
+    pieces = [starts[u] + (rng.permutation(unit_sizes[u]) if unit_sizes[u] > 1 else np.zeros(unit_sizes[u], np.int64))
               for u in order]
     return np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
 
@@ -150,6 +152,9 @@ class ParquetSource:
             sizes.append(("max_rows", max_rows))
         self.unit_starts = np.concatenate([[0], np.cumsum(self.unit_sizes)]).astype(np.int64)
         self.num_rows = int(self.unit_starts[-1])
+        if self.num_rows == 0 and max_rows != 0:
+            raise PlanError(f"the {len(self.paths)} parquet shard(s) hold no rows (first: {self.paths[0]}); "
+                            "pass shards with data, or check the filter that wrote them")
         self._fingerprint = hashlib.blake2b(json.dumps(sizes).encode(), digest_size=16).hexdigest()
         self._files, self._cache = {}, (None, None)
         self.rows_read = self.bytes_read = 0
@@ -215,7 +220,13 @@ def table_to_tensors(table):
             values = np.frombuffer(column.buffers()[1], dtype)[column.offset:column.offset + len(column)]
             out[name] = torch.from_numpy(values.copy())
         else:
-            out[name] = torch.from_numpy(column.to_numpy(zero_copy_only=False).copy())
+            try:
+                out[name] = torch.from_numpy(column.to_numpy(zero_copy_only=False).copy())
+            except (TypeError, ValueError, RuntimeError):
+                kind = f"{column.type}" + (f", {column.null_count} null(s)" if column.null_count else "")
+                raise PlanError(f"column {name!r} ({kind}) cannot become a tensor; read it with "
+                                "ParquetSource(..., columns=[...]) without it, or pass a decode(table) function "
+                                "that turns it into tensors (e.g. tokenize a string column)") from None
     return out
 
 

@@ -293,3 +293,54 @@ def test_negative_control_double_sharding_by_prepare_fails_coverage():
     with pytest.raises(AssertionError, match="samples seen"):
         assert_exactly_once(ranks, 96, 16, "drop")
     assert len(valid_ids(ranks)) == 48  # half of the data silently lost
+
+
+# ------------------------------------------------------------------------------- empty shards
+
+@pytest.mark.parametrize("sizes", [[3, 0, 500, 17, 1, 480], [0, 3, 500, 17, 1, 480], [3, 500, 17, 1, 480, 0],
+                                   [0, 0, 40, 0, 7, 0]], ids=["middle", "start", "end", "many"])
+def test_empty_shards_anywhere_keep_exactly_once(tmp_path, sizes):
+    """A 0-row shard (a filter's leftover, a tiny tail file) once gave a phantom sample: one row
+    delivered twice per epoch and another never."""
+    paths, start = [], 0
+    for i, n in enumerate(sizes):
+        paths += write_shards({"x": torch.arange(start, start + n), "img": torch.zeros(n, 3, dtype=torch.uint8)},
+                              str(tmp_path), f"part{i}", 1, rows_per_group=16)
+        start += n
+    total = sum(sizes)
+    assert ParquetSource(paths).num_rows == total
+    for world, workers, policy in itertools.product(range(1, 7), range(0, 4), ["drop", "pad"]):
+        per_rank = 5
+        ranks = []
+        for r in range(world):
+            ds = ShardedIterableDataset(ParquetSource(paths), per_rank * world, r, world, seed=3, policy=policy)
+            ds.set_epoch(1)
+            _, merged = worker_outputs(ds, workers)
+            assert all(torch.equal(b["x"], b["index"]) for b in merged)  # the rows are the ones planned
+            ranks.append([(b["index"], b["valid"]) for b in merged])
+        assert len({len(r) for r in ranks}) == 1
+        assert_exactly_once(ranks, total, per_rank * world, policy)
+
+
+def test_epoch_order_of_units_with_empty_ones_is_a_permutation():
+    from data.sharding import epoch_order
+
+    for sizes in ([0], [0, 0], [2, 0, 2], [0, 1, 0, 1], [4, 0, 4, 3, 0]):
+        for epoch in range(3):
+            assert sorted(epoch_order(sizes, 0, epoch).tolist()) == list(range(sum(sizes)))
+
+
+def test_all_shards_empty_is_refused_in_one_line(tmp_path):
+    paths = write_shards({"x": torch.arange(0)}, str(tmp_path), "train", 2)
+    with pytest.raises(PlanError, match="hold no rows"):
+        ParquetSource(paths)
+
+
+def test_string_column_names_itself_and_the_fix(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["a", "bc", None], "y": [1, 2, 3]}), str(tmp_path / "t.parquet"))
+    ds = ShardedIterableDataset(ParquetSource([str(tmp_path / "t.parquet")]), 3, policy="pad")
+    with pytest.raises(PlanError, match="column 'text' .*string.*decode"):
+        list(ds)

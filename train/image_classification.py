@@ -72,8 +72,9 @@ def main(args):
     prepare_output_dir(accelerator, args)
 
     # ---------------------------------------------------------------- data: scanned once, shared with every rank
-    def scan():
+    def scan():  # on the main process only: the others receive its lists
         train = scan_image_folder(args.train_dir, "--train_dir")
+        write_json(os.path.join(args.output_dir, "labels.json"), train.classes)
         if args.validation_dir:
             return train, scan_image_folder(args.validation_dir, "--validation_dir", train.classes)
         return train.split(args.train_val_split, args.seed)
@@ -93,8 +94,6 @@ def main(args):
         train_loader = DataLoader(train_set, args.per_device_train_batch_size, shuffle=True, drop_last=True,
                                   num_workers=args.dataloader_num_workers)
         eval_loader = DataLoader(eval_set, args.per_device_eval_batch_size, num_workers=args.dataloader_num_workers)
-    if accelerator.is_main_process:
-        write_json(os.path.join(args.output_dir, "labels.json"), train_files.classes)
 
     # ---------------------------------------------------------------- model, optimizer, schedule
     model = build_classifier(args.model, len(train_files.classes), args.image_size)
@@ -134,12 +133,14 @@ def main(args):
 
 def predict(args):
     """Print `path<TAB>class<TAB>probability` for each image, with the run saved in --output_dir."""
-    model, classes, image_size = load_trained_classifier(args.output_dir)
+    model, classes, image_size = load_trained_classifier(args.output_dir)  # on the GPU if there is one
     files, transform = list_images(args.predict), image_transforms(image_size, train=False)
+    device = next(model.parameters()).device
     with torch.inference_mode():
         for start in range(0, len(files), 64):
             chunk = files[start:start + 64]
-            probabilities = model(normalize(torch.stack([transform(load_image(p)) for p in chunk]))).softmax(-1)
+            images = torch.stack([transform(load_image(p)) for p in chunk]).to(device)
+            probabilities = model(normalize(images)).softmax(-1)
             for path, p in zip(chunk, probabilities):
                 print(f"{path}\t{classes[int(p.argmax())]}\t{float(p.max()):.3f}")
 

@@ -64,7 +64,7 @@ class TrainingLoop:
             args.gradient_accumulation_steps
         self.batches_per_epoch = len(train_loader)  # per process; before a resume shortens the sharded loader
         self.max_train_steps, self.num_train_epochs = plan_steps(args, self.batches_per_epoch)
-        self.t_start = time.perf_counter()
+        self.t_start, self.train_seconds = time.perf_counter(), 0.0
         self.step, self.epoch, self.batches_done, self.history, self.epoch_seconds = 0, 0, 0, [], []
         self.resumed_from, resumed_seconds = None, 0.0
         if path := find_checkpoint(accelerator, args):

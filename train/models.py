@@ -81,7 +81,8 @@ def load_pretrained(model, path):
 
 
 def load_trained_classifier(output_dir):
-    """(model in eval mode, class names, image size) of a finished run of train/image_classification.py."""
+    """(model in eval mode, on the GPU if there is one; class names; image size) of a finished run of
+    train/image_classification.py."""
     from safetensors.torch import load_file
 
     try:
@@ -95,4 +96,4 @@ def load_trained_classifier(output_dir):
              "; train one there first")
     model = build_classifier(trained["model"], len(classes), trained["image_size"])
     model.load_state_dict(weights)
-    return model.eval(), classes, trained["image_size"]
+    return model.eval().to("cuda" if torch.cuda.is_available() else "cpu"), classes, trained["image_size"]
