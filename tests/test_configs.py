@@ -2,12 +2,14 @@
 import glob
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import DistributedType
 
-from conftest import CONFIGS
+from conftest import CONFIGS, clean_env
 
 CONFIG_FILES = sorted(glob.glob(os.path.join(CONFIGS, "*.yaml")))
 EXPECTED = {  # name: (distributed_type, num_processes, num_machines)
@@ -44,3 +46,20 @@ def test_every_key_has_a_comment(path):
     for line in open(path):
         if re.match(r"^\s*[A-Za-z_]+:", line):
             assert "#" in line, f"{os.path.basename(path)}: key without a comment: {line.strip()}"
+
+
+def test_accelerate_test_with_the_readme_command_runs_one_two_process_world(tmp_path):
+    """`accelerate test`, a user's first sanity check, builds Accelerator() without cpu=True: on a
+    GPU-less machine the shipped 2-process config alone gives two independent 1-process worlds that
+    still report success (seen here: `Distributed environment: DistributedType.NO` twice). The README's
+    command (ACCELERATE_USE_CPU=1) gives one world of 2."""
+    def accelerate_test(**env):
+        cmd = [sys.executable, "-c", "from accelerate.commands.accelerate_cli import main; main()", "test",
+               "--config_file", os.path.join(CONFIGS, "cpu_2proc.yaml")]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(**env), capture_output=True, text=True, timeout=300)
+        return proc.returncode, proc.stdout + proc.stderr
+
+    code, output = accelerate_test(ACCELERATE_USE_CPU="1")
+    assert code == 0 and "Test is a success" in output, output[-3000:]
+    assert output.count("Distributed environment: DistributedType.MULTI_CPU  Backend: gloo") == 2, output[-3000:]
+    assert output.count("Num processes: 2") == 2 and "Num processes: 1" not in output
