@@ -49,9 +49,9 @@ def torchvision_layout(root, tiny):
     raw = os.path.join(root, "FashionMNIST", "raw")
     os.makedirs(raw, exist_ok=True)
     if tiny:
-        from data.mnist import load_dataset
+        from data.mnist import load_mnist
 
-        train, test, _ = load_dataset("fashion_mnist")
+        train, test, _ = load_mnist("fashion_mnist")
         for stem, t in zip(STEMS, (train.images[:1000], train.labels[:1000].byte(), test.images[:500],
                                    test.labels[:500].byte())):
             write_idx(os.path.join(raw, stem), t)
@@ -113,10 +113,10 @@ def compute_floor(data_root, bf16):
     import torch
     import torch.nn.functional as F
 
-    from data.mnist import load_dataset, normalize_images
+    from data.mnist import load_mnist, normalize_images
     from train.mnist import ConvNet
 
-    train, _, _ = load_dataset("fashion_mnist", os.path.join(data_root, "FashionMNIST", "raw"))
+    train, _, _ = load_mnist("fashion_mnist", os.path.join(data_root, "FashionMNIST", "raw"))
     torch.manual_seed(0)
     model = ConvNet().to(memory_format=torch.channels_last)
     images = normalize_images(train.images, train.mean, train.std).contiguous(memory_format=torch.channels_last)

@@ -50,7 +50,7 @@ def worker(args):
     from torch.utils.data.distributed import DistributedSampler
     from tqdm.auto import tqdm
 
-    from data import collate_batch, load_dataset, normalize_images
+    from data import collate_batch, load_mnist, normalize_images
     from train import mnist
     from train.accelerator import make_accelerator
     from train.loop import TrainingLoop
@@ -63,7 +63,7 @@ def worker(args):
 
     def autocast():  # what accelerate's autocast does, for the raw loops
         return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    train_set, _, _ = load_dataset("fashion_mnist", args.data_dir)
+    train_set, _, _ = load_mnist("fashion_mnist", args.data_dir)
     if args.tiny:
         train_set = train_set.subset(1000)
     mean, std = train_set.mean, train_set.std

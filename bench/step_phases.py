@@ -40,7 +40,7 @@ def worker(args):
     from torch.utils.data.distributed import DistributedSampler
     from tqdm.auto import tqdm
 
-    from data import collate_batch, load_dataset, normalize_images
+    from data import collate_batch, load_mnist, normalize_images
     from train import mnist
     from train.accelerator import make_accelerator
     from train.schedule import make_scheduler
@@ -48,7 +48,7 @@ def worker(args):
 
     script_args = mnist.parse_args(["--mixed_precision", "bf16", "--output_dir", args.log_dir])
     accelerator = make_accelerator(script_args)
-    train_set, _, _ = load_dataset("fashion_mnist", args.data_dir)
+    train_set, _, _ = load_mnist("fashion_mnist", args.data_dir)
     if args.tiny:
         train_set = train_set.subset(2000)  # 20 steps: one log line
     mean, std, batch_size = train_set.mean, train_set.std, 50

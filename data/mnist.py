@@ -201,7 +201,7 @@ def check_data_dir(name, data_dir):
     return folder
 
 
-def load_dataset(name, data_dir=None, download_root=DEFAULT_DOWNLOAD_ROOT):
+def load_mnist(name, data_dir=None, download_root=DEFAULT_DOWNLOAD_ROOT):
     """Return (train, test, source): two ImageClassificationTensors and a line saying where they came from.
 
     Raises DataError with a one-line message when nothing usable is found.

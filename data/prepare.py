@@ -62,9 +62,9 @@ def to_arrow(tensor):
 
 def prepare(dataset, output_dir, num_shards=8, rows_per_group=32, data_dir=None):
     """Write train and test shards of `dataset` into output_dir (atomically); return output_dir."""
-    from data.mnist import load_dataset
+    from data.mnist import load_mnist
 
-    train, test, source = load_dataset(dataset, data_dir)
+    train, test, source = load_mnist(dataset, data_dir)
     parent = os.path.dirname(os.path.abspath(output_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".prepare-", dir=parent)
@@ -91,9 +91,9 @@ def write_image_folders(dataset, output_dir, data_dir=None, max_per_class=None):
     (atomically); return output_dir."""
     from PIL import Image
 
-    from data.mnist import load_dataset
+    from data.mnist import load_mnist
 
-    train, test, source = load_dataset(dataset, data_dir)
+    train, test, source = load_mnist(dataset, data_dir)
     parent = os.path.dirname(os.path.abspath(output_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".prepare-", dir=parent)

@@ -123,9 +123,9 @@ def test_nothing_of_accelerate_is_replaced():
 
 
 def test_loaded_tensors_are_uint8_in_memory(fashion_dir):
-    from data import load_dataset, normalize_images
+    from data import load_mnist, normalize_images
 
-    train, test, source = load_dataset("fashion_mnist")
+    train, test, source = load_mnist("fashion_mnist")
     assert (len(train), len(test)) == (60000, 10000) and fashion_dir in source
     assert train.images.dtype == torch.uint8 and train.images.shape == (60000, 28, 28)
     batch = train.__getitems__([3, 1, 4])

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
-from data import DATASETS, DataError, augment_images, check_data_dir, collate_batch, load_dataset, normalize_images
+from data import DATASETS, DataError, augment_images, check_data_dir, collate_batch, load_mnist, normalize_images
 from data.prepare import prepare
 from data.sharding import ParquetSource, PlanError, shards_in
 from train.accelerator import announce, main_process_first, make_accelerator
@@ -108,7 +108,7 @@ def main(args):
 
     def load():  # one process downloads or writes shards, the others then read
         if not args.streaming:
-            return load_dataset(args.dataset, args.data_dir)
+            return load_mnist(args.dataset, args.data_dir)
         if not shards_in(parquet_dir, "train") and accelerator.is_main_process:
             prepare(args.dataset, parquet_dir, data_dir=args.data_dir)
 

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from data import collate_batch, load_dataset, normalize_images
+from data import collate_batch, load_mnist, normalize_images
 from train.mnist import ConvNet
 
 parser = argparse.ArgumentParser()
@@ -38,7 +38,7 @@ args = parser.parse_args()
 dist.init_process_group("gloo")
 rank, world_size = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(42)
-train_set, eval_set, _ = load_dataset("fashion_mnist", args.data_dir)
+train_set, eval_set, _ = load_mnist("fashion_mnist", args.data_dir)
 mean, std = train_set.mean, train_set.std
 sampler = DistributedSampler(train_set, shuffle=True, seed=42, drop_last=True)
 train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, sampler=sampler, drop_last=True,
