@@ -53,13 +53,12 @@ def main(folder, out_path, workers):
         report["epochs"].append([i for i in ids if i >= 0])
         report["batches_per_rank"].append(gather_object([batches]))
         report["optimizer_steps"].append(gather_object([steps]))
-    # resume from the mid-epoch save with a fresh loader: it must yield exactly the rest of epoch 1
-    resumed = build(accelerator, folder, workers)
-    accelerator._custom_objects = [resumed]
+    # resume from the mid-epoch save: the registered loader, now at the end of epoch 1 in memory, must
+    # take its position from the file and yield exactly the rest of epoch 1
     accelerator.load_state(os.path.join(os.path.dirname(out_path), "ckpt"))
-    resumed.set_epoch(1)
+    loader.set_epoch(1)
     rest = []
-    for batch in resumed:
+    for batch in loader:
         rest += accelerator.gather(torch.where(batch["valid"], batch["index"], -1)).tolist()
     report["resumed_rest"] = [i for i in rest if i >= 0]
     report["per_rank_batches_in_epoch"] = len(loader)
