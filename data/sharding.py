@@ -230,6 +230,55 @@ def table_to_tensors(table):
     return out
 
 
+class DatasetsSource:
+    """Rows of a Hugging Face `datasets.Dataset`, in memory or memory-mapped Arrow (`load_from_disk`,
+    or `datasets.load_dataset("csv"|"json"|"parquet"|"text", data_files=...)` on local files). The row
+    count is metadata; a read takes only the rows asked for. Numeric and fixed-shape columns come as
+    tensors, strings as lists; `transform(batch)` may turn them into tensors (tokenize, say).
+    `unit_size` rows are read together (neighbours on disk); the default 1 shuffles row by row."""
+
+    def __init__(self, dataset, columns=None, transform=None, unit_size=1):
+        if columns is not None:
+            dataset = dataset.select_columns(columns)
+        self.dataset, self.transform = dataset.with_format("torch"), transform
+        self.num_rows = len(dataset)
+        self.unit_sizes = [min(unit_size, self.num_rows - s) for s in range(0, self.num_rows, unit_size)]
+        self.rows_read = 0
+        self._fingerprint = None
+
+    def read(self, ids):
+        self.rows_read += len(ids)
+        batch = self.dataset[ids.tolist()]
+        return self.transform(batch) if self.transform is not None else batch
+
+    def fingerprint(self):
+        """From metadata and two rows: the row count, the schema, the Arrow files behind it (names and
+        sizes), the first and last row; the data itself is not read."""
+        if self._fingerprint is None:
+            files = [(os.path.basename(f["filename"]), os.path.getsize(f["filename"]))
+                     for f in self.dataset.cache_files if os.path.exists(f["filename"])]
+            ends = [repr(self.dataset.with_format(None)[i]) for i in {0, self.num_rows - 1} if self.num_rows]
+            payload = json.dumps([self.num_rows, str(self.dataset.features), files, sorted(ends)])
+            self._fingerprint = hashlib.blake2b(payload.encode(), digest_size=16).hexdigest()
+        return self._fingerprint
+
+
+def as_source(data):
+    """`data` as a source of ShardedIterableDataset: our sources as they are, a `datasets.Dataset`
+    through DatasetsSource; anything else is refused with what to pass instead."""
+    if all(hasattr(data, a) for a in ("unit_sizes", "read", "fingerprint")):
+        return data
+    kind = f"{type(data).__module__}.{type(data).__name__}"
+    if kind.startswith("datasets.") and type(data).__name__ == "Dataset":
+        return DatasetsSource(data)
+    if kind.startswith("datasets.") and "Iterable" in type(data).__name__:
+        raise PlanError("a streaming datasets.IterableDataset hides its row counts; pass its parquet files as "
+                        "ParquetSource(paths) (row counts from the footers, each rank reads only its row groups), "
+                        "or load it without streaming=True (memory-mapped Arrow, not held in memory)")
+    raise PlanError(f"{kind} is not a source: pass a datasets.Dataset, ParquetSource, TensorSource, or an object "
+                    "with unit_sizes, read(ids) and fingerprint()")
+
+
 NUMPY_TYPES = {**{t: t for t in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")},
                "halffloat": "float16", "float": "float32", "double": "float64"}
 
@@ -239,13 +288,15 @@ NUMPY_TYPES = {**{t: t for t in ("int8", "int16", "int32", "int64", "uint8", "ui
 class ShardedIterableDataset(IterableDataset):
     """Yields this rank's batches as dicts: the source's columns, `index` (sample ids) and `valid`.
 
+    `source`: a ParquetSource, TensorSource, DatasetsSource, a `datasets.Dataset` (wrapped in a
+    DatasetsSource), or any object with `unit_sizes`, `read(ids)` and `fingerprint()`.
     Rank and world size are arguments; the DataLoader worker is read inside `__iter__`. Use it with
     `DataLoader(dataset, batch_size=None, num_workers=K)` (it batches by itself), or through
     `ShardedLoader`, which also tracks the position and plugs into accelerate.
     """
 
     def __init__(self, source, global_batch_size, rank=0, world_size=1, seed=0, shuffle=True, policy="drop"):
-        self.source = source
+        self.source = source = as_source(source)
         self.plan = BatchPlan(source.unit_sizes, global_batch_size, world_size, rank, seed, shuffle, policy)
         self.epoch, self.start_batch = 0, 0
 
@@ -307,5 +358,5 @@ def shards_in(folder, split):
                   f.endswith(".parquet"))
 
 
-__all__ = ["BatchPlan", "ParquetSource", "PlanError", "ShardedIterableDataset", "TensorSource", "check_same_plan",
-           "epoch_order", "shards_in", "table_to_tensors"]
+__all__ = ["BatchPlan", "DatasetsSource", "ParquetSource", "PlanError", "ShardedIterableDataset", "TensorSource",
+           "as_source", "check_same_plan", "epoch_order", "shards_in", "table_to_tensors"]

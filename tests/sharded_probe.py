@@ -1,7 +1,8 @@
 """Launched by tests/test_sharded_launch.py with `accelerate launch`: trains a tiny DDP model from
-parquet shards through ShardedLoader and writes, on the main process, what every rank saw.
+parquet shards (or a datasets.Dataset saved with save_to_disk) through ShardedLoader and writes, on
+the main process, what every rank saw.
 
-    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml tests/sharded_probe.py SHARDS OUT.json K
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml tests/sharded_probe.py FOLDER OUT.json K
 """
 import json
 import os
@@ -19,8 +20,16 @@ from data.sharding import ParquetSource, ShardedIterableDataset, check_same_plan
 PER_RANK_BATCH, ACCUMULATION, EPOCHS, CUT = 4, 4, 2, 5
 
 
+def source(folder):
+    if os.path.isfile(os.path.join(folder, "dataset_info.json")):  # a datasets.Dataset from save_to_disk
+        import datasets
+
+        return datasets.load_from_disk(folder)  # memory-mapped Arrow, passed as it is
+    return ParquetSource(shards_in(folder, "train"))
+
+
 def build(accelerator, folder, workers):
-    dataset = ShardedIterableDataset(ParquetSource(shards_in(folder, "train")), PER_RANK_BATCH * accelerator.num_processes,
+    dataset = ShardedIterableDataset(source(folder), PER_RANK_BATCH * accelerator.num_processes,
                                      accelerator.process_index, accelerator.num_processes, seed=7, policy="pad")
     check_same_plan(dataset.identity(), gather_object)
     return ShardedLoader(dataset, accelerator.device, num_workers=workers)

@@ -27,11 +27,22 @@ def uneven_shards(tmp_path_factory):
     return str(folder)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_two_ranks_cover_every_epoch_exactly_once(uneven_shards, tmp_path, workers):
+@pytest.fixture(scope="module")
+def saved_dataset(tmp_path_factory):
+    """The same N rows as a datasets.Dataset saved to disk (loaded memory-mapped by the probe)."""
+    import datasets
+
+    folder = str(tmp_path_factory.mktemp("hf") / "saved")
+    datasets.Dataset.from_dict({"x": list(range(N))}).save_to_disk(folder)
+    return folder
+
+
+@pytest.mark.parametrize("data,workers", [("parquet", 0), ("parquet", 2), ("datasets", 2)])
+def test_two_ranks_cover_every_epoch_exactly_once(request, tmp_path, data, workers):
+    folder = request.getfixturevalue("uneven_shards" if data == "parquet" else "saved_dataset")
     out = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, "cpu_2proc.yaml"),
-           os.path.join("tests", "sharded_probe.py"), uneven_shards, str(out), str(workers)]
+           os.path.join("tests", "sharded_probe.py"), folder, str(out), str(workers)]
     # the timeout is the failure mode of a hang on uneven batch counts
     proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, output_of(proc)

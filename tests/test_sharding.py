@@ -344,3 +344,84 @@ def test_string_column_names_itself_and_the_fix(tmp_path):
     ds = ShardedIterableDataset(ParquetSource([str(tmp_path / "t.parquet")]), 3, policy="pad")
     with pytest.raises(PlanError, match="column 'text' .*string.*decode"):
         list(ds)
+
+
+# ------------------------------------------------------------------------------- Hugging Face datasets
+
+def hf_dataset(n):
+    import datasets
+
+    return datasets.Dataset.from_dict({"x": list(range(n)), "text": [f"row {i}" for i in range(n)]})
+
+
+def hf_ranks(data, world, workers, per_rank, policy, epoch=0, start=0, seed=5):
+    ranks = []
+    for r in range(world):
+        ds = ShardedIterableDataset(data, per_rank * world, r, world, seed=seed, policy=policy)
+        ds.set_epoch(epoch, start)
+        _, merged = worker_outputs(ds, workers)
+        for b in merged:  # the rows read are the rows planned, strings included
+            assert torch.equal(b["x"], b["index"]) and b["text"] == [f"row {i}" for i in b["index"].tolist()]
+        ranks.append([(b["index"], b["valid"]) for b in merged])
+    return ranks
+
+
+@pytest.mark.parametrize("n", [7, 1001])
+@pytest.mark.parametrize("world", range(1, 7))
+def test_a_datasets_dataset_is_a_source_exactly_once_for_any_world_and_workers(n, world):
+    data = hf_dataset(n)
+    for workers, policy in itertools.product(range(0, 4), ["drop", "pad"]):
+        if policy == "drop" and n < 3 * world:
+            continue
+        ranks = hf_ranks(data, world, workers, 3, policy)
+        assert len({len(r) for r in ranks}) == 1
+        assert_exactly_once(ranks, n, 3 * world, policy)
+
+
+def test_a_datasets_dataset_resumes_exactly_with_another_world_size():
+    data = hf_dataset(100)
+    whole = global_batches(hf_ranks(data, 2, 0, 5, "pad", epoch=3))
+    state = ShardedIterableDataset(data, 10, 0, 2, seed=5, policy="pad").state_dict(4)
+    resumed = ShardedIterableDataset(data, 10, 0, 5, seed=5, policy="pad")
+    resumed.load_state_dict({**state, "epoch": 3})
+    rest = global_batches(hf_ranks(data, 5, 0, 2, "pad", epoch=3, start=resumed.start_batch))
+    assert [b.tolist() for b in rest] == [b.tolist() for b in whole[4:]]
+
+
+@pytest.mark.parametrize("kind", ["csv", "json", "text", "parquet", "arrow_on_disk"])
+def test_local_files_through_datasets_are_sharded_exactly_once(tmp_path, kind):
+    import datasets
+
+    n = 103
+    if kind == "csv":
+        (tmp_path / "d.csv").write_text("x,text\n" + "".join(f"{i},row {i}\n" for i in range(n)))
+    elif kind == "json":
+        (tmp_path / "d.json").write_text("".join(f'{{"x": {i}, "text": "row {i}"}}\n' for i in range(n)))
+    elif kind == "text":
+        (tmp_path / "d.text").write_text("".join(f"row {i}\n" for i in range(n)))
+    if kind == "arrow_on_disk":
+        hf_dataset(n).save_to_disk(str(tmp_path / "saved"))
+        data = datasets.load_from_disk(str(tmp_path / "saved"))  # memory-mapped, not in memory
+    elif kind == "parquet":
+        hf_dataset(n).to_parquet(str(tmp_path / "d.parquet"))
+        data = datasets.load_dataset("parquet", data_files=str(tmp_path / "d.parquet"), split="train",
+                                     cache_dir=str(tmp_path / "cache"))
+    else:
+        data = datasets.load_dataset(kind, data_files=str(next(tmp_path.glob("d.*"))), split="train",
+                                     cache_dir=str(tmp_path / "cache"))
+    if kind == "text":  # one column, "text": the row number is in it
+        data = data.map(lambda row: {"x": int(row["text"].split()[1])}, cache_file_name=str(tmp_path / "m.arrow"))
+    for world, workers in ((1, 0), (3, 2)):
+        ranks = hf_ranks(data, world, workers, 4, "pad")
+        assert_exactly_once(ranks, n, 4 * world, "pad")
+
+
+def test_a_streaming_datasets_iterable_is_refused_with_what_to_pass(tmp_path):
+    hf_dataset(10).to_parquet(str(tmp_path / "d.parquet"))
+    import datasets
+
+    stream = datasets.load_dataset("parquet", data_files=str(tmp_path / "d.parquet"), split="train", streaming=True)
+    with pytest.raises(PlanError, match="ParquetSource"):
+        ShardedIterableDataset(stream, 4)
+    with pytest.raises(PlanError, match="is not a source"):
+        ShardedIterableDataset([1, 2, 3], 4)
