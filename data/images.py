@@ -37,6 +37,7 @@ class ImageFiles:
     classes: list
     ignored: int = 0
     unreadable: tuple = ()
+    note: str = ""
 
     def __len__(self):
         return len(self.files)
@@ -63,10 +64,12 @@ class ImageFiles:
                                 "validation; add images or pass --validation_dir")
             held += list(rng.choice(ids, size=max(1, round(fraction * len(ids))), replace=False))
         kept = sorted(set(range(len(self))) - set(held))
-        return self._take(kept), self._take(sorted(held))
+        held_out = replace(self._take(sorted(held)), ignored=0, unreadable=(),  # counted once, in the train part
+                           note=f"held out from --train_dir: {fraction:.0%} of each class")
+        return self._take(kept), held_out
 
     def summary(self):
-        text = f"{len(self)} images in {len(self.classes)} classes"
+        text = f"{len(self)} images in {len(self.classes)} classes" + (f" ({self.note})" if self.note else "")
         if self.ignored:
             text += f", ignored {self.ignored} file(s) without an image extension"
         if self.unreadable:
@@ -140,6 +143,19 @@ def list_images(path):
     if not found:
         raise DataError(f"--predict {path} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
     return found
+
+
+def decode_for_prediction(paths, transform):
+    """(the paths that decoded, their images as one uint8 batch or None, one warning line per file that
+    did not): prediction goes on past a bad file, as the training scan does."""
+    kept, images, warnings = [], [], ""
+    for path in paths:
+        try:
+            images.append(transform(load_image(path)))
+            kept.append(path)
+        except DataError as e:
+            warnings += f"warning: skipped {e}\n"
+    return kept, torch.stack(images) if images else None, warnings
 
 
 def load_image(path):

@@ -4,6 +4,7 @@ after a SIGKILL on both data paths; prediction with the trained run; images of e
 torchvision models by name and local pretrained weights; and each kind of bad folder as one line."""
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -206,3 +207,38 @@ def test_bad_folder_under_two_processes_is_one_line(tmp_path):
                   timeout=120)
     output = output_of(proc)
     assert proc.returncode != 0 and output.count("has no class subfolders (it is empty)") == 1, output
+
+
+def test_predict_goes_on_past_an_undecodable_file(trained, folders, tmp_path):
+    _, out = trained
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    for name in sorted(os.listdir(os.path.join(folders[1], "Bag")))[:2]:
+        shutil.copy(os.path.join(folders[1], "Bag", name), mixed / name)
+    Image.new("RGB", (300, 300), 5).save(mixed / "cut.png")
+    data = (mixed / "cut.png").read_bytes()
+    (mixed / "cut.png").write_bytes(data[:len(data) // 2])
+    proc = run_script("image_classification", "--predict", mixed, "--output_dir", out)
+    assert proc.returncode == 0, output_of(proc)
+    assert len(proc.stdout.splitlines()) == 2 and "cut.png" not in proc.stdout
+    assert proc.stderr.count("warning: skipped ") == 1 and "cut.png cannot be decoded" in proc.stderr
+
+
+def test_held_out_split_says_so_and_counts_skipped_files_once(tmp_path):
+    root = tmp_path / "imgs"
+    _class_folders(root, {"cat": 10, "dog": 10})
+    (root / "cat" / "broken.png").write_bytes(b"not a png")
+    train, held_out = scan_image_folder(str(root), "--train_dir").split(0.2, seed=0)
+    assert len(train) == 16 and len(held_out) == 4 and sorted(held_out.labels) == [0, 0, 1, 1]
+    assert "skipped 1 unreadable" in train.summary() and "skipped" not in held_out.summary()
+    assert "held out from --train_dir: 20% of each class" in held_out.summary()
+    assert not set(train.files) & set(held_out.files)
+
+
+def test_whole_pickled_model_as_pretrained_weights_is_one_line(tmp_path):
+    good = _class_folders(tmp_path / "good", {"cat": 4, "dog": 4})
+    torch.save(torch.nn.Linear(2, 2), tmp_path / "model.pth")  # the object, not its state_dict
+    (tmp_path / "notes.pth").write_text("hello")
+    for name, text in (("model.pth", "save model.state_dict() instead"), ("notes.pth", "is not a .safetensors")):
+        _fails_with(run_script("image_classification", "--train_dir", good, "--pretrained_weights", tmp_path / name,
+                               "--output_dir", tmp_path / "out", "--image_size", 16), text)

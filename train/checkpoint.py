@@ -50,9 +50,10 @@ def check_output_dir(args):
             step = "unreadable all_results.json"
         if resume:
             if first_local_process():
+                elsewhere = (f"; to continue it elsewhere, --resume_from_checkpoint {checkpoints[-1]} with another "
+                             "--output_dir" if checkpoints else "")
                 print(f"{out} holds a finished run ({step}); nothing to resume, nothing changed. To train it again "
-                      "pass --overwrite_output_dir; to continue it elsewhere, --resume_from_checkpoint "
-                      f"{out}/checkpoints/step_N with another --output_dir", flush=True)
+                      f"pass --overwrite_output_dir{elsewhere}", flush=True)
             sys.exit(0)
         fail(f"--output_dir {out} holds a finished run ({step}); pass --overwrite_output_dir to replace it, or "
              "another --output_dir")
@@ -200,7 +201,7 @@ def _load_trusted(path):
         reason = str(e).splitlines()[0]
         raise SystemExit(f"error: refused to load {path}: it holds pickled objects other than tensors ({reason}); "
                          "it was not written by these scripts; delete that checkpoint") from None
-    except (OSError, RuntimeError, EOFError) as e:
+    except Exception as e:  # a damaged file meets torch.load as any of OSError, EOFError, KeyError, RuntimeError, ...
         raise SystemExit(f"error: {path} is unreadable ({type(e).__name__}); delete that checkpoint and resume "
                          "from an earlier one") from None
 

@@ -66,6 +66,14 @@ def steps_or_epoch(text):
     return "epoch" if text == "epoch" else positive_int(text)
 
 
+# what other scripts call our flags: `--lr` is too far from `--learning_rate` for a spelling match
+ALIASES = {"--lr": "--learning_rate", "--epochs": "--num_train_epochs", "--num_epochs": "--num_train_epochs",
+           "--batch_size": "--per_device_train_batch_size", "--train_batch_size": "--per_device_train_batch_size",
+           "--eval_batch_size": "--per_device_eval_batch_size", "--warmup_steps": "--num_warmup_steps",
+           "--max_steps": "--max_train_steps", "--num_workers": "--dataloader_num_workers",
+           "--resume": "--resume_from_checkpoint", "--fp16": "--mixed_precision", "--bf16": "--mixed_precision"}
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """Shows each flag's default, except for switches and unset values, where it says nothing."""
 
@@ -88,8 +96,9 @@ class Parser(argparse.ArgumentParser):
         if message.startswith("unrecognized arguments:"):
             known = [s for action in self._actions for s in action.option_strings if s not in ("-h", "--help")]
             for word in message.split(":", 1)[1].split():
-                close = difflib.get_close_matches(word.split("=")[0], known, n=1, cutoff=0.75) \
-                    if word.startswith("--") else []
+                flag = word.split("=")[0]
+                close = [ALIASES[flag]] if ALIASES.get(flag) in known else \
+                    difflib.get_close_matches(flag, known, n=1, cutoff=0.75) if word.startswith("--") else []
                 if close:
                     message += f" (did you mean {close[0]}?)"
                     break

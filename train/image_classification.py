@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
-from data.images import (ImageFileSource, ImageFolderDataset, image_transforms, list_images, load_image, normalize,
-                         scan_image_folder)
+from data.images import (ImageFileSource, ImageFolderDataset, decode_for_prediction, image_transforms, list_images,
+                         normalize, scan_image_folder)
 from data.mnist import DataError
 from data.sharding import PlanError
 from train.accelerator import announce, main_process_first, make_accelerator
@@ -26,7 +26,7 @@ from train.checkpoint import check_output_dir, prepare_output_dir
 from train.cli import add_optimizer_args, make_parser, positive_float, positive_int, run
 from train.evaluation import evaluate_classifier
 from train.loop import TrainingLoop, sharded_loader
-from train.models import build_classifier, load_pretrained, load_trained_classifier
+from train.models import build_classifier, check_model_args, load_pretrained, load_trained_classifier
 from train.schedule import make_scheduler, plan_steps
 from train.tracking import tracking_kwargs, write_json
 
@@ -66,6 +66,7 @@ def parse_args(argv=None):
 
 def main(args):
     check_output_dir(args)  # bad paths fail here, in every process alike, before any of them waits on another
+    check_model_args(args.model, args.pretrained_weights)  # before a scan of the folders that can take minutes
     accelerator = make_accelerator(args, **tracking_kwargs(args))
     set_seed(args.seed)
     announce(accelerator, args)
@@ -135,12 +136,11 @@ def predict(args):
     """Print `path<TAB>class<TAB>probability` for each image, with the run saved in --output_dir."""
     model, classes, image_size = load_trained_classifier(args.output_dir)  # on the GPU if there is one
     files, transform = list_images(args.predict), image_transforms(image_size, train=False)
-    device = next(model.parameters()).device
     with torch.inference_mode():
         for start in range(0, len(files), 64):
-            chunk = files[start:start + 64]
-            images = torch.stack([transform(load_image(p)) for p in chunk]).to(device)
-            probabilities = model(normalize(images)).softmax(-1)
+            chunk, images, warnings = decode_for_prediction(files[start:start + 64], transform)
+            sys.stderr.write(warnings)
+            probabilities = model(normalize(images.to(next(model.parameters()).device))).softmax(-1) if chunk else []
             for path, p in zip(chunk, probabilities):
                 print(f"{path}\t{classes[int(p.argmax())]}\t{float(p.max()):.3f}")
 

@@ -89,6 +89,13 @@ class TrainingLoop:
     def batches(self):
         """Every micro-batch the run has left, epoch after epoch, from where it stands: a new shuffle
         per epoch (the same on every rank), and after a resume exactly the batches not yet trained."""
+        try:
+            yield from self._batches()
+        except BaseException:  # end the progress bar's line, so an error message starts on its own
+            self.progress.close()
+            raise
+
+    def _batches(self):
         first_epoch, t_train = self.epoch, time.perf_counter()
         for epoch in range(first_epoch, self.num_train_epochs):
             if self.step >= self.max_train_steps:

@@ -35,19 +35,27 @@ def torchvision_models():
     return torchvision.models.list_models(module=torchvision.models)  # classification models only
 
 
-def build_classifier(name, num_classes, image_size):
-    """A freshly initialised classifier for `num_classes` classes."""
-    if name == "convnet":
-        return ConvNet(num_classes)
-    import torchvision
-
-    names = torchvision_models()
+def check_model_args(name, pretrained_weights=None):
+    """Fail at once, in one line, on an unknown --model or a missing --pretrained_weights file."""
+    names = ["convnet", *torchvision_models()]
     if name not in names:
-        close = difflib.get_close_matches(name, ["convnet", *names], n=3)
+        close = difflib.get_close_matches(name, names, n=3)
         fail(f"--model {name} is neither convnet nor a torchvision classification model" +
              (f" (did you mean {', '.join(close)}?)" if close else "") +
              "; python -c 'import torchvision; print(torchvision.models.list_models(module=torchvision.models))' "
              "lists them")
+    if pretrained_weights and not os.path.isfile(pretrained_weights):
+        fail(f"--pretrained_weights {pretrained_weights} does not exist; pass a state dict file (.safetensors, .pth "
+             "or .pt)")
+
+
+def build_classifier(name, num_classes, image_size):
+    """A freshly initialised classifier for `num_classes` classes."""
+    check_model_args(name)
+    if name == "convnet":
+        return ConvNet(num_classes)
+    import torchvision
+
     kwargs = {"num_classes": num_classes}
     if name in ("googlenet", "inception_v3"):
         kwargs["aux_logits"] = False  # their auxiliary heads return tuples in training, and need no extra loss here
@@ -60,16 +68,18 @@ def load_pretrained(model, path):
     """Load the tensors of a local state dict (.safetensors, or .pth/.pt of tensors, as torchvision's
     weight files are) whose names and shapes fit `model`; the rest keep their fresh values, e.g. a
     classifier head sized for another number of classes. Returns the names left fresh."""
-    if not os.path.isfile(path):
-        fail(f"--pretrained_weights {path} does not exist; pass a state dict file (.safetensors, .pth or .pt)")
+    check_model_args("convnet", path)
     try:
         if path.endswith(".safetensors"):
             from safetensors.torch import load_file
             state = load_file(path)
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)  # a planted pickle is refused, not run
-    except (pickle.UnpicklingError, RuntimeError, OSError, ValueError, EOFError) as e:
-        fail(f"--pretrained_weights {path} is not a readable state dict ({' '.join(str(e).split())[:120]})")
+    except pickle.UnpicklingError:
+        fail(f"--pretrained_weights {path} holds pickled objects other than tensors (a whole model saved with "
+             "torch.save(model)?); save model.state_dict() instead, or as .safetensors")
+    except Exception as e:  # torch.load meets a non-torch file with any of KeyError, EOFError, RuntimeError, ...
+        fail(f"--pretrained_weights {path} is not a .safetensors, .pth or .pt state dict ({type(e).__name__})")
     state = state.get("state_dict", state.get("model", state)) if isinstance(state, dict) else state
     own = model.state_dict()
     fits = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
