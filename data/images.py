@@ -223,6 +223,7 @@ class ImageFileSource:
         self.dataset = dataset
         self.unit_sizes = [1] * len(dataset)
         self.rows_read = 0
+        self._fingerprint = None
 
     def set_epoch(self, epoch):
         self.dataset.set_epoch(epoch)
@@ -234,7 +235,9 @@ class ImageFileSource:
                 "label": torch.tensor([s["label"] for s in samples], dtype=torch.long)}
 
     def fingerprint(self):
-        h = hashlib.blake2b(digest_size=16)
-        for path, label in zip(self.dataset.images.files, self.dataset.images.labels):
-            h.update(f"{os.path.basename(path)}:{label}\n".encode())
-        return h.hexdigest()
+        if self._fingerprint is None:  # asked for at every checkpoint: hash the file list once
+            h = hashlib.blake2b(digest_size=16)
+            for path, label in zip(self.dataset.images.files, self.dataset.images.labels):
+                h.update(f"{os.path.basename(path)}:{label}\n".encode())
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint

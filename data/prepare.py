@@ -13,6 +13,7 @@ process only. Shards are written to a temporary folder and renamed, so a crash n
 half-written set behind.
 """
 import argparse
+import contextlib
 import math
 import os
 import shutil
@@ -60,23 +61,31 @@ def to_arrow(tensor):
     return pa.BinaryArray.from_buffers(pa.binary(), len(flat), [None, offsets.buffers()[1], pa.py_buffer(flat.tobytes())])
 
 
-def prepare(dataset, output_dir, num_shards=8, rows_per_group=32, data_dir=None):
-    """Write train and test shards of `dataset` into output_dir (atomically); return output_dir."""
-    from data.mnist import load_mnist
-
-    train, test, source = load_mnist(dataset, data_dir)
+@contextlib.contextmanager
+def atomic_folder(output_dir):
+    """A temporary folder beside output_dir to write into; it replaces output_dir only if the block
+    ends without an error, so a crash never leaves a half-written set behind."""
     parent = os.path.dirname(os.path.abspath(output_dir))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".prepare-", dir=parent)
     try:
-        for split, ds in (("train", train), ("test", test)):
-            write_shards({"image": ds.images, "label": ds.labels}, tmp, split, num_shards, rows_per_group)
+        yield tmp
         os.chmod(tmp, 0o755)  # mkdtemp makes it private
         if os.path.isdir(output_dir):
             shutil.rmtree(output_dir)
         os.replace(tmp, output_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def prepare(dataset, output_dir, num_shards=8, rows_per_group=32, data_dir=None):
+    """Write train and test shards of `dataset` into output_dir (atomically); return output_dir."""
+    from data.mnist import load_mnist
+
+    train, test, source = load_mnist(dataset, data_dir)
+    with atomic_folder(output_dir) as tmp:
+        for split, ds in (("train", train), ("test", test)):
+            write_shards({"image": ds.images, "label": ds.labels}, tmp, split, num_shards, rows_per_group)
     print(f"wrote {num_shards} train + {num_shards} test shards of {dataset} ({source}) to {output_dir}")
     return output_dir
 
@@ -94,11 +103,8 @@ def write_image_folders(dataset, output_dir, data_dir=None, max_per_class=None):
     from data.mnist import load_mnist
 
     train, test, source = load_mnist(dataset, data_dir)
-    parent = os.path.dirname(os.path.abspath(output_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".prepare-", dir=parent)
     counts = {}
-    try:
+    with atomic_folder(output_dir) as tmp:
         for split, ds in (("train", train), ("validation", test)):
             written = [0] * 10
             for name in CLASS_NAMES[dataset]:
@@ -109,12 +115,6 @@ def write_image_folders(dataset, output_dir, data_dir=None, max_per_class=None):
                                                                        f"{i:05d}.png"))
                     written[label] += 1
             counts[split] = sum(written)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private
-        if os.path.isdir(output_dir):
-            shutil.rmtree(output_dir)
-        os.replace(tmp, output_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     print(f"wrote {counts['train']} train + {counts['validation']} validation PNGs of {dataset} ({source}) "
           f"to {output_dir}/{{train,validation}}/CLASS_NAME/")
     return output_dir

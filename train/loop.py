@@ -66,15 +66,14 @@ class TrainingLoop:
         self.max_train_steps, self.num_train_epochs = plan_steps(args, self.batches_per_epoch)
         self.t_start, self.train_seconds = time.perf_counter(), 0.0
         self.step, self.epoch, self.batches_done, self.history, self.epoch_seconds = 0, 0, 0, [], []
-        self.resumed_from, resumed_seconds = None, 0.0
+        self.resumed_from, self._resumed_seconds = None, 0.0  # the interrupted epoch's training time before the save
         if path := find_checkpoint(accelerator, args):
             meta = load_checkpoint(accelerator, path, script, model, optimizer, lr_scheduler)
             self.resumed_from, self.step, self.history = path, meta["step"], meta.get("history", [])
-            self.epoch_seconds, resumed_seconds = meta.get("epoch_seconds", []), meta.get("epoch_elapsed", 0.0)
+            self.epoch_seconds, self._resumed_seconds = meta.get("epoch_seconds", []), meta.get("epoch_elapsed", 0.0)
             self.epoch, self.batches_done = meta["data"]["epoch"], meta["data"]["next_batch"]
             if self.sharded:
                 train_loader.load_state_dict(meta["data"])
-        self._resumed_seconds = resumed_seconds  # the interrupted epoch's training time before the save
         start_tracking(accelerator, args, script, self.step)
         accelerator.print(f"epochs={self.num_train_epochs} steps={self.max_train_steps} steps_per_epoch="
                           f"{math.ceil(self.batches_per_epoch / args.gradient_accumulation_steps)}"
