@@ -11,10 +11,13 @@ This wrapper does the three things prepare would have done for us, and nothing e
 - tracks the position (state_dict/load_state_dict): train/loop.py stores it in our checkpoints, and
   in a script that uses accelerate's save_state, `accelerator.register_for_checkpointing` carries it.
 """
-from accelerate.data_loader import DataLoaderStateMixin
+from accelerate.data_loader import (BatchSamplerShard, DataLoaderDispatcher, DataLoaderShard, DataLoaderStateMixin,
+                                    IterableDatasetShard)
 from accelerate.state import GradientState
 from accelerate.utils import send_to_device
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
+
+from data.sharding import PREPARED_SHARDED, PlanError, ShardedIterableDataset
 
 
 class ShardedLoader(DataLoaderStateMixin):
@@ -59,3 +62,23 @@ class ShardedLoader(DataLoaderStateMixin):
     def load_state_dict(self, state):
         self.dataset.load_state_dict(state)
         self.next_batch = self.dataset.start_batch
+
+
+def check_loader(loader):
+    """Raise PlanError if `loader` is what `accelerator.prepare` made of data that was already split
+    by rank, which loses (W-1)/W of it without an error: a DataLoader over a ShardedIterableDataset
+    (dispatched from rank 0's shard, or sharded again), or a DataLoader with a DistributedSampler
+    (sharded again by BatchSamplerShard). Only public attributes of the prepared loader are read."""
+    if not isinstance(loader, (DataLoaderShard, DataLoaderDispatcher)):
+        return  # not prepared (a ShardedLoader, a plain DataLoader): nothing was sharded twice
+    dataset = loader.dataset.dataset if isinstance(loader.dataset, IterableDatasetShard) else loader.dataset
+    if isinstance(dataset, ShardedIterableDataset) and dataset.plan.world_size > 1:
+        raise PlanError(PREPARED_SHARDED)
+    if isinstance(loader.batch_sampler, BatchSamplerShard):
+        inner = loader.batch_sampler.batch_sampler
+        inner = getattr(inner, "sampler", inner)  # BatchSampler(DistributedSampler) or the sampler itself
+        if isinstance(inner, DistributedSampler) and inner.num_replicas > 1:
+            raise PlanError("a DataLoader with a DistributedSampler went through accelerator.prepare, which shards "
+                            f"it again: each of the {inner.num_replicas} processes would see 1/{inner.num_replicas} "
+                            "of its share; drop the DistributedSampler (prepare shards the data by itself) or do "
+                            "not prepare that loader")

@@ -22,6 +22,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 
 import numpy as np
 import torch
@@ -32,6 +33,11 @@ POLICIES = ("drop", "pad")
 
 class PlanError(ValueError):
     """A plan or state that cannot be right; the message names the problem and the fix."""
+
+
+PREPARED_SHARDED = ("a DataLoader over a ShardedIterableDataset went through accelerator.prepare, which splits it "
+                    "by rank a second time (or dispatches rank 0's share to every rank) and loses part of the data; "
+                    "wrap it in data.loader.ShardedLoader (or train.loop.sharded_loader) instead and do not prepare it")
 
 
 def epoch_order(unit_sizes, seed, epoch, shuffle=True):
@@ -187,15 +193,35 @@ class ParquetSource:
         for unit in np.unique(units):
             where = np.nonzero(units == unit)[0]
             rows = torch.from_numpy(ids[where] - self.unit_starts[unit])
-            parts.append({name: t[rows] for name, t in self._unit_tensors(int(unit)).items()})
+            parts.append({name: _take(c, rows) for name, c in self._unit_tensors(int(unit)).items()})
             positions.append(where)
         if not parts:
             return {}
         inverse = torch.from_numpy(np.argsort(np.concatenate(positions), kind="stable"))  # back to plan order
-        return {name: torch.cat([part[name] for part in parts])[inverse] for name in parts[0]}
+        return {name: _take(_join([part[name] for part in parts]), inverse) for name in parts[0]}
 
     def fingerprint(self):
         return self._fingerprint
+
+
+def _take(column, rows):
+    return column[rows] if isinstance(column, torch.Tensor) else [column[i] for i in rows.tolist()]
+
+
+def _join(columns):
+    return torch.cat(columns) if isinstance(columns[0], torch.Tensor) else [v for c in columns for v in c]
+
+
+def table_to_columns(table):
+    """Like table_to_tensors, but string columns (and others that are not numbers) come as lists,
+    as a `datasets.Dataset` with format "torch" gives them: for a `transform` or collate that tokenizes."""
+    out = {}
+    for name in table.column_names:
+        try:
+            out.update(table_to_tensors(table.select([name])))
+        except PlanError:
+            out[name] = table.column(name).to_pylist()
+    return out
 
 
 def table_to_tensors(table):
@@ -263,6 +289,25 @@ class DatasetsSource:
         return self._fingerprint
 
 
+def streaming_parquet_source(stream):
+    """A streaming `datasets.IterableDataset` over local parquet files (`load_dataset("parquet",
+    data_files=..., streaming=True)`) as a ParquetSource over the same files: row counts from the
+    footers, each rank reads only its row groups, strings come as lists. Anything else is refused
+    with what to pass instead: its row counts are unknown until read to the end."""
+    hint = ("pass the parquet files as ParquetSource(paths), or load the dataset without streaming=True "
+            "(memory-mapped Arrow, not held in memory) and apply map/filter there")
+    # datasets has no public accessor for the files behind a stream; read (never change) the list its
+    # parquet loader keeps, which is there only while no map/filter/shuffle wraps the stream.
+    examples = getattr(stream, "_ex_iterable", None)
+    inputs = getattr(examples, "kwargs", None) or {}
+    files = [str(f) for f in inputs.get("files") or []]
+    if type(examples).__name__ != "ArrowExamplesIterable" or not files or \
+            any(not (f.endswith(".parquet") and os.path.isfile(f)) for f in files) or \
+            any(groups is not None for groups in inputs.get("row_groups_list") or []):
+        raise PlanError(f"this streaming datasets.IterableDataset is not plain local parquet files; {hint}")
+    return ParquetSource(files, columns=list(stream.features) if stream.features else None, decode=table_to_columns)
+
+
 def as_source(data):
     """`data` as a source of ShardedIterableDataset: our sources as they are, a `datasets.Dataset`
     through DatasetsSource; anything else is refused with what to pass instead."""
@@ -272,9 +317,7 @@ def as_source(data):
     if kind.startswith("datasets.") and type(data).__name__ == "Dataset":
         return DatasetsSource(data)
     if kind.startswith("datasets.") and "Iterable" in type(data).__name__:
-        raise PlanError("a streaming datasets.IterableDataset hides its row counts; pass its parquet files as "
-                        "ParquetSource(paths) (row counts from the footers, each rank reads only its row groups), "
-                        "or load it without streaming=True (memory-mapped Arrow, not held in memory)")
+        return streaming_parquet_source(data)
     raise PlanError(f"{kind} is not a source: pass a datasets.Dataset, ParquetSource, TensorSource, or an object "
                     "with unit_sizes, read(ids) and fingerprint()")
 
@@ -311,6 +354,8 @@ class ShardedIterableDataset(IterableDataset):
     def __iter__(self):
         info = get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if self.plan.world_size > 1:
+            _refuse_resharding(self, info)
         for batch_index, ids, valid in self.plan.rank_batches(self.epoch, self.start_batch):
             if (batch_index - self.start_batch) % num_workers != worker:
                 continue  # whole batches per worker: the DataLoader returns them in plan order
@@ -340,6 +385,24 @@ class ShardedIterableDataset(IterableDataset):
         self.set_epoch(state["epoch"], state["next_batch"])
 
 
+def _refuse_resharding(dataset, worker_info):
+    """The last line of defence for scripts that never call data.loader.check_loader: refuse to be
+    read through accelerate's rank sharding. accelerate has no public way to mark an iterable as
+    already sharded, so look at who is iterating: a wrapper dataset in a worker (public WorkerInfo),
+    or one of accelerate's two rank-splitting iterators among the calling frames (read, never changed)."""
+    if worker_info is not None and worker_info.dataset is not dataset:
+        raise PlanError(PREPARED_SHARDED)
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            break
+        caller = type(frame.f_locals.get("self")).__name__
+        if caller in ("IterableDatasetShard", "DataLoaderDispatcher") and \
+                frame.f_globals.get("__name__", "").startswith("accelerate."):
+            raise PlanError(PREPARED_SHARDED)
+        frame = frame.f_back
+
+
 def check_same_plan(identity, gather_object):
     """Raise unless every rank built the same plan (same seed, data, batch size). `gather_object` is
     `accelerate.utils.gather_object`: one collective, once, before training."""
@@ -359,4 +422,5 @@ def shards_in(folder, split):
 
 
 __all__ = ["BatchPlan", "DatasetsSource", "ParquetSource", "PlanError", "ShardedIterableDataset", "TensorSource",
-           "as_source", "check_same_plan", "epoch_order", "shards_in", "table_to_tensors"]
+           "as_source", "check_same_plan", "epoch_order", "shards_in", "streaming_parquet_source", "table_to_columns",
+           "table_to_tensors"]

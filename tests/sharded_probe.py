@@ -1,8 +1,9 @@
 """Launched by tests/test_sharded_launch.py with `accelerate launch`: trains a tiny DDP model from
-parquet shards (or a datasets.Dataset saved with save_to_disk) through ShardedLoader and writes, on
+parquet shards (or a datasets.Dataset saved with save_to_disk, or a streaming datasets.IterableDataset
+over the shards) through ShardedLoader and writes, on
 the main process, what every rank saw.
 
-    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml tests/sharded_probe.py FOLDER OUT.json K
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml tests/sharded_probe.py FOLDER OUT.json K [stream]
 """
 import json
 import os
@@ -20,24 +21,26 @@ from data.sharding import ParquetSource, ShardedIterableDataset, check_same_plan
 PER_RANK_BATCH, ACCUMULATION, EPOCHS, CUT = 4, 4, 2, 5
 
 
-def source(folder):
-    if os.path.isfile(os.path.join(folder, "dataset_info.json")):  # a datasets.Dataset from save_to_disk
-        import datasets
+def source(folder, stream):
+    import datasets
 
+    if os.path.isfile(os.path.join(folder, "dataset_info.json")):  # a datasets.Dataset from save_to_disk
         return datasets.load_from_disk(folder)  # memory-mapped Arrow, passed as it is
+    if stream:  # a streaming datasets.IterableDataset over the same files, passed as it is
+        return datasets.load_dataset("parquet", data_files=shards_in(folder, "train"), split="train", streaming=True)
     return ParquetSource(shards_in(folder, "train"))
 
 
-def build(accelerator, folder, workers):
-    dataset = ShardedIterableDataset(source(folder), PER_RANK_BATCH * accelerator.num_processes,
+def build(accelerator, folder, workers, stream):
+    dataset = ShardedIterableDataset(source(folder, stream), PER_RANK_BATCH * accelerator.num_processes,
                                      accelerator.process_index, accelerator.num_processes, seed=7, policy="pad")
     check_same_plan(dataset.identity(), gather_object)
     return ShardedLoader(dataset, accelerator.device, num_workers=workers)
 
 
-def main(folder, out_path, workers):
+def main(folder, out_path, workers, stream=False):
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION)
-    loader = build(accelerator, folder, workers)
+    loader = build(accelerator, folder, workers, stream)
     accelerator.register_for_checkpointing(loader)
     model = torch.nn.Linear(1, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -78,4 +81,4 @@ def main(folder, out_path, workers):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:] == ["stream"])

@@ -37,12 +37,12 @@ def saved_dataset(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("data,workers", [("parquet", 0), ("parquet", 2), ("datasets", 2)])
+@pytest.mark.parametrize("data,workers", [("parquet", 0), ("parquet", 2), ("datasets", 2), ("stream", 1)])
 def test_two_ranks_cover_every_epoch_exactly_once(request, tmp_path, data, workers):
-    folder = request.getfixturevalue("uneven_shards" if data == "parquet" else "saved_dataset")
+    folder = request.getfixturevalue("saved_dataset" if data == "datasets" else "uneven_shards")
     out = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, "cpu_2proc.yaml"),
-           os.path.join("tests", "sharded_probe.py"), folder, str(out), str(workers)]
+           os.path.join("tests", "sharded_probe.py"), folder, str(out), str(workers)] + (["stream"] if data == "stream" else [])
     # the timeout is the failure mode of a hang on uneven batch counts
     proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, output_of(proc)
@@ -57,3 +57,18 @@ def test_two_ranks_cover_every_epoch_exactly_once(request, tmp_path, data, worke
     assert batches % 4 and report["optimizer_steps"] == [[math.ceil(batches / 4)] * 2] * 2
     seen = report["epochs"][1][:5 * 8]  # 5 global batches of 2 x 4 before the save
     assert sorted(seen + report["resumed_rest"]) == list(range(N)) and not set(seen) & set(report["resumed_rest"])
+
+
+def test_preparing_already_sharded_data_is_refused_in_two_real_processes(tmp_path):
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, "cpu_2proc.yaml"),
+           os.path.join("tests", "prepare_misuse_probe.py"), str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=240)
+    report = json.load(open(out))
+    assert report["world_size"] == 2
+    for case in ("prepared_sharded", "prepared_distributed_sampler"):
+        assert all("went through accelerator.prepare" in v for v in report[case]), report[case]
+    assert report["prepared_plain"] == report["sharded_loader"] == ["accepted", "accepted"]
+    # a script that never calls check_loader: the first batch stops the run instead of training on rank 0's half
+    assert proc.returncode != 0 and "trained on" not in proc.stdout
+    assert "went through accelerator.prepare" in proc.stdout + proc.stderr

@@ -27,7 +27,7 @@ def worker_outputs(dataset, num_workers):
     robin over workers, skipping finished ones)."""
     per_worker = []
     for k in range(max(num_workers, 1)):
-        info = mock.Mock(id=k, num_workers=num_workers) if num_workers else None
+        info = mock.Mock(id=k, num_workers=num_workers, dataset=dataset) if num_workers else None
         with mock.patch("data.sharding.get_worker_info", return_value=info), \
                 mock.patch(f"{__name__}.get_worker_info", return_value=info):  # for the controls below
             per_worker.append(list(dataset))
@@ -416,12 +416,68 @@ def test_local_files_through_datasets_are_sharded_exactly_once(tmp_path, kind):
         assert_exactly_once(ranks, n, 4 * world, "pad")
 
 
-def test_a_streaming_datasets_iterable_is_refused_with_what_to_pass(tmp_path):
-    hf_dataset(10).to_parquet(str(tmp_path / "d.parquet"))
+@pytest.mark.parametrize("world", range(1, 7))
+def test_a_streaming_datasets_iterable_over_parquet_is_sharded_by_row_group(tmp_path, world):
+    """load_dataset("parquet", streaming=True) over shards of uneven sizes (an empty one among them):
+    every row once per epoch for any W and K, strings included, and each rank reads only its row groups."""
     import datasets
 
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sizes, start, files = [40, 0, 96, 24, 8], 0, []
+    for i, size in enumerate(sizes):
+        rows = range(start, start + size)
+        files.append(str(tmp_path / f"p{i}.parquet"))
+        pq.write_table(pa.table({"x": pa.array(rows, pa.int64()), "text": pa.array([f"row {j}" for j in rows])}),
+                       files[-1], row_group_size=4)
+        start += size
+    stream = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True,
+                                   cache_dir=str(tmp_path / "cache"))
+    for workers, policy in itertools.product(range(0, 4), ["drop", "pad"]):
+        ranks = hf_ranks(stream, world, workers, 4, policy)
+        assert len({len(r) for r in ranks}) == 1
+        assert_exactly_once(ranks, start, 4 * world, policy)
+    readers = [ShardedIterableDataset(stream, 4 * world, r, world, seed=1, policy="drop") for r in range(world)]
+    for ds in readers:
+        list(ds)
+    planned = start - start % (4 * world)
+    # a row group of 4 belongs to one rank: each reads exactly its 1/W of the rows, no row group twice
+    assert [ds.source.rows_read for ds in readers] == [planned // world] * world
+    read = [ds.source.bytes_read for ds in readers]
+    assert max(read) <= 1.05 * sum(read) / world  # bytes too, up to the row groups' own sizes
+
+
+def test_a_streaming_iterable_that_is_not_plain_parquet_is_refused_with_what_to_pass(tmp_path):
+    import datasets
+
+    hf_dataset(10).to_parquet(str(tmp_path / "d.parquet"))
+    (tmp_path / "d.csv").write_text("x\n1\n2\n")
     stream = datasets.load_dataset("parquet", data_files=str(tmp_path / "d.parquet"), split="train", streaming=True)
-    with pytest.raises(PlanError, match="ParquetSource"):
-        ShardedIterableDataset(stream, 4)
+    mapped = stream.map(lambda row: {"y": row["x"]})
+    csv = datasets.load_dataset("csv", data_files=str(tmp_path / "d.csv"), split="train", streaming=True)
+    for refused in (mapped, csv, hf_dataset(10).to_iterable_dataset()):
+        with pytest.raises(PlanError, match="not plain local parquet files.*ParquetSource"):
+            ShardedIterableDataset(refused, 4)
     with pytest.raises(PlanError, match="is not a source"):
         ShardedIterableDataset([1, 2, 3], 4)
+
+
+# ------------------------------------------------------------------------------- prepare() on sharded data
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_reading_through_accelerates_rank_splitting_is_refused(workers):
+    """What accelerator.prepare makes of a DataLoader over our dataset, built by hand in one process:
+    the first batch raises instead of yielding a share of a share (or rank 0's share to everyone)."""
+    from accelerate.data_loader import DataLoaderDispatcher, IterableDatasetShard
+
+    ours = ShardedIterableDataset(source(64), 16, rank=0, world_size=2)
+    assert len(list(DataLoader(ours, batch_size=None, num_workers=workers))) == 4  # unwrapped: fine
+    wrapped = IterableDatasetShard(ours, batch_size=1, num_processes=2, process_index=0)
+    with pytest.raises(PlanError, match="went through accelerator.prepare"):
+        next(iter(DataLoader(wrapped, batch_size=None, num_workers=workers)))
+    if workers == 0:  # the dispatcher reads in the main process
+        with pytest.raises(PlanError, match="went through accelerator.prepare"):
+            next(iter(DataLoaderDispatcher(ours, batch_size=None)))
+    alone = ShardedIterableDataset(source(64), 16, rank=0, world_size=1)  # one rank: nothing to lose
+    assert len(list(IterableDatasetShard(alone, batch_size=1, num_processes=1, process_index=0))) == 4

@@ -29,7 +29,7 @@ import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from data.loader import ShardedLoader
+from data.loader import ShardedLoader, check_loader
 from data.sharding import ShardedIterableDataset, check_same_plan
 from train.checkpoint import data_position, find_checkpoint, load_checkpoint, save_checkpoint
 from train.schedule import plan_steps
@@ -59,6 +59,7 @@ class TrainingLoop:
         self.accelerator, self.args, self.script = accelerator, args, script
         self.model, self.optimizer, self.lr_scheduler, self.loader = model, optimizer, lr_scheduler, train_loader
         self.evaluate, self.headline = evaluate, headline
+        check_loader(train_loader)
         self.sharded = isinstance(train_loader, ShardedLoader)  # keeps its own position; else set_epoch + skip
         self.global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * \
             args.gradient_accumulation_steps
