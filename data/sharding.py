@@ -213,14 +213,16 @@ def _join(columns):
 
 
 def table_to_columns(table):
-    """Like table_to_tensors, but string columns (and others that are not numbers) come as lists,
-    as a `datasets.Dataset` with format "torch" gives them: for a `transform` or collate that tokenizes."""
+    """Numeric columns as tensors; everything else (strings, bytes such as encoded images, nested
+    values) as lists, the way a `datasets.Dataset` with format "torch" gives them: for a decode step
+    or collate that tokenizes or decodes images."""
+    import pyarrow as pa
+
     out = {}
-    for name in table.column_names:
-        try:
-            out.update(table_to_tensors(table.select([name])))
-        except PlanError:
-            out[name] = table.column(name).to_pylist()
+    for name, column in zip(table.column_names, table.columns):
+        numeric = pa.types.is_integer(column.type) or pa.types.is_floating(column.type) or pa.types.is_boolean(column.type)
+        out[name] = table_to_tensors(table.select([name]))[name] if numeric and column.null_count == 0 \
+            else column.to_pylist()
     return out
 
 
