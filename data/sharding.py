@@ -213,16 +213,27 @@ def _join(columns):
 
 
 def table_to_columns(table):
-    """Numeric columns as tensors; everything else (strings, bytes such as encoded images, nested
-    values) as lists, the way a `datasets.Dataset` with format "torch" gives them: for a decode step
-    or collate that tokenizes or decodes images."""
+    """Numbers as tensors (also fixed-length lists of numbers, as [rows, length]); everything else
+    (strings, bytes such as encoded images, ragged or nested values) as lists: for a decode step or a
+    collate that tokenizes or decodes images."""
     import pyarrow as pa
 
     out = {}
     for name, column in zip(table.column_names, table.columns):
-        numeric = pa.types.is_integer(column.type) or pa.types.is_floating(column.type) or pa.types.is_boolean(column.type)
-        out[name] = table_to_tensors(table.select([name]))[name] if numeric and column.null_count == 0 \
-            else column.to_pylist()
+        column = column.combine_chunks()
+        kind = column.type
+        if (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)) and \
+                column.null_count == 0:
+            out[name] = table_to_tensors(table.select([name]))[name]
+            continue
+        if (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)) and \
+                column.null_count == 0 and (pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type)):
+            lengths = np.asarray(column.value_lengths()) if len(column) else np.zeros(0)
+            if len(lengths) and (lengths == lengths[0]).all() and column.flatten().null_count == 0:
+                values = column.flatten().to_numpy(zero_copy_only=False)
+                out[name] = torch.from_numpy(values.reshape(len(column), int(lengths[0])).copy())
+                continue
+        out[name] = column.to_pylist()
     return out
 
 
@@ -261,14 +272,16 @@ def table_to_tensors(table):
 class DatasetsSource:
     """Rows of a Hugging Face `datasets.Dataset`, in memory or memory-mapped Arrow (`load_from_disk`,
     or `datasets.load_dataset("csv"|"json"|"parquet"|"text", data_files=...)` on local files). The row
-    count is metadata; a read takes only the rows asked for. Numeric and fixed-shape columns come as
-    tensors, strings as lists; `transform(batch)` may turn them into tensors (tokenize, say).
-    `unit_size` rows are read together (neighbours on disk); the default 1 shuffles row by row."""
+    count is metadata; a read takes only the rows asked for, as Arrow, decoded by table_to_columns:
+    numbers and fixed-length lists of numbers as tensors, strings and bytes as lists (datasets' own
+    "torch" format strips trailing zero bytes from binary values, so it is not used);
+    `transform(batch)` may turn them into tensors (tokenize, say). `unit_size` rows are read
+    together (neighbours on disk); the default 1 shuffles row by row."""
 
     def __init__(self, dataset, columns=None, transform=None, unit_size=1):
         if columns is not None:
             dataset = dataset.select_columns(columns)
-        self.dataset, self.transform = dataset.with_format("torch"), transform
+        self.dataset, self.transform = dataset.with_format("arrow"), transform
         self.num_rows = len(dataset)
         self.unit_sizes = [min(unit_size, self.num_rows - s) for s in range(0, self.num_rows, unit_size)]
         self.rows_read = 0
@@ -276,7 +289,7 @@ class DatasetsSource:
 
     def read(self, ids):
         self.rows_read += len(ids)
-        batch = self.dataset[ids.tolist()]
+        batch = table_to_columns(self.dataset[ids.tolist()])
         return self.transform(batch) if self.transform is not None else batch
 
     def fingerprint(self):

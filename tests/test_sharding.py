@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data.prepare import write_shards
-from data.sharding import (BatchPlan, ParquetSource, PlanError, ShardedIterableDataset, TensorSource,
+from data.sharding import (BatchPlan, DatasetsSource, ParquetSource, PlanError, ShardedIterableDataset, TensorSource,
                            check_same_plan, shards_in)
 
 WORLD_SIZES = range(1, 9)
@@ -481,3 +481,15 @@ def test_reading_through_accelerates_rank_splitting_is_refused(workers):
             next(iter(DataLoaderDispatcher(ours, batch_size=None)))
     alone = ShardedIterableDataset(source(64), 16, rank=0, world_size=1)  # one rank: nothing to lose
     assert len(list(IterableDatasetShard(alone, batch_size=1, num_processes=1, process_index=0))) == 4
+
+
+def test_a_datasets_dataset_gives_bytes_whole_and_fixed_length_lists_as_tensors():
+    """datasets' own "torch" format turns b"ab\x00\x00" into b"ab"; image bytes end in zeros."""
+    import datasets
+
+    data = datasets.Dataset.from_dict({"b": [b"ab\x00\x00", b"\x00\x00cd", b""], "v": [[1.5, 2.0], [3.0, 4.0], [0.0, 1.0]],
+                                       "ragged": [[1], [2, 3], []], "y": [0, 1, 2]})
+    batch = DatasetsSource(data).read(torch.tensor([2, 0, 1]))
+    assert batch["b"] == [b"", b"ab\x00\x00", b"\x00\x00cd"]
+    assert torch.equal(batch["v"], torch.tensor([[0.0, 1.0], [1.5, 2.0], [3.0, 4.0]], dtype=torch.float64))
+    assert batch["ragged"] == [[], [1], [2, 3]] and batch["y"].tolist() == [2, 0, 1]
