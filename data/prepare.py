@@ -42,6 +42,7 @@ if __package__ in (None, ""):
 import numpy as np
 
 from data.mnist import DataError
+from data.text import gcide_documents, write_token_shards
 
 LOADERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text",
            ".text": "text"}
@@ -349,6 +350,51 @@ def prepare_image_folder(train_dir, output_dir, validation_dir=None, validation_
     return manifest
 
 
+def prepare_tokens(documents, output_dir, tokenizer_spec, vocab_size, num_shards, rows_per_group, inputs,
+                   arguments):
+    """{split: [text, ...]} → token shards (data/text.py) + tokenizer.json (unless `bytes`) + manifest,
+    atomically, unless already up to date. `documents` may be a function, called only when needed."""
+    from data.text import load_tokenizer, train_bpe
+
+    arguments = {**arguments, "tokenizer": tokenizer_spec, "vocab_size": vocab_size if tokenizer_spec == "bpe" else None,
+                 "num_shards": num_shards, "rows_per_group": rows_per_group}
+    if tokenizer_spec not in ("bytes", "bpe"):
+        tokenizer = load_tokenizer(tokenizer_spec)  # a bad file fails before any work
+        inputs = inputs + hash_files([tokenizer_spec])
+    if up_to_date(output_dir, inputs, arguments):
+        return read_manifest(output_dir)
+    documents = documents() if callable(documents) else documents
+    with atomic_folder(output_dir) as tmp:
+        if tokenizer_spec == "bpe":
+            tokenizer = train_bpe(documents["train"], vocab_size)
+        elif tokenizer_spec == "bytes":
+            tokenizer = load_tokenizer("bytes")
+        if hasattr(tokenizer, "save"):
+            tokenizer.save(os.path.join(tmp, "tokenizer.json"))
+        counts = {split: write_token_shards(docs, tokenizer, tmp, split, num_shards, rows_per_group)
+                  for split, docs in documents.items() if docs is not None}
+        manifest = write_manifest(tmp, inputs, arguments, {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,
+                                                           "eot_id": tokenizer.eot_id, "text": counts})
+    report(output_dir, manifest)
+    return manifest
+
+
+def text_column(splits, column):
+    """The `column` of each split as a list of strings, or DataError naming the columns there are."""
+    out = {}
+    for split, ds in splits.items():
+        if ds is None:
+            continue
+        if column not in ds.column_names:
+            raise DataError(f"no column {column!r} in the {split} data (columns: {', '.join(ds.column_names)}); "
+                            "pass --text_column NAME")
+        if str(ds.features[column]) not in ("Value('string')", "Value('large_string')"):
+            raise DataError(f"column {column!r} holds {ds.features[column]}, not text; pass --text_column NAME of a "
+                            "text column")
+        out[split] = [t or "" for t in ds[column]]
+    return out
+
+
 def report(output_dir, manifest):
     rows = ", ".join(f"{split}: {entry['rows']} rows in {len(entry['shards'])} shards"
                      for split, entry in manifest["splits"].items())
@@ -363,8 +409,9 @@ def main(argv=None):
     source.add_argument("--train_file", nargs="+", default=None,
                         help="Local csv/tsv, json/jsonl, parquet or txt file(s) of training rows.")
     source.add_argument("--train_dir", default=None, help="An image folder: one subfolder of images per class.")
-    source.add_argument("--dataset", choices=["mnist", "fashion_mnist"], default=None,
-                        help="The project's own data (the default when no --train_file/--train_dir is given).")
+    source.add_argument("--dataset", choices=["mnist", "fashion_mnist", "gcide"], default=None,
+                        help="The project's own data (the default when no --train_file/--train_dir is given): "
+                             "Fashion-MNIST, MNIST, or gcide (the GCIDE dictionary as text; needs --tokenizer).")
     split = parser.add_argument_group("validation")
     split.add_argument("--validation_file", nargs="+", default=None, help="Validation rows, the same kind of file.")
     split.add_argument("--validation_dir", default=None, help="An image folder with the same classes.")
@@ -373,9 +420,16 @@ def main(argv=None):
     out = parser.add_argument_group("output")
     out.add_argument("--output_dir", required=True)
     out.add_argument("--num_shards", type=int, default=8)
-    out.add_argument("--rows_per_group", type=int, default=32,
-                     help="Rows per parquet row group, the read unit: a divisor of the per-process batch size.")
+    out.add_argument("--rows_per_group", type=int, default=None,
+                     help="Rows per parquet row group, the read unit: a divisor of the per-process batch size "
+                          "(default 32; 65536 tokens for token shards).")
     out.add_argument("--seed", type=int, default=0, help="Seed of --validation_split_percentage.")
+    text = parser.add_argument_group("text → token shards (language models)")
+    text.add_argument("--tokenizer", default=None,
+                      help="bytes (256 byte values + end-of-text), bpe (trained here on the training split), or the "
+                           "path of a tokenizer.json; writes token shards instead of the files' columns.")
+    text.add_argument("--vocab_size", type=int, default=8192, help="--tokenizer bpe: vocabulary size.")
+    text.add_argument("--text_column", default="text", help="The column holding the text (csv/json/parquet).")
     mnist = parser.add_argument_group("--dataset only")
     mnist.add_argument("--data_dir", default=None, help="Folder with the idx files (see data/mnist.py).")
     mnist.add_argument("--format", choices=["parquet", "images"], default="parquet",
@@ -386,6 +440,8 @@ def main(argv=None):
                                       ("--dataset", args.dataset)) if value is not None]
     if len(given) > 1:
         parser.exit(2, f"error: pass one of {', '.join(given)}, not several\n")
+    if args.rows_per_group is None:
+        args.rows_per_group = 65536 if args.tokenizer else 32
     if args.num_shards < 1 or args.rows_per_group < 1:
         parser.exit(2, "error: --num_shards and --rows_per_group must be positive\n")
     if args.validation_split_percentage is not None and not 0 < args.validation_split_percentage < 100:
@@ -393,8 +449,31 @@ def main(argv=None):
                        "and 100; pass e.g. 5\n")
     if args.validation_split_percentage is not None and (args.validation_file or args.validation_dir):
         parser.exit(2, "error: pass --validation_split_percentage or a validation file/folder, not both\n")
+    if args.dataset == "gcide" and args.tokenizer is None:
+        parser.exit(2, "error: --dataset gcide is text: pass --tokenizer bytes, bpe or a tokenizer.json\n")
+    if args.tokenizer is not None and args.train_dir:
+        parser.exit(2, "error: --tokenizer is for text; an image folder has none\n")
     try:
-        if args.train_file:
+        if args.tokenizer and args.train_file:
+            check_files(args.train_file, "--train_file") | check_files(args.validation_file or [], "--validation_file")
+            inputs = hash_files(list(args.train_file) + list(args.validation_file or []))
+            prepare_tokens(lambda: text_column(load_files(args.train_file, args.validation_file,
+                                                          args.validation_split_percentage, args.seed),
+                                               args.text_column),
+                           args.output_dir, args.tokenizer, args.vocab_size, args.num_shards, args.rows_per_group,
+                           inputs, {"kind": "text", "text_column": args.text_column, "seed": args.seed,
+                                    "validation_split_percentage": args.validation_split_percentage})
+        elif args.dataset == "gcide":
+            from data.text import find_gcide
+
+            folder = find_gcide(args.data_dir)
+            inputs = hash_files([os.path.join(folder, "gcide.index"), os.path.join(folder, "gcide.dict.dz")])
+            for entry in inputs:
+                entry.pop("path")
+            prepare_tokens(lambda: dict(zip(("train", "validation"), gcide_documents(folder))), args.output_dir,
+                           args.tokenizer, args.vocab_size, args.num_shards, args.rows_per_group, inputs,
+                           {"kind": "gcide"})
+        elif args.train_file:
             prepare_files(args.train_file, args.output_dir, args.validation_file, args.validation_split_percentage,
                           args.num_shards, args.rows_per_group, args.seed)
         elif args.train_dir:

@@ -1,0 +1,165 @@
+"""Text for language models: the GCIDE dictionary as an offline English corpus, tokenizers, and
+token shards for the exactly-once streaming path.
+
+    python -m data.prepare --dataset gcide --tokenizer bpe --vocab_size 8192 --output_dir runs/tokens/gcide
+    python -m data.prepare --train_file notes.txt --validation_split_percentage 5 --tokenizer bytes --output_dir DIR
+
+A split's documents are encoded, each followed by the end-of-text token, and stored as one stream of
+token ids: a parquet column `tokens` (uint16 when the vocabulary fits, else uint32), one token per row,
+row groups of --rows_per_group tokens. The manifest records the tokenizer, the vocabulary size, and
+each split's documents, tokens and UTF-8 bytes (what bits per byte divide by).
+
+Tokenizers, none of which touches the network: `bytes` (the 256 byte values plus end-of-text, no
+files), `bpe` (a byte-level BPE trained with Hugging Face `tokenizers` on the training split, saved as
+tokenizer.json beside the shards), or the path of an existing tokenizer.json.
+"""
+import gzip
+import os
+
+import numpy as np
+
+from data.mnist import DataError
+
+EOT = "<|endoftext|>"
+GCIDE_FOLDERS = ("/usr/share/dictd", os.path.join("runs", "corpora", "gcide", "usr", "share", "dictd"))
+GCIDE_HOW_TO_GET = ("install it with `sudo apt-get install dict-gcide`, or without its dict server: "
+                    "`apt-get download dict-gcide && dpkg-deb -x dict-gcide_*.deb runs/corpora/gcide`")
+VALIDATION_EVERY = 100  # GCIDE's fixed validation split: every 100th entry, spread over the alphabet
+_B64 = {c: i for i, c in enumerate("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")}
+
+
+def _dictd_number(text):
+    """dictd index numbers: base 64 in the alphabet above, most significant digit first."""
+    value = 0
+    for char in text:
+        value = value * 64 + _B64[char]
+    return value
+
+
+def find_gcide(folder=None):
+    for candidate in ([folder] if folder else GCIDE_FOLDERS):
+        if os.path.isfile(os.path.join(candidate, "gcide.index")) and \
+                os.path.isfile(os.path.join(candidate, "gcide.dict.dz")):
+            return candidate
+    looked = folder or ", ".join(GCIDE_FOLDERS)
+    raise DataError(f"the GCIDE dictionary (gcide.index, gcide.dict.dz) is not in {looked}; {GCIDE_HOW_TO_GET}")
+
+
+def gcide_documents(folder=None):
+    """(train, validation): the dictionary's entries as documents, in dictionary order; the
+    database's own metadata entries (00-database-*) left out, entries shared by several headwords once."""
+    folder = find_gcide(folder)
+    with gzip.open(os.path.join(folder, "gcide.dict.dz"), "rb") as f:  # dictzip is gzip-compatible
+        data = f.read()
+    spans = set()
+    with open(os.path.join(folder, "gcide.index"), encoding="utf-8") as f:
+        for line in f:
+            parts = line.rstrip("\n").split("\t")
+            if len(parts) == 3 and not parts[0].startswith("00-"):
+                spans.add((_dictd_number(parts[1]), _dictd_number(parts[2])))
+    documents = [data[start:start + length].decode("utf-8", errors="replace").strip() for start, length in sorted(spans)]
+    documents = [d for d in documents if d]
+    train = [d for i, d in enumerate(documents) if i % VALIDATION_EVERY != VALIDATION_EVERY - 1]
+    validation = [d for i, d in enumerate(documents) if i % VALIDATION_EVERY == VALIDATION_EVERY - 1]
+    return train, validation
+
+
+# ---------------------------------------------------------------------------------------- tokenizers
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255 and end-of-text as 256: nothing to train, nothing to save."""
+    name, vocab_size, eot_id = "bytes", 257, 256
+
+    def encode_batch(self, texts):
+        return [list(text.encode("utf-8")) for text in texts]
+
+    def decode(self, ids):
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class FileTokenizer:
+    """A Hugging Face `tokenizers` tokenizer.json that has the end-of-text token."""
+
+    def __init__(self, tokenizer, name):
+        self.tokenizer, self.name = tokenizer, name
+        self.vocab_size = tokenizer.get_vocab_size()
+        self.eot_id = tokenizer.token_to_id(EOT)
+        if self.eot_id is None:
+            raise DataError(f"tokenizer {name} has no {EOT} token; train one with --tokenizer bpe, or add it as a "
+                            "special token")
+
+    def encode_batch(self, texts):
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids):
+        return self.tokenizer.decode(list(ids))
+
+    def save(self, path):
+        self.tokenizer.save(path)
+
+
+def train_bpe(texts, vocab_size):
+    """A byte-level BPE of `vocab_size` tokens (end-of-text included) trained on `texts`, offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size <= 257:
+        raise DataError(f"--vocab_size {vocab_size} leaves no room for merges (256 bytes + {EOT}); pass e.g. 8192")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return FileTokenizer(tokenizer, f"bpe-{vocab_size}")
+
+
+def load_tokenizer(spec):
+    """`bytes`, or the path of a tokenizer.json (for `bpe`, see train_bpe)."""
+    if spec == "bytes":
+        return ByteTokenizer()
+    if not os.path.isfile(spec):
+        raise DataError(f"--tokenizer {spec}: no such tokenizer.json; pass bytes, bpe, or the path of a tokenizer.json")
+    from tokenizers import Tokenizer
+
+    try:
+        return FileTokenizer(Tokenizer.from_file(spec), os.path.abspath(spec))
+    except Exception as e:  # tokenizers raises its own exception types for a malformed file
+        raise DataError(f"--tokenizer {spec} is not a tokenizer.json ({str(e).splitlines()[0]}); pass bytes, bpe, "
+                        "or a file saved by Hugging Face tokenizers") from None
+
+
+# ---------------------------------------------------------------------------------------- token shards
+
+def token_dtype(vocab_size):
+    if vocab_size <= 1 << 16:
+        return np.uint16
+    if vocab_size <= 1 << 32:
+        return np.uint32
+    raise DataError(f"a vocabulary of {vocab_size} tokens does not fit uint32 token ids; use a smaller vocabulary")
+
+
+def encode_documents(documents, tokenizer, batch=1024):
+    """One stream of token ids: every document followed by end-of-text; and its UTF-8 byte count
+    (each end-of-text counted as the one byte of a separator)."""
+    dtype, pieces, num_bytes = token_dtype(tokenizer.vocab_size), [], 0
+    eot = np.array([tokenizer.eot_id], dtype)
+    for start in range(0, len(documents), batch):
+        texts = documents[start:start + batch]
+        for ids in tokenizer.encode_batch(texts):
+            pieces += [np.asarray(ids, dtype), eot]
+        num_bytes += sum(len(t.encode("utf-8")) + 1 for t in texts)
+    return (np.concatenate(pieces) if pieces else np.zeros(0, dtype)), num_bytes
+
+
+def write_token_shards(documents, tokenizer, folder, split, num_shards, rows_per_group):
+    """Encode `documents` into `num_shards` parquet files of a `tokens` column; return the split's
+    counts for the manifest."""
+    import pyarrow as pa
+
+    from data.prepare import write_table_shards
+
+    if not documents or not any(documents):
+        raise DataError(f"the {split} split has no text; pass files with at least one non-empty document")
+    tokens, num_bytes = encode_documents(documents, tokenizer)
+    write_table_shards(pa.table({"tokens": pa.array(tokens)}), folder, split, num_shards, rows_per_group)
+    return {"documents": len(documents), "tokens": int(len(tokens)), "text_bytes": num_bytes}
