@@ -42,7 +42,7 @@ if __package__ in (None, ""):
 import numpy as np
 
 from data.mnist import DataError
-from data.text import gcide_documents, write_token_shards
+from data.text import gcide_documents, token_dtype, write_token_shards
 
 LOADERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text",
            ".text": "text"}
@@ -351,13 +351,13 @@ def prepare_image_folder(train_dir, output_dir, validation_dir=None, validation_
 
 
 def prepare_tokens(documents, output_dir, tokenizer_spec, vocab_size, num_shards, rows_per_group, inputs,
-                   arguments):
+                   arguments, block_size):
     """{split: [text, ...]} → token shards (data/text.py) + tokenizer.json (unless `bytes`) + manifest,
     atomically, unless already up to date. `documents` may be a function, called only when needed."""
     from data.text import load_tokenizer, train_bpe
 
     arguments = {**arguments, "tokenizer": tokenizer_spec, "vocab_size": vocab_size if tokenizer_spec == "bpe" else None,
-                 "num_shards": num_shards, "rows_per_group": rows_per_group}
+                 "num_shards": num_shards, "rows_per_group": rows_per_group, "block_size": block_size}
     if tokenizer_spec not in ("bytes", "bpe"):
         tokenizer = load_tokenizer(tokenizer_spec)  # a bad file fails before any work
         inputs = inputs + hash_files([tokenizer_spec])
@@ -371,10 +371,11 @@ def prepare_tokens(documents, output_dir, tokenizer_spec, vocab_size, num_shards
             tokenizer = load_tokenizer("bytes")
         if hasattr(tokenizer, "save"):
             tokenizer.save(os.path.join(tmp, "tokenizer.json"))
-        counts = {split: write_token_shards(docs, tokenizer, tmp, split, num_shards, rows_per_group)
+        counts = {split: write_token_shards(docs, tokenizer, tmp, split, num_shards, rows_per_group, block_size)
                   for split, docs in documents.items() if docs is not None}
-        manifest = write_manifest(tmp, inputs, arguments, {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size,
-                                                           "eot_id": tokenizer.eot_id, "text": counts})
+        manifest = write_manifest(tmp, inputs, arguments, {
+            "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
+            "block_size": block_size, "token_dtype": np.dtype(token_dtype(tokenizer.vocab_size)).name, "text": counts})
     report(output_dir, manifest)
     return manifest
 
@@ -422,7 +423,7 @@ def main(argv=None):
     out.add_argument("--num_shards", type=int, default=8)
     out.add_argument("--rows_per_group", type=int, default=None,
                      help="Rows per parquet row group, the read unit: a divisor of the per-process batch size "
-                          "(default 32; 65536 tokens for token shards).")
+                          "(default 32; 8 windows for token shards).")
     out.add_argument("--seed", type=int, default=0, help="Seed of --validation_split_percentage.")
     text = parser.add_argument_group("text → token shards (language models)")
     text.add_argument("--tokenizer", default=None,
@@ -430,6 +431,7 @@ def main(argv=None):
                            "path of a tokenizer.json; writes token shards instead of the files' columns.")
     text.add_argument("--vocab_size", type=int, default=8192, help="--tokenizer bpe: vocabulary size.")
     text.add_argument("--text_column", default="text", help="The column holding the text (csv/json/parquet).")
+    text.add_argument("--block_size", type=int, default=256, help="Tokens of context per training window.")
     mnist = parser.add_argument_group("--dataset only")
     mnist.add_argument("--data_dir", default=None, help="Folder with the idx files (see data/mnist.py).")
     mnist.add_argument("--format", choices=["parquet", "images"], default="parquet",
@@ -441,9 +443,9 @@ def main(argv=None):
     if len(given) > 1:
         parser.exit(2, f"error: pass one of {', '.join(given)}, not several\n")
     if args.rows_per_group is None:
-        args.rows_per_group = 65536 if args.tokenizer else 32
-    if args.num_shards < 1 or args.rows_per_group < 1:
-        parser.exit(2, "error: --num_shards and --rows_per_group must be positive\n")
+        args.rows_per_group = 8 if args.tokenizer else 32
+    if args.num_shards < 1 or args.rows_per_group < 1 or args.block_size < 1:
+        parser.exit(2, "error: --num_shards, --rows_per_group and --block_size must be positive\n")
     if args.validation_split_percentage is not None and not 0 < args.validation_split_percentage < 100:
         parser.exit(2, f"error: --validation_split_percentage {args.validation_split_percentage:g} is not between 0 "
                        "and 100; pass e.g. 5\n")
@@ -462,7 +464,8 @@ def main(argv=None):
                                                args.text_column),
                            args.output_dir, args.tokenizer, args.vocab_size, args.num_shards, args.rows_per_group,
                            inputs, {"kind": "text", "text_column": args.text_column, "seed": args.seed,
-                                    "validation_split_percentage": args.validation_split_percentage})
+                                    "validation_split_percentage": args.validation_split_percentage},
+                           args.block_size)
         elif args.dataset == "gcide":
             from data.text import find_gcide
 
@@ -472,7 +475,7 @@ def main(argv=None):
                 entry.pop("path")
             prepare_tokens(lambda: dict(zip(("train", "validation"), gcide_documents(folder))), args.output_dir,
                            args.tokenizer, args.vocab_size, args.num_shards, args.rows_per_group, inputs,
-                           {"kind": "gcide"})
+                           {"kind": "gcide"}, args.block_size)
         elif args.train_file:
             prepare_files(args.train_file, args.output_dir, args.validation_file, args.validation_split_percentage,
                           args.num_shards, args.rows_per_group, args.seed)

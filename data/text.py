@@ -4,10 +4,16 @@ token shards for the exactly-once streaming path.
     python -m data.prepare --dataset gcide --tokenizer bpe --vocab_size 8192 --output_dir runs/tokens/gcide
     python -m data.prepare --train_file notes.txt --validation_split_percentage 5 --tokenizer bytes --output_dir DIR
 
-A split's documents are encoded, each followed by the end-of-text token, and stored as one stream of
-token ids: a parquet column `tokens` (uint16 when the vocabulary fits, else uint32), one token per row,
-row groups of --rows_per_group tokens. The manifest records the tokenizer, the vocabulary size, and
-each split's documents, tokens and UTF-8 bytes (what bits per byte divide by).
+A split's documents are encoded, each followed by the end-of-text token, into one stream of T token
+ids, cut into training windows of --block_size + 1 tokens: window i is tokens [i*B, i*B + B + 1), so
+neighbours share one token (the last target of one is the first input of the next) and every token
+after the first is a target exactly once. A window is one row: `tokens` (its ids as uint16 when the
+vocabulary fits, else uint32, in a fixed-width binary value) and `targets` (how many of its B targets
+are real). Training keeps the (T-1) // B full windows; validation adds a last, shorter window padded
+with end-of-text, so every validation token is scored once. Rows go into row groups of
+--rows_per_group windows: the sharded plan's read unit, so each rank reads only its own row groups
+when that divides the per-process batch. The manifest records the tokenizer, the vocabulary size,
+the block size and each split's documents, tokens, windows and UTF-8 bytes (what bits per byte divide by).
 
 Tokenizers, none of which touches the network: `bytes` (the 256 byte values plus end-of-text, no
 files), `bpe` (a byte-level BPE trained with Hugging Face `tokenizers` on the training split, saved as
@@ -151,15 +157,55 @@ def encode_documents(documents, tokenizer, batch=1024):
     return (np.concatenate(pieces) if pieces else np.zeros(0, dtype)), num_bytes
 
 
-def write_token_shards(documents, tokenizer, folder, split, num_shards, rows_per_group):
-    """Encode `documents` into `num_shards` parquet files of a `tokens` column; return the split's
-    counts for the manifest."""
-    import pyarrow as pa
+def windows(tokens, block_size, keep_tail):
+    """(windows [N, B + 1], targets [N]): the stream cut as in the module docstring; with keep_tail,
+    a last short window padded with its final token, counted in `targets` only up to the real ones."""
+    full = max(len(tokens) - 1, 0) // block_size
+    starts = np.arange(full) * block_size
+    rows = tokens[starts[:, None] + np.arange(block_size + 1)] if full else np.zeros((0, block_size + 1), tokens.dtype)
+    targets = np.full(full, block_size, np.int32)
+    tail = len(tokens) - 1 - full * block_size
+    if keep_tail and tail > 0:
+        last = np.full(block_size + 1, tokens[-1], tokens.dtype)
+        last[:tail + 1] = tokens[full * block_size:]
+        rows, targets = np.concatenate([rows, last[None]]), np.append(targets, np.int32(tail))
+    return rows, targets
 
-    from data.prepare import write_table_shards
+
+def write_token_shards(documents, tokenizer, folder, split, num_shards, rows_per_group, block_size):
+    """Encode `documents` into `num_shards` parquet files of windows; return the split's counts."""
+    import torch
+
+    from data.prepare import write_shards
 
     if not documents or not any(documents):
         raise DataError(f"the {split} split has no text; pass files with at least one non-empty document")
     tokens, num_bytes = encode_documents(documents, tokenizer)
-    write_table_shards(pa.table({"tokens": pa.array(tokens)}), folder, split, num_shards, rows_per_group)
-    return {"documents": len(documents), "tokens": int(len(tokens)), "text_bytes": num_bytes}
+    rows, targets = windows(tokens, block_size, keep_tail=split != "train")
+    if len(rows) == 0:
+        raise DataError(f"the {split} split has {len(tokens)} tokens, not enough for one window of --block_size "
+                        f"{block_size} + 1; pass more text or a smaller --block_size")
+    signed = {np.dtype(np.uint16): np.int16, np.dtype(np.uint32): np.int32}[rows.dtype]  # same bytes, a torch dtype
+    write_shards({"tokens": torch.from_numpy(rows.view(signed)), "targets": torch.from_numpy(targets)}, folder, split,
+                 num_shards, rows_per_group)
+    return {"documents": len(documents), "tokens": int(len(tokens)), "windows": len(rows),
+            "scored_tokens": int(targets.sum()), "text_bytes": num_bytes}
+
+
+def decode_windows(token_dtype_name):
+    """A ParquetSource decoder for window shards: `input_ids` and `labels` [rows, B] (int64), labels
+    past a window's `targets` set to -100 (ignored by cross_entropy)."""
+    import torch
+
+    from data.sharding import table_to_tensors
+
+    dtype = np.dtype(token_dtype_name)
+
+    def decode(table):
+        columns = table_to_tensors(table)
+        ids = torch.from_numpy(columns["tokens"].numpy().view(dtype).astype(np.int64))
+        labels = ids[:, 1:].clone()
+        labels[torch.arange(labels.shape[1]) >= columns["targets"][:, None]] = -100
+        return {"input_ids": ids[:, :-1].contiguous(), "labels": labels}
+
+    return decode

@@ -9,8 +9,8 @@ import pytest
 
 from data.prepare import main as prepare_main
 from data.sharding import ParquetSource, shards_in
-from data.text import (EOT, ByteTokenizer, _dictd_number, encode_documents, gcide_documents, load_tokenizer,
-                       token_dtype)
+from data.text import (ByteTokenizer, _dictd_number, decode_windows, encode_documents, gcide_documents,
+                       load_tokenizer, token_dtype, windows)
 
 DOCS = ["Abacus\n  A counting frame.", "Zebra (Z\u0113\u2032bra), n. A striped animal.", "caf\u00e9 \u2014 a small restaurant"]
 
@@ -45,9 +45,16 @@ def fake_gcide(folder, documents):
 
 
 def stream(folder, split):
-    source = ParquetSource(shards_in(folder, split))
+    """The token stream the windows of `split` were cut from: the first window's first input, then
+    every window's real targets, in order."""
     import torch
-    return source.read(torch.arange(source.num_rows))["tokens"].numpy()
+
+    manifest = json.load(open(os.path.join(folder, "manifest.json")))
+    source = ParquetSource(shards_in(folder, split), decode=decode_windows(manifest["token_dtype"]))
+    batch = source.read(torch.arange(source.num_rows))
+    labels = batch["labels"]
+    assert torch.equal(batch["input_ids"][1:, 0], labels[:-1, -1]), "neighbouring windows share one token"
+    return np.concatenate([batch["input_ids"][:1, 0].numpy(), labels[labels != -100].numpy()])
 
 
 def documents_of(tokens, tokenizer):
@@ -73,6 +80,20 @@ def test_bytes_tokenizer_gives_back_every_document_and_counts_bytes():
     assert documents_of(tokens, tokenizer) == DOCS
 
 
+@pytest.mark.parametrize("length", [1, 2, 5, 9, 10, 11, 40])
+@pytest.mark.parametrize("block", [1, 3, 4, 9])
+def test_windows_score_every_token_after_the_first_exactly_once(length, block):
+    tokens = np.arange(100, 100 + length, dtype=np.uint16)
+    for keep_tail in (False, True):
+        rows, targets = windows(tokens, block, keep_tail)
+        assert rows.shape[1] == block + 1 and (rows[1:, 0] == rows[:-1, -1]).all()
+        scored = np.concatenate([row[1:1 + t] for row, t in zip(rows, targets)]) if len(rows) else []
+        if keep_tail:
+            assert list(scored) == list(tokens[1:])
+        else:
+            assert (targets == block).all() and list(scored) == list(tokens[1:1 + (length - 1) // block * block])
+
+
 def test_token_ids_take_the_smallest_type_that_fits():
     assert token_dtype(257) == np.uint16 and token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32
     with pytest.raises(Exception, match="does not fit"):
@@ -84,17 +105,22 @@ def test_bpe_is_trained_offline_saved_and_reused_with_identical_shards(tmp_path)
     (tmp_path / "d.txt").write_text("\n".join(corpus + ["caf\u00e9 \u2014 na\u00efve"]) + "\n", encoding="utf-8")
     out = str(tmp_path / "bpe")
     prepare_main(["--train_file", str(tmp_path / "d.txt"), "--validation_split_percentage", "10", "--tokenizer", "bpe",
-                  "--vocab_size", "300", "--output_dir", out, "--num_shards", "2", "--rows_per_group", "64"])
+                  "--vocab_size", "300", "--output_dir", out, "--num_shards", "2", "--rows_per_group", "4",
+                  "--block_size", "4"])
     manifest = json.load(open(os.path.join(out, "manifest.json")))
     tokenizer = load_tokenizer(os.path.join(out, "tokenizer.json"))
     assert tokenizer.vocab_size == manifest["vocab_size"] == 300 and tokenizer.decode(tokenizer.encode_batch(
         ["na\u00efve caf\u00e9"])[0]) == "na\u00efve caf\u00e9"
-    texts = documents_of(stream(out, "train"), tokenizer) + documents_of(stream(out, "validation"), tokenizer)
-    assert sorted(texts) == sorted(corpus + ["caf\u00e9 \u2014 na\u00efve"])
-    assert manifest["text"]["train"]["tokens"] == manifest["splits"]["train"]["rows"] < manifest["text"]["train"]["text_bytes"]
+    for split in ("train", "validation"):  # train drops at most B - 1 tokens of the stream's tail; validation none
+        counts = manifest["text"][split]
+        got = stream(out, split)
+        assert counts["tokens"] - len(got) < (4 if split == "train" else 1) and counts["scored_tokens"] == len(got) - 1
+        assert counts["tokens"] < counts["text_bytes"]  # merges happened
+    validation = documents_of(stream(out, "validation"), tokenizer)
+    assert 0 < len(validation) and set(validation) <= set(corpus + ["caf\u00e9 \u2014 na\u00efve"])
     again = str(tmp_path / "again")  # the saved tokenizer.json as --tokenizer: the same token ids
     prepare_main(["--train_file", str(tmp_path / "d.txt"), "--validation_split_percentage", "10", "--tokenizer",
-                  os.path.join(out, "tokenizer.json"), "--output_dir", again, "--num_shards", "2"])
+                  os.path.join(out, "tokenizer.json"), "--output_dir", again, "--num_shards", "2", "--block_size", "4"])
     assert np.array_equal(stream(out, "train"), stream(again, "train"))
 
 
@@ -102,7 +128,7 @@ def test_text_from_json_lines_with_a_text_column(tmp_path):
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"id": i, "body": d}) + "\n" for i, d in enumerate(DOCS)))
     out = str(tmp_path / "out")
     prepare_main(["--train_file", str(tmp_path / "d.jsonl"), "--validation_file", str(tmp_path / "d.jsonl"),
-                  "--text_column", "body", "--tokenizer", "bytes", "--output_dir", out])
+                  "--text_column", "body", "--tokenizer", "bytes", "--output_dir", out, "--block_size", "16"])
     assert documents_of(stream(out, "validation"), ByteTokenizer()) == DOCS
     assert not os.path.exists(os.path.join(out, "tokenizer.json"))  # bytes: nothing to save
 
