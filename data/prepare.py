@@ -380,6 +380,30 @@ def prepare_tokens(documents, output_dir, tokenizer_spec, vocab_size, num_shards
     return manifest
 
 
+def prepare_text(train_files, output_dir, tokenizer, block_size, validation_files=None, validation_split_percentage=None,
+                 text_column_name="text", vocab_size=8192, num_shards=8, rows_per_group=8, seed=0):
+    """Local text files (txt, or csv/json/jsonl/parquet with a text column) → window shards."""
+    check_files(train_files, "--train_file") | check_files(validation_files or [], "--validation_file")
+    inputs = hash_files(list(train_files) + list(validation_files or []))
+    documents = lambda: text_column(load_files(list(train_files), list(validation_files or []) or None,  # noqa: E731
+                                               validation_split_percentage, seed), text_column_name)
+    return prepare_tokens(documents, output_dir, tokenizer, vocab_size, num_shards, rows_per_group, inputs,
+                          {"kind": "text", "text_column": text_column_name, "seed": seed,
+                           "validation_split_percentage": validation_split_percentage}, block_size)
+
+
+def prepare_gcide(output_dir, tokenizer, block_size, vocab_size=8192, num_shards=8, rows_per_group=8, folder=None):
+    """The GCIDE dictionary (data/text.py) → window shards."""
+    from data.text import find_gcide
+
+    folder = find_gcide(folder)
+    inputs = hash_files([os.path.join(folder, "gcide.index"), os.path.join(folder, "gcide.dict.dz")])
+    for entry in inputs:
+        entry.pop("path")  # the package's files wherever they were unpacked
+    return prepare_tokens(lambda: dict(zip(("train", "validation"), gcide_documents(folder))), output_dir, tokenizer,
+                          vocab_size, num_shards, rows_per_group, inputs, {"kind": "gcide"}, block_size)
+
+
 def text_column(splits, column):
     """The `column` of each split as a list of strings, or DataError naming the columns there are."""
     out = {}
@@ -457,25 +481,12 @@ def main(argv=None):
         parser.exit(2, "error: --tokenizer is for text; an image folder has none\n")
     try:
         if args.tokenizer and args.train_file:
-            check_files(args.train_file, "--train_file") | check_files(args.validation_file or [], "--validation_file")
-            inputs = hash_files(list(args.train_file) + list(args.validation_file or []))
-            prepare_tokens(lambda: text_column(load_files(args.train_file, args.validation_file,
-                                                          args.validation_split_percentage, args.seed),
-                                               args.text_column),
-                           args.output_dir, args.tokenizer, args.vocab_size, args.num_shards, args.rows_per_group,
-                           inputs, {"kind": "text", "text_column": args.text_column, "seed": args.seed,
-                                    "validation_split_percentage": args.validation_split_percentage},
-                           args.block_size)
+            prepare_text(args.train_file, args.output_dir, args.tokenizer, args.block_size, args.validation_file,
+                         args.validation_split_percentage, args.text_column, args.vocab_size, args.num_shards,
+                         args.rows_per_group, args.seed)
         elif args.dataset == "gcide":
-            from data.text import find_gcide
-
-            folder = find_gcide(args.data_dir)
-            inputs = hash_files([os.path.join(folder, "gcide.index"), os.path.join(folder, "gcide.dict.dz")])
-            for entry in inputs:
-                entry.pop("path")
-            prepare_tokens(lambda: dict(zip(("train", "validation"), gcide_documents(folder))), args.output_dir,
-                           args.tokenizer, args.vocab_size, args.num_shards, args.rows_per_group, inputs,
-                           {"kind": "gcide"}, args.block_size)
+            prepare_gcide(args.output_dir, args.tokenizer, args.block_size, args.vocab_size, args.num_shards,
+                          args.rows_per_group, args.data_dir)
         elif args.train_file:
             prepare_files(args.train_file, args.output_dir, args.validation_file, args.validation_split_percentage,
                           args.num_shards, args.rows_per_group, args.seed)

@@ -182,7 +182,7 @@ def write_token_shards(documents, tokenizer, folder, split, num_shards, rows_per
         raise DataError(f"the {split} split has no text; pass files with at least one non-empty document")
     tokens, num_bytes = encode_documents(documents, tokenizer)
     rows, targets = windows(tokens, block_size, keep_tail=split != "train")
-    if len(rows) == 0:
+    if len(tokens) < block_size + 1:
         raise DataError(f"the {split} split has {len(tokens)} tokens, not enough for one window of --block_size "
                         f"{block_size} + 1; pass more text or a smaller --block_size")
     signed = {np.dtype(np.uint16): np.int16, np.dtype(np.uint32): np.int32}[rows.dtype]  # same bytes, a torch dtype

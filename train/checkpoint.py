@@ -169,7 +169,7 @@ def save_checkpoint(accelerator, args, script, step, model, optimizer, lr_schedu
     buffers = {name: b.detach().cpu().clone() for name, b in accelerator.unwrap_model(model).named_buffers()}
     put(f"rank_state_{accelerator.process_index}.pt", {**_rng_state(), "buffers": buffers})
     if accelerator.is_main_process:
-        put("model.safetensors", {k: v.contiguous() for k, v in state_dict.items()}, save_file)
+        put("model.safetensors", _unshared(state_dict), save_file)
         put("optimizer.pt", optimizer_state)
         if lr_scheduler is not None:
             put("scheduler.pt", lr_scheduler.state_dict())
@@ -191,6 +191,18 @@ def save_checkpoint(accelerator, args, script, step, model, optimizer, lr_schedu
                 shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
+
+
+def _unshared(state_dict):
+    """safetensors refuses tensors that share memory; tied weights (an LM's embedding and output
+    layer) are stored once per name, and loading writes the same values into the one parameter."""
+    seen, out = set(), {}
+    for name, tensor in state_dict.items():
+        tensor = tensor.contiguous()
+        where = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        out[name] = tensor.clone() if where in seen else tensor
+        seen.add(where)
+    return out
 
 
 def _load_trusted(path):

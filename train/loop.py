@@ -141,6 +141,18 @@ class TrainingLoop:
                                                       "samples_per_second": samples_per_second})
             self.progress.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", refresh=False)
             self._losses, self._t_log = [], time.perf_counter()
+        every = getattr(self.args, "eval_steps", None)  # mid-epoch evaluations, for runs shorter than an epoch
+        if every and self.step % every == 0 and self.step < self.max_train_steps and \
+                self.batches_done < self.batches_per_epoch:
+            t_eval = time.perf_counter()
+            metrics = self.evaluate()
+            self._t_epoch += time.perf_counter() - t_eval  # the epoch's seconds are training seconds
+            self.history.append({"epoch": round(self.epoch + self.batches_done / self.batches_per_epoch, 4),
+                                 "step": self.step, **metrics})
+            log_metrics(self.accelerator, self.args, {"step": self.step, **metrics})
+            if self.accelerator.is_main_process:
+                self.progress.write(f"step {self.step}: {_format(metrics)}")
+            self._t_log = time.perf_counter()
         if self._save_due() and self.batches_done < self.batches_per_epoch:  # at an epoch's end: after evaluating
             self.save()
         return True

@@ -1,0 +1,137 @@
+"""train/lm.py end to end on a small text under real processes: exact evaluation counts, the same
+steps from 1 and 2 processes, SIGKILL + resume bit-identical, sampling, bad input in one line."""
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from conftest import launch, output_of, run_script
+from data.prepare import main as prepare_main
+from data.sharding import ParquetSource, ShardedIterableDataset, shards_in
+from data.text import decode_windows
+from test_checkpointing import identical, kill_launch, weights
+
+WORDS = ("the of and a to in is was he for it with as his on be at by had not are but from or have an they which "
+         "one you were her all she there would their we him been has when who will more no if out so said").split()
+TINY = ["--block_size", 32, "--n_layer", 2, "--n_head", 2, "--n_embd", 32, "--per_device_train_batch_size", 4,
+        "--per_device_eval_batch_size", 8, "--num_warmup_steps", 2, "--logging_steps", 4]
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("text")
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 20))) for _ in range(400)]
+    (folder / "train.txt").write_text("\n".join(lines[:360]) + "\n")
+    (folder / "validation.txt").write_text("\n".join(lines[360:]) + "\n")
+    shards = str(folder / "shards")
+    prepare_main(["--train_file", str(folder / "train.txt"), "--validation_file", str(folder / "validation.txt"),
+                  "--tokenizer", "bytes", "--block_size", "32", "--output_dir", shards, "--rows_per_group", "4"])
+    return folder, shards
+
+
+def results(out):
+    return json.load(open(os.path.join(out, "all_results.json")))
+
+
+@pytest.mark.parametrize("world,workers", [(1, 0), (2, 2), (3, 1)])
+def test_every_window_once_per_epoch_and_ranks_read_their_own_row_groups(text, world, workers):
+    _, shards = text
+    manifest = json.load(open(os.path.join(shards, "manifest.json")))
+    seen, reads = [], []
+    for rank in range(world):
+        source = ParquetSource(shards_in(shards, "train"), decode=decode_windows(manifest["token_dtype"]))
+        ds = ShardedIterableDataset(source, 4 * world, rank, world, seed=3)
+        loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
+        for batch in loader:
+            assert batch["input_ids"].shape == (4, 32) and (batch["labels"] != -100).all()
+            assert torch.equal(batch["input_ids"][:, 1:], batch["labels"][:, :-1])  # targets are the next tokens
+            seen += batch["index"].tolist()
+        reads.append(source.rows_read if workers == 0 else None)
+    windows = manifest["text"]["train"]["windows"]
+    # `drop` leaves out the epoch's last windows % (4 W) in shuffled order; the rest come once each
+    assert len(seen) == len(set(seen)) == windows - windows % (4 * world) and set(seen) <= set(range(windows))
+    if workers == 0:
+        assert reads == [len(seen) // world] * world  # row groups of 4 windows: no rank reads another's
+
+
+@pytest.fixture(scope="module")
+def two_process_run(text, tmp_path_factory):
+    folder, shards = text
+    out = tmp_path_factory.mktemp("lm2") / "run"
+    proc = launch("cpu_2proc", "lm", "--dataset_dir", shards, *TINY, "--max_train_steps", 12, "--eval_steps", 6,
+                  "--output_dir", out)
+    assert proc.returncode == 0, output_of(proc)
+    return out, proc
+
+
+def test_two_processes_score_every_validation_token_once_and_report_the_run(text, two_process_run):
+    _, shards = text
+    out, proc = two_process_run
+    manifest, got = json.load(open(os.path.join(shards, "manifest.json"))), results(out)
+    assert got["world_size"] == 2 and got["eval_tokens"] == manifest["text"]["validation"]["scored_tokens"]
+    assert [h["step"] for h in got["history"]] == [6, 12] and got["history"][-1]["eval_loss"] < got["history"][0]["eval_loss"]
+    assert 0 < got["eval_bpb"] < 8 and got["train_tokens_per_second"] > 0 and 0 < got["mfu"] < 1
+    assert got["peak_memory_mb"] > 0 and "eval_bpb=" in proc.stdout
+    sampled = run_script("lm", "--output_dir", out, "--prompt", "the man", "--max_new_tokens", 40)
+    assert sampled.returncode == 0 and sampled.stdout.startswith("the man") and len(sampled.stdout) > len("the man")
+
+
+def test_one_process_takes_the_same_steps_as_two_with_the_same_global_batch(text, two_process_run, tmp_path):
+    _, shards = text
+    out, _ = two_process_run
+    args = [a if a != 4 else 8 for a in TINY]  # one process, twice the per-device batch
+    proc = launch("cpu", "lm", "--dataset_dir", shards, *args, "--max_train_steps", 12, "--eval_steps", 6,
+                  "--output_dir", tmp_path / "one")
+    assert proc.returncode == 0, output_of(proc)
+    one, two = results(tmp_path / "one"), results(out)
+    assert one["eval_tokens"] == two["eval_tokens"]
+    for a, b in zip(one["history"], two["history"]):
+        assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-5, abs=1e-6)
+
+
+def test_sigkill_and_resume_is_bit_identical_under_two_processes(text, tmp_path):
+    _, shards = text
+    args = ["--dataset_dir", shards, *TINY, "--max_train_steps", 10, "--checkpointing_steps", 4]
+    full, crashed = tmp_path / "full", tmp_path / "crashed"
+    proc = launch("cpu_2proc", "lm", *args, "--output_dir", full)
+    assert proc.returncode == 0, output_of(proc)
+    proc = kill_launch("cpu_2proc", "lm", ["--rank", 1, "--step", 6, "--marker", tmp_path / "killed"], *args,
+                       "--output_dir", crashed)
+    assert proc.returncode != 0 and (tmp_path / "killed").exists(), output_of(proc)
+    proc = launch("cpu_2proc", "lm", *args, "--output_dir", crashed, "--resume_from_checkpoint", "latest")
+    assert proc.returncode == 0, output_of(proc)
+    assert f"resumed from {crashed}/checkpoints/step_00000004" in proc.stdout
+    assert identical(weights(crashed), weights(full))
+    assert results(crashed)["eval_loss"] == results(full)["eval_loss"]
+
+
+def test_bad_input_is_one_line(text, tmp_path):
+    folder, shards = text
+    (tmp_path / "short.txt").write_text("tiny\n")
+
+    def fails(args, message):
+        proc = run_script("lm", *args, "--output_dir", tmp_path / "out")
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode != 0 and len(lines) == 1 and message in lines[0], output_of(proc)
+
+    fails(["--n_embd", 30, "--n_head", 4], "--n_embd 30 is not divisible by --n_head 4; pick e.g. --n_head 3")
+    fails(["--dataset_dir", shards, "--block_size", 64], "holds windows of 32 tokens, not --block_size 64")
+    fails(["--train_file", folder / "train.txt", "--validation_file", tmp_path / "short.txt", "--block_size", 32,
+           "--dataset_dir", tmp_path / "cache"], "the validation split has 5 tokens, not enough for one window")
+    fails(["--dataset_dir", tmp_path], "holds no token shards")
+    fails(["--prompt", "hello"], "holds no finished train/lm.py run")
+    bpe = tmp_path / "bpe"
+    prepare_main(["--train_file", str(folder / "train.txt"), "--validation_split_percentage", "10", "--tokenizer", "bpe",
+                  "--vocab_size", "300", "--block_size", "32", "--output_dir", str(bpe)])
+    mismatched = tmp_path / "mismatched"  # shards of one tokenizer, tokenizer.json of another
+    os.makedirs(mismatched)
+    for name in os.listdir(bpe):
+        os.link(bpe / name, mismatched / name)
+    os.remove(mismatched / "tokenizer.json")
+    prepare_main(["--train_file", str(folder / "train.txt"), "--validation_split_percentage", "10", "--tokenizer", "bpe",
+                  "--vocab_size", "280", "--block_size", "32", "--output_dir", str(tmp_path / "other")])
+    os.link(tmp_path / "other" / "tokenizer.json", mismatched / "tokenizer.json")
+    fails(["--dataset_dir", mismatched, "--block_size", 32], "has 280 tokens but its shards were written with 300")

@@ -1,0 +1,113 @@
+"""A decoder-only transformer (GPT) for train/lm.py: pre-norm blocks, causal
+`scaled_dot_product_attention`, GELU MLP, learned positions, the output layer tied to the token
+embedding. Written here so the project needs no `transformers`; sizes come from the flags.
+"""
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int
+    block_size: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 256
+    dropout: float = 0.0
+
+    def check(self):
+        """One line per problem, for cli.run to print."""
+        if self.n_embd % self.n_head:
+            nearest = max(h for h in range(1, self.n_head + 1) if self.n_embd % h == 0)
+            raise ValueError(f"--n_embd {self.n_embd} is not divisible by --n_head {self.n_head}; pick e.g. "
+                             f"--n_head {nearest}")
+        if min(self.n_layer, self.n_head, self.n_embd, self.block_size) < 1 or not 0 <= self.dropout < 1:
+            raise ValueError("--n_layer, --n_head, --n_embd and --block_size must be positive and --dropout in [0, 1)")
+        return self
+
+
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.n_head, self.dropout = c.n_head, c.dropout
+        self.ln_1, self.ln_2 = nn.LayerNorm(c.n_embd), nn.LayerNorm(c.n_embd)
+        self.qkv, self.proj = nn.Linear(c.n_embd, 3 * c.n_embd), nn.Linear(c.n_embd, c.n_embd)
+        self.fc, self.fc_out = nn.Linear(c.n_embd, 4 * c.n_embd), nn.Linear(4 * c.n_embd, c.n_embd)
+        self.drop = nn.Dropout(c.dropout)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).view(b, t, 3, self.n_head, d // self.n_head).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.fc_out(F.gelu(self.fc(self.ln_2(x)))))
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config.check()
+        self.gradient_checkpointing = False
+        self.wte, self.wpe = nn.Embedding(config.vocab_size, config.n_embd), nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: one matrix for reading and writing tokens
+        self.apply(self._init)
+        for name, p in self.named_parameters():  # GPT-2: residual projections scaled by depth
+            if name.endswith(("proj.weight", "fc_out.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, input_ids):
+        t = input_ids.shape[1]
+        x = self.drop(self.wte(input_ids) + self.wpe(torch.arange(t, device=input_ids.device)))
+        for block in self.blocks:
+            # recompute each block's activations in backward: memory for ~1/3 more compute
+            x = checkpoint(block, x, use_reentrant=False) if self.gradient_checkpointing and self.training else block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def param_groups(self, weight_decay):
+        """AdamW groups: decay on the matrices of linear layers only, none on norms, biases, embeddings."""
+        decay = [p for n, p in self.named_parameters() if p.dim() == 2 and not n.startswith(("wte", "wpe"))]
+        rest = [p for n, p in self.named_parameters() if not (p.dim() == 2 and not n.startswith(("wte", "wpe")))]
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+    def flops_per_token(self):
+        """Training FLOPs per token, forward and backward (PaLM appendix B): 6 N + 12 L d T, N the
+        parameters in matmuls (the tied embedding counted once, as the output layer)."""
+        c = self.config
+        matmul_params = sum(p.numel() for n, p in self.named_parameters() if p.dim() == 2 and n != "wpe.weight")
+        return 6 * matmul_params + 12 * c.n_layer * c.n_embd * c.block_size
+
+    @torch.no_grad()
+    def generate(self, ids, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        """Append max_new_tokens sampled tokens to ids [1, t] (greedy when temperature is 0)."""
+        for _ in range(max_new_tokens):
+            logits = self(ids[:, -self.config.block_size:])[:, -1, :]
+            if temperature == 0:
+                next_id = logits.argmax(-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                next_id = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+            ids = torch.cat([ids, next_id], dim=1)
+        return ids
+
+
+def config_dict(config):
+    return asdict(config)

@@ -1,0 +1,236 @@
+"""Train a GPT language model from scratch on text with Hugging Face Accelerate.
+
+    make train-lm          # GCIDE (offline English dictionary text), BPE, 2 CPU processes
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml train/lm.py \
+        --train_file notes.txt --tokenizer bpe --max_train_steps 2000 --output_dir runs/my_lm
+    python train/lm.py --output_dir runs/my_lm --prompt "Serendipity, n." --max_new_tokens 200
+
+Text is tokenized once (on the main process) into window shards of --block_size + 1 tokens, cached
+in --dataset_dir and streamed through the exactly-once sharded path (data/text.py). Every
+validation token is scored once for any process count: eval_loss (nats per token) and eval_bpb
+(bits per UTF-8 byte, comparable across tokenizers).
+"""
+import json
+import math
+import os
+import resource
+import sys
+import time
+
+if __package__ in (None, ""):  # run as a file: Python put train/ on sys.path, not the repo root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.nn.functional as F
+from accelerate.utils import set_seed
+
+from data.mnist import DataError
+from data.prepare import prepare_gcide, prepare_text, read_manifest
+from data.sharding import ParquetSource, PlanError, shards_in
+from data.text import ByteTokenizer, decode_windows, load_tokenizer
+from train.accelerator import announce, main_process_first, make_accelerator
+from train.checkpoint import check_output_dir, prepare_output_dir
+from train.cli import add_optimizer_args, fail, make_parser, positive_float, positive_int, run
+from train.gpt import GPT, GPTConfig
+from train.loop import TrainingLoop, sharded_loader
+from train.schedule import make_scheduler, plan_steps
+
+SCRIPT = "lm"
+USER_ERRORS = (DataError, PlanError)
+
+
+def parse_args(argv=None):
+    parser = make_parser(__doc__)
+    data, model = parser.groups["data"], parser.groups["model"]
+    data.add_argument("--train_file", nargs="+", help="Text: .txt, or .json/.jsonl/.csv/.parquet with --text_column "
+                      "(default: the GCIDE dictionary).")
+    data.add_argument("--validation_file", nargs="+", help="Validation text (default: a held-out split).")
+    data.add_argument("--validation_split_percentage", type=positive_float, default=None,
+                      help="Without --validation_file: the percent of --train_file rows held out (default 5).")
+    data.add_argument("--text_column", default="text", help="The column holding the text.")
+    data.add_argument("--tokenizer", default="bytes", help="bytes, bpe (trained on the training text), or a "
+                      "tokenizer.json.")
+    data.add_argument("--vocab_size", type=positive_int, default=8192, help="--tokenizer bpe: vocabulary size.")
+    data.add_argument("--dataset_dir", help="Prepared window shards (python -m data.prepare --tokenizer ...); "
+                      "the cache for --train_file (default: runs/tokens/NAME-TOKENIZER-bBLOCK).")
+    data.add_argument("--dataloader_num_workers", type=int, default=0, help="Processes reading shards per rank.")
+    model.add_argument("--block_size", type=positive_int, default=256, help="Tokens of context.")
+    model.add_argument("--n_layer", type=positive_int, default=4)
+    model.add_argument("--n_head", type=positive_int, default=4)
+    model.add_argument("--n_embd", type=positive_int, default=256)
+    model.add_argument("--dropout", type=float, default=0.0)
+    model.add_argument("--gradient_checkpointing", action="store_true", help="Recompute activations in backward.")
+    model.add_argument("--torch_compile", action="store_true", help="torch.compile through accelerate (inductor).")
+    model.add_argument("--prompt", help="Instead of training: continue this text with the model in --output_dir.")
+    model.add_argument("--max_new_tokens", type=positive_int, default=200)
+    model.add_argument("--temperature", type=float, default=0.8)
+    model.add_argument("--top_k", type=positive_int, default=50)
+    add_optimizer_args(parser, learning_rate=1e-3, train_batch_size=16, eval_batch_size=16, weight_decay=0.1)
+    opt = parser.groups["optimization"]
+    opt.add_argument("--max_grad_norm", type=float, default=1.0, help="Clip the gradient norm (0: no clipping).")
+    opt.add_argument("--eval_steps", type=positive_int, help="Also evaluate every N optimizer steps.")
+    parser.set_defaults(output_dir="runs/lm", num_train_epochs=1, num_warmup_steps=100)
+    args = parser.parse_args(argv)
+    if args.prompt is None:
+        try:
+            GPTConfig(1, args.block_size, args.n_layer, args.n_head, args.n_embd, args.dropout).check()
+        except ValueError as e:
+            parser.error(str(e))
+        name = os.path.splitext(os.path.basename(args.train_file[0]))[0] if args.train_file else "gcide"
+        tokenizer = args.tokenizer if args.tokenizer in ("bytes", "bpe") else "file"
+        args.gcide = not args.train_file and args.dataset_dir is None  # the default corpus, prepared on first use
+        args.dataset_dir = args.dataset_dir or os.path.join("runs", "tokens", f"{name}-{tokenizer}-b{args.block_size}")
+    return args
+
+
+def prepare_data(args):
+    """The window shards' manifest, written first if --dataset_dir has none (main process only)."""
+    if args.train_file:
+        prepare_text(args.train_file, args.dataset_dir, args.tokenizer, args.block_size, args.validation_file,
+                     None if args.validation_file else (args.validation_split_percentage or 5), args.text_column,
+                     args.vocab_size, seed=args.seed)
+    elif args.gcide:
+        prepare_gcide(args.dataset_dir, args.tokenizer, args.block_size, args.vocab_size)
+    manifest = read_manifest(args.dataset_dir)
+    if manifest is None or "block_size" not in manifest:
+        raise DataError(f"--dataset_dir {args.dataset_dir} holds no token shards; write them with python -m "
+                        "data.prepare --tokenizer ... or pass --train_file")
+    if manifest["block_size"] != args.block_size:
+        raise DataError(f"--dataset_dir {args.dataset_dir} holds windows of {manifest['block_size']} tokens, not "
+                        f"--block_size {args.block_size}; pass --block_size {manifest['block_size']} or prepare again")
+    tokenizer = lm_tokenizer(args.dataset_dir, manifest)
+    if tokenizer.vocab_size != manifest["vocab_size"]:
+        raise DataError(f"the tokenizer in {args.dataset_dir} has {tokenizer.vocab_size} tokens but its shards were "
+                        f"written with {manifest['vocab_size']}; prepare the shards again")
+    return manifest
+
+
+def lm_tokenizer(folder, manifest):
+    return ByteTokenizer() if manifest["tokenizer"] == "bytes" else load_tokenizer(os.path.join(folder, "tokenizer.json"))
+
+
+def main(args):
+    check_output_dir(args)
+    accelerator = make_accelerator(args, dynamo_backend="inductor" if args.torch_compile else "no")
+    set_seed(args.seed)
+    announce(accelerator, args)
+    prepare_output_dir(accelerator, args)
+
+    # ---------------------------------------------------------------- data: tokenized once, then streamed
+    manifest = main_process_first(accelerator, lambda: prepare_data(args), USER_ERRORS, share=True)
+    decode = decode_windows(manifest["token_dtype"])
+    train_loader = sharded_loader(accelerator, ParquetSource(shards_in(args.dataset_dir, "train"), decode=decode),
+                                  args.per_device_train_batch_size, args.seed, True, args.dataloader_num_workers)
+    eval_loader = sharded_loader(accelerator, ParquetSource(shards_in(args.dataset_dir, "validation"), decode=decode),
+                                 args.per_device_eval_batch_size, args.seed, False, args.dataloader_num_workers)
+    accelerator.print(f"data: {args.dataset_dir} ({manifest['tokenizer']}, vocab {manifest['vocab_size']}): "
+                      f"{manifest['text']['train']['windows']} train windows, {manifest['text']['validation']['scored_tokens']}"
+                      f" validation tokens")
+
+    # ---------------------------------------------------------------- model, optimizer, schedule
+    config = GPTConfig(manifest["vocab_size"], args.block_size, args.n_layer, args.n_head, args.n_embd, args.dropout)
+    model = GPT(config)
+    model.gradient_checkpointing = args.gradient_checkpointing
+    optimizer = torch.optim.AdamW(model.param_groups(args.weight_decay), lr=args.learning_rate, betas=(0.9, 0.95))
+    model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
+    lr_scheduler = accelerator.prepare(make_scheduler(optimizer, args.lr_scheduler_type, args.num_warmup_steps,
+                                                      plan_steps(args, len(train_loader))[0]))
+
+    def loss_of(batch, reduction="mean"):
+        logits = model(batch["input_ids"])
+        return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=-100,
+                               reduction=reduction)
+
+    @torch.no_grad()
+    def evaluate():
+        """Every validation target once: the padded repeats (valid=False) and the tail's padding
+        (label -100) are left out of both sums."""
+        model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+        for batch in eval_loader:
+            batch["labels"] = batch["labels"].masked_fill(~batch["valid"][:, None], -100)
+            totals += torch.stack([loss_of(batch, "sum").double(), (batch["labels"] != -100).sum().double()])
+        model.train()
+        nats, tokens = accelerator.reduce(totals, reduction="sum").tolist()
+        scored_bytes = manifest["text"]["validation"]["text_bytes"] * tokens / manifest["text"]["validation"]["scored_tokens"]
+        return {"eval_loss": nats / tokens, "eval_bpb": nats / math.log(2) / scored_bytes,
+                "eval_perplexity": math.exp(min(nats / tokens, 50)), "eval_tokens": int(tokens)}
+
+    # ---------------------------------------------------------------- train
+    loop = TrainingLoop(accelerator, args, SCRIPT, model, optimizer, lr_scheduler, train_loader, evaluate,
+                        headline="eval_bpb")
+    for batch in loop.batches():
+        with accelerator.accumulate(model):
+            loss = loss_of(batch)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and args.max_grad_norm > 0:
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        loop.after_batch(loss)
+    tokens_per_second = loop.step * loop.global_batch_size * args.block_size / max(sum(loop.epoch_seconds), 1e-9)
+    peak = matmul_peak(accelerator)
+    results = loop.finish({
+        "model_config": vars(config), "dataset_dir": args.dataset_dir, "tokenizer": manifest["tokenizer"],
+        "parameters": sum(p.numel() for p in accelerator.unwrap_model(model).parameters()),
+        "train_tokens_per_second": tokens_per_second, "matmul_peak_flops": peak,
+        "mfu": tokens_per_second * accelerator.unwrap_model(model).flops_per_token() / peak,
+        "peak_memory_mb": peak_memory_mb(accelerator)})
+    accelerator.print(f"train_tokens_per_second={tokens_per_second:.0f} mfu={results['mfu']:.1%} "
+                      f"peak_memory_mb={results['peak_memory_mb']:.0f}")
+    del model, optimizer
+    loop.close()
+    return results
+
+
+def matmul_peak(accelerator, size=1024, seconds=1.0):
+    """FLOP/s of square fp32 matmuls (bf16/fp16 under mixed precision on a GPU) summed over processes,
+    measured with every process busy at once, as in training: the denominator of mfu."""
+    dtype = torch.float32 if accelerator.device.type == "cpu" or accelerator.mixed_precision == "no" else \
+        {"bf16": torch.bfloat16, "fp16": torch.float16}[accelerator.mixed_precision]
+    a = torch.randn(size, size, device=accelerator.device, dtype=dtype)
+    accelerator.wait_for_everyone()
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        (a @ a).sum().item()
+        runs += 1
+    per_process = torch.tensor([2 * size ** 3 * runs / (time.perf_counter() - start)], device=accelerator.device)
+    return accelerator.reduce(per_process, reduction="sum").item()
+
+
+def peak_memory_mb(accelerator):
+    """The largest per-process peak: GPU memory allocated by torch, or the process's resident set on a CPU."""
+    if accelerator.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() / 2 ** 20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return accelerator.reduce(torch.tensor([peak], device=accelerator.device), reduction="max").item()
+
+
+def sample(args):
+    """Continue --prompt with the model trained in --output_dir."""
+    try:
+        with open(os.path.join(args.output_dir, "all_results.json")) as f:
+            trained = json.load(f)
+        from safetensors.torch import load_file
+        weights = load_file(os.path.join(args.output_dir, "model.safetensors"))
+        manifest = read_manifest(trained["dataset_dir"])
+    except (OSError, ValueError, KeyError) as e:
+        fail(f"--output_dir {args.output_dir} holds no finished train/lm.py run ({' '.join(str(e).split())[:120]}); "
+             "train one there first")
+    if manifest is None:
+        fail(f"the run's token shards ({trained['dataset_dir']}) are gone: its tokenizer is there; prepare them again")
+    tokenizer = lm_tokenizer(trained["dataset_dir"], manifest)
+    model = GPT(GPTConfig(**trained["model_config"]))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:  # the tied output layer may be saved once, as wte
+        fail(f"model.safetensors in {args.output_dir} does not fit its model_config; train the run again")
+    torch.manual_seed(args.seed)
+    ids = torch.tensor([tokenizer.encode_batch([args.prompt])[0] or [tokenizer.eot_id]])
+    out = model.eval().generate(ids, args.max_new_tokens, args.temperature, args.top_k)[0].tolist()
+    print(tokenizer.decode(out))
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    run(sample if arguments.prompt is not None else main, arguments, USER_ERRORS)
