@@ -19,7 +19,13 @@ RECIPE := --per_device_train_batch_size 64 --learning_rate 6e-3 --num_warmup_ste
 
 IMAGES_DIR ?= runs/images/fashion_mnist
 
-.PHONY: setup train train-only test images train-images
+# train/lm.py's demo: the GCIDE dictionary (Debian's dict-gcide, unpacked without its dict server),
+# an 8,192-token BPE trained on it offline, and a small GPT; provisional recipe, see docs/lm.md
+GCIDE_DIR := runs/corpora/gcide/usr/share/dictd
+LM_RECIPE := --tokenizer bpe --vocab_size 8192 --block_size 256 --n_layer 4 --n_head 4 --n_embd 256 \
+	--per_device_train_batch_size 16 --learning_rate 1e-3 --num_warmup_steps 20 --max_train_steps 180 --eval_steps 60
+
+.PHONY: setup train train-only test images train-images gcide train-lm
 
 # apt for the offline Fashion-MNIST copy (Debian's dataset-fashion-mnist), pip for the Python packages.
 setup:
@@ -48,6 +54,18 @@ train-images: images
 	$(PYTHON) -m accelerate.commands.launch --config_file $(CONFIG) train/image_classification.py \
 	  --train_dir $(IMAGES_DIR)/train --validation_dir $(IMAGES_DIR)/validation --image_size 32 --num_train_epochs $(EPOCHS) \
 	  --with_tracking --output_dir runs/image_classification --overwrite_output_dir $(EXTRA)
+
+gcide: setup
+	@if [ ! -f /usr/share/dictd/gcide.dict.dz ] && [ ! -f $(GCIDE_DIR)/gcide.dict.dz ]; then \
+	  tmp=$$(mktemp -d) && (cd $$tmp && apt-get download dict-gcide >/dev/null 2>&1 || \
+	    { if [ "$$(id -u)" = 0 ]; then apt-get update -qq; else sudo apt-get update -qq; fi && apt-get download dict-gcide; }) && \
+	  mkdir -p runs/corpora/gcide && dpkg-deb -x $$tmp/dict-gcide_*.deb runs/corpora/gcide && rm -rf $$tmp; \
+	fi
+
+train-lm: gcide
+	$(PYTHON) -m accelerate.commands.launch --config_file $(CONFIG) train/lm.py $(LM_RECIPE) \
+	  --with_tracking --output_dir runs/lm --overwrite_output_dir $(EXTRA)
+	$(PYTHON) train/lm.py --output_dir runs/lm --prompt "Serendipity, n." --max_new_tokens 120
 
 test: setup
 	$(PYTHON) -m pytest
