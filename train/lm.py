@@ -13,9 +13,7 @@ validation token is scored once for any process count: eval_loss (nats per token
 import json
 import math
 import os
-import resource
 import sys
-import time
 
 if __package__ in (None, ""):  # run as a file: Python put train/ on sys.path, not the repo root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,6 +32,7 @@ from train.cli import add_optimizer_args, fail, make_parser, positive_float, pos
 from train.gpt import GPT, GPTConfig
 from train.loop import TrainingLoop, sharded_loader
 from train.schedule import make_scheduler, plan_steps
+from train.tracking import matmul_peak, peak_memory_mb
 
 SCRIPT = "lm"
 USER_ERRORS = (DataError, PlanError)
@@ -181,30 +180,6 @@ def main(args):
     del model, optimizer
     loop.close()
     return results
-
-
-def matmul_peak(accelerator, size=1024, seconds=1.0):
-    """FLOP/s of square fp32 matmuls (bf16/fp16 under mixed precision on a GPU) summed over processes,
-    measured with every process busy at once, as in training: the denominator of mfu."""
-    dtype = torch.float32 if accelerator.device.type == "cpu" or accelerator.mixed_precision == "no" else \
-        {"bf16": torch.bfloat16, "fp16": torch.float16}[accelerator.mixed_precision]
-    a = torch.randn(size, size, device=accelerator.device, dtype=dtype)
-    accelerator.wait_for_everyone()
-    runs, start = 0, time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        (a @ a).sum().item()
-        runs += 1
-    per_process = torch.tensor([2 * size ** 3 * runs / (time.perf_counter() - start)], device=accelerator.device)
-    return accelerator.reduce(per_process, reduction="sum").item()
-
-
-def peak_memory_mb(accelerator):
-    """The largest per-process peak: GPU memory allocated by torch, or the process's resident set on a CPU."""
-    if accelerator.device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() / 2 ** 20
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    return accelerator.reduce(torch.tensor([peak], device=accelerator.device), reduction="max").item()
 
 
 def sample(args):

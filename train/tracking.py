@@ -1,7 +1,12 @@
 """What a run leaves behind: metrics.jsonl, the trackers (TensorBoard, ...), curves.png, and the final
-model.safetensors, all_results.json and args.json."""
+model.safetensors, all_results.json and args.json; and two figures a run reports about its machine
+(a matmul peak, the denominator of mfu; peak memory)."""
 import json
 import os
+import resource
+import time
+
+import torch
 
 
 def write_json(path, payload):
@@ -95,3 +100,27 @@ def plot_metrics(output_dir, metric="eval_accuracy"):
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def matmul_peak(accelerator, size=1024, seconds=1.0):
+    """FLOP/s of square fp32 matmuls (bf16/fp16 under mixed precision on a GPU) summed over processes,
+    measured with every process busy at once, as in training: the denominator of mfu."""
+    dtype = torch.float32 if accelerator.device.type == "cpu" or accelerator.mixed_precision == "no" else \
+        {"bf16": torch.bfloat16, "fp16": torch.float16}[accelerator.mixed_precision]
+    a = torch.randn(size, size, device=accelerator.device, dtype=dtype)
+    accelerator.wait_for_everyone()
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        (a @ a).sum().item()
+        runs += 1
+    per_process = torch.tensor([2 * size ** 3 * runs / (time.perf_counter() - start)], device=accelerator.device)
+    return accelerator.reduce(per_process, reduction="sum").item()
+
+
+def peak_memory_mb(accelerator):
+    """The largest per-process peak: GPU memory allocated by torch, or the process's resident set on a CPU."""
+    if accelerator.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() / 2 ** 20
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return accelerator.reduce(torch.tensor([peak], device=accelerator.device), reduction="max").item()
