@@ -260,6 +260,15 @@ def check_files(paths, flag):
     return kinds
 
 
+def file_kind(train_files, validation_files=None):
+    """(datasets loader, tab-separated?) of the input files, which must all be of one kind."""
+    kinds = check_files(train_files, "--train_file") | check_files(validation_files or [], "--validation_file")
+    if len(kinds) > 1:
+        raise DataError("--train_file and --validation_file are different kinds of file; convert one so both are "
+                        "csv, tsv, json/jsonl, parquet or txt")
+    return kinds.pop()
+
+
 def load_files(train_files, validation_files=None, validation_split_percentage=None, seed=0, cache_dir=None):
     """{"train": datasets.Dataset, "validation": datasets.Dataset or None} from local files, through
     datasets' local loaders (offline). With validation_split_percentage, a seeded random P% of the
@@ -268,11 +277,7 @@ def load_files(train_files, validation_files=None, validation_split_percentage=N
 
     datasets.disable_progress_bars()  # one line per split per run; our own line says what was written
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a parse error is reported once, below
-    kinds = check_files(train_files, "--train_file") | check_files(validation_files or [], "--validation_file")
-    if len(kinds) > 1:
-        raise DataError("--train_file and --validation_file are different kinds of file; convert one so both are "
-                        "csv, tsv, json/jsonl, parquet or txt")
-    builder, tsv = kinds.pop()
+    builder, tsv = file_kind(train_files, validation_files)
     data_files = {"train": list(train_files), **({"validation": list(validation_files)} if validation_files else {})}
     try:
         loaded = datasets.load_dataset(builder, data_files=data_files, cache_dir=cache_dir,
@@ -299,7 +304,7 @@ def load_files(train_files, validation_files=None, validation_split_percentage=N
 def prepare_files(train_files, output_dir, validation_files=None, validation_split_percentage=None, num_shards=8,
                   rows_per_group=32, seed=0):
     """Local files → parquet shards + manifest in output_dir (atomically, unless already up to date)."""
-    check_files(train_files, "--train_file") | check_files(validation_files or [], "--validation_file")
+    file_kind(train_files, validation_files)  # bad input fails before the inputs are hashed
     inputs = hash_files(list(train_files) + list(validation_files or []))
     arguments = {"validation_split_percentage": validation_split_percentage, "num_shards": num_shards,
                  "rows_per_group": rows_per_group, "seed": seed, "kind": "files"}
@@ -383,7 +388,7 @@ def prepare_tokens(documents, output_dir, tokenizer_spec, vocab_size, num_shards
 def prepare_text(train_files, output_dir, tokenizer, block_size, validation_files=None, validation_split_percentage=None,
                  text_column_name="text", vocab_size=8192, num_shards=8, rows_per_group=8, seed=0):
     """Local text files (txt, or csv/json/jsonl/parquet with a text column) → window shards."""
-    check_files(train_files, "--train_file") | check_files(validation_files or [], "--validation_file")
+    file_kind(train_files, validation_files)  # bad input fails before the inputs are hashed
     inputs = hash_files(list(train_files) + list(validation_files or []))
     documents = lambda: text_column(load_files(list(train_files), list(validation_files or []) or None,  # noqa: E731
                                                validation_split_percentage, seed), text_column_name)
@@ -398,8 +403,6 @@ def prepare_gcide(output_dir, tokenizer, block_size, vocab_size=8192, num_shards
 
     folder = find_gcide(folder)
     inputs = hash_files([os.path.join(folder, "gcide.index"), os.path.join(folder, "gcide.dict.dz")])
-    for entry in inputs:
-        entry.pop("path")  # the package's files wherever they were unpacked
     return prepare_tokens(lambda: dict(zip(("train", "validation"), gcide_documents(folder))), output_dir, tokenizer,
                           vocab_size, num_shards, rows_per_group, inputs, {"kind": "gcide"}, block_size)
 

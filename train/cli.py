@@ -20,6 +20,8 @@ GROUPS = (("data", "data"), ("model", "model"), ("optimization", "optimization")
 
 
 def first_local_process():
+    """From the launcher's environment, not the accelerator: errors and Ctrl-C reach run() before an
+    Accelerator exists (bad arguments) or after it is gone."""
     return os.environ.get("LOCAL_RANK", "0") == "0"
 
 

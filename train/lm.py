@@ -167,7 +167,7 @@ def main(args):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         loop.after_batch(loss)
-    tokens_per_second = loop.step * loop.global_batch_size * args.block_size / max(sum(loop.epoch_seconds), 1e-9)
+    tokens_per_second = loop.samples_per_second() * args.block_size  # a sample is one window of block_size targets
     peak = matmul_peak(accelerator)
     results = loop.finish({
         "model_config": vars(config), "dataset_dir": args.dataset_dir, "tokenizer": manifest["tokenizer"],

@@ -145,14 +145,9 @@ class TrainingLoop:
         if every and self.step % every == 0 and self.step < self.max_train_steps and \
                 self.batches_done < self.batches_per_epoch:
             t_eval = time.perf_counter()
-            metrics = self.evaluate()
+            self._record_evaluation(f"step {self.step}",
+                                    {"epoch": round(self.epoch + self.batches_done / self.batches_per_epoch, 4)})
             self._t_epoch += time.perf_counter() - t_eval  # the epoch's seconds are training seconds
-            self.history.append({"epoch": round(self.epoch + self.batches_done / self.batches_per_epoch, 4),
-                                 "step": self.step, **metrics})
-            log_metrics(self.accelerator, self.args, {"step": self.step, **metrics})
-            if self.accelerator.is_main_process:
-                self.progress.write(f"step {self.step}: {_format(metrics)}")
-            self._t_log = time.perf_counter()
         if self._save_due() and self.batches_done < self.batches_per_epoch:  # at an epoch's end: after evaluating
             self.save()
         return True
@@ -162,13 +157,18 @@ class TrainingLoop:
         every = self.args.checkpointing_steps
         return isinstance(every, int) and self.step % every == 0
 
-    def _evaluate_and_save(self, epoch, train_seconds):
+    def _record_evaluation(self, label, where, suffix=""):
+        """Evaluate now; put the metrics in the history, metrics.jsonl and the trackers, and one line."""
         metrics = self.evaluate()
-        self.history.append({"epoch": epoch, "step": self.step, "train_seconds": train_seconds, **metrics})
-        log_metrics(self.accelerator, self.args, {"step": self.step, "epoch": epoch, **metrics})
+        self.history.append({**where, "step": self.step, **metrics})
+        log_metrics(self.accelerator, self.args, {"step": self.step, "epoch": where["epoch"], **metrics})
         if self.accelerator.is_main_process:
-            self.progress.write(f"epoch {epoch}: {_format(metrics)} epoch_seconds={train_seconds:.1f}")
+            self.progress.write(f"{label}: {_format(metrics)}{suffix}")
         self._t_log = time.perf_counter()  # evaluation time is not training throughput
+
+    def _evaluate_and_save(self, epoch, train_seconds):
+        self._record_evaluation(f"epoch {epoch}", {"epoch": epoch, "train_seconds": train_seconds},
+                                f" epoch_seconds={train_seconds:.1f}")
         trained = train_seconds > 0  # not the evaluation of a run resumed at its end: nothing new to save
         if trained and (self.args.checkpointing_steps == "epoch" or
                         (self._save_due() and self.batches_done >= self.batches_per_epoch)):
@@ -189,15 +189,18 @@ class TrainingLoop:
                                       "epoch_elapsed": elapsed})
 
     # ------------------------------------------------------------------------------ the end
+    def samples_per_second(self):
+        """Training samples per second of training time (evaluations and start-up left out)."""
+        return self.step * self.global_batch_size / max(sum(self.epoch_seconds), 1e-9)
+
     def finish(self, extra=None):
         """Write model.safetensors, all_results.json (the last evaluation, timings, history and
         `extra`), args.json and curves.png; print the summary line; return the results."""
         self.progress.close()
-        trained = sum(self.epoch_seconds)
         results = {**self.history[-1], "world_size": self.accelerator.num_processes,
                    "global_batch_size": self.global_batch_size, "epoch_seconds": self.epoch_seconds,
                    "wall_seconds": self.train_seconds, "history": self.history, "resumed_from": self.resumed_from,
-                   "train_samples_per_second": self.step * self.global_batch_size / max(trained, 1e-9), **(extra or {})}
+                   "train_samples_per_second": self.samples_per_second(), **(extra or {})}
         save_final(self.accelerator, self.model, self.args, results)
         if self.accelerator.is_main_process:
             plot_metrics(self.args.output_dir, self.headline)
