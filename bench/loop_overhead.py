@@ -194,15 +194,15 @@ def worker(args):
     loop.close()
 
 
-def run_workers(script, worker_args):
-    """`script --worker` in 2 processes (accelerate_configs/cpu_2proc.yaml) with a scratch --log_dir:
-    what its main process printed after RESULT, parsed."""
+def run_workers(script, worker_args, config_file=os.path.join(REPO, "accelerate_configs", "cpu_2proc.yaml")):
+    """`script --worker` in the processes of `config_file` (2 CPU processes unless told) with a scratch
+    --log_dir: what its main process printed after RESULT, parsed."""
     import tempfile
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               os.path.join(REPO, "accelerate_configs", "cpu_2proc.yaml"), os.path.abspath(script), "--worker",
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file,
+               os.path.abspath(script), "--worker",
                "--log_dir", tmp, *worker_args]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

@@ -1,0 +1,254 @@
+"""train/lm.py's training loop against a raw PyTorch DDP loop, and against the machine's matmul peak.
+
+    python bench/lm_throughput.py                    # the demo's model and batch (make train-lm), ~2 min on 2 cores
+    python bench/lm_throughput.py --tiny --dataset_dir DIR   # seconds: checks the bench runs (tests)
+    python bench/lm_throughput.py --config_file accelerate_configs/1gpu.yaml --mixed_precision bf16 --torch_compile
+
+Both loops live in the same processes (accelerate_configs/cpu_2proc.yaml unless --config_file) and take
+turns, one optimizer step each, the first of each pair alternating, so the host's drift hits them alike:
+
+- raw: the classic DDP loop written with torch alone: the windows read from the same parquet shards
+  into a TensorDataset, DistributedSampler + DataLoader, DistributedDataParallel (world size > 1),
+  autocast when mixed precision is on, torch.compile when asked, clip_grad_norm_, AdamW, the same
+  LambdaLR schedule, and `.item()` every --logging_steps steps;
+- lm.py: train/lm.py's step with the objects it builds (make_accelerator with its dynamo backend,
+  accelerator.prepare, the sharded parquet loader, accumulate, accelerator.backward,
+  accelerator.clip_grad_norm_) inside train/loop.py's TrainingLoop (step count, schedule, tqdm, the
+  loss all-reduced and logged every --logging_steps steps). No evaluation in either.
+
+Same model (GPT of train/gpt.py, same initial weights), same optimizer, the same batch shapes of full
+windows (labels all valid), so the same FLOPs. mfu = tokens/s × FLOPs per token (6N + attention, as
+GPT.flops_per_token counts them) ÷ the square-matmul peak of train/tracking.matmul_peak, measured in
+these processes before and after the turns (all of them busy at once, as in training; the mean of
+the two is the denominator). Nothing of accelerate is patched or read from private attributes.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+# the demo of `make train-lm`: the Makefile's LM_RECIPE sizes
+DEMO = {"dataset_dir": os.path.join("runs", "tokens", "gcide-bpe8192-b256"), "n_layer": 4, "n_head": 4, "n_embd": 192,
+        "per_device_train_batch_size": 8}
+TINY = {"n_layer": 2, "n_head": 2, "n_embd": 32, "per_device_train_batch_size": 4}
+
+
+def worker(args):
+    import contextlib
+
+    import pyarrow.parquet as pq
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data.distributed import DistributedSampler
+
+    from data.prepare import read_manifest
+    from data.sharding import ParquetSource, shards_in
+    from data.text import decode_windows
+    from train import lm
+    from train.accelerator import make_accelerator
+    from train.gpt import GPT, GPTConfig
+    from train.loop import TrainingLoop, sharded_loader
+    from train.schedule import make_scheduler
+    from train.tracking import matmul_peak
+
+    manifest = read_manifest(args.dataset_dir)
+    block_size, batch_size = manifest["block_size"], args.per_device_train_batch_size
+    script_args = lm.parse_args([
+        "--dataset_dir", args.dataset_dir, "--block_size", str(block_size), "--n_layer", str(args.n_layer),
+        "--n_head", str(args.n_head), "--n_embd", str(args.n_embd), "--per_device_train_batch_size", str(batch_size),
+        "--mixed_precision", args.mixed_precision, "--max_train_steps", str(10**9), "--output_dir", args.log_dir,
+        "--logging_steps", str(args.logging_steps), *["--torch_compile"] * args.torch_compile])
+    accelerator = make_accelerator(script_args, dynamo_backend="inductor" if args.torch_compile else "no")
+    device, world = accelerator.device, accelerator.num_processes
+    config = GPTConfig(manifest["vocab_size"], block_size, args.n_layer, args.n_head, args.n_embd, 0.0)
+    decode = decode_windows(manifest["token_dtype"])
+
+    def model_and_optimizer():
+        torch.manual_seed(script_args.seed)
+        model = GPT(config)
+        return model, torch.optim.AdamW(model.param_groups(script_args.weight_decay), lr=script_args.learning_rate,
+                                        betas=(0.9, 0.95))
+
+    def scheduler(optimizer):
+        return make_scheduler(optimizer, script_args.lr_scheduler_type, script_args.num_warmup_steps, 10**9)
+
+    def loss_fn(model, batch):  # train/lm.py's loss
+        logits = model(batch["input_ids"])
+        return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+
+    class Batches:
+        """An endless stream of one loader's batches, a new epoch (set_epoch) when one runs out."""
+
+        def __init__(self, loader, set_epoch):
+            self.loader, self.set_epoch, self.epoch, self.it = loader, set_epoch, 0, iter(())
+
+        def next(self):
+            try:
+                return next(self.it)
+            except StopIteration:
+                self.set_epoch(self.epoch)
+                self.epoch, self.it = self.epoch + 1, iter(self.loader)
+                return next(self.it)
+
+    # ------------------------------------------------ raw: torch alone
+    train_files = shards_in(args.dataset_dir, "train")
+    rows = min(sum(pq.ParquetFile(p).metadata.num_rows for p in train_files), 64 * batch_size * world)
+    windows = decode(pq.read_table(train_files).slice(0, rows))  # enough for the turns; epochs roll over
+    raw_set = TensorDataset(windows["input_ids"], windows["labels"])
+    sampler = DistributedSampler(raw_set, world, accelerator.process_index, shuffle=True, seed=script_args.seed,
+                                 drop_last=True)
+    raw_batches = Batches(DataLoader(raw_set, batch_size=batch_size, sampler=sampler, drop_last=True,
+                                     pin_memory=device.type == "cuda"), sampler.set_epoch)
+    raw_model, raw_optimizer = model_and_optimizer()
+    raw_model = raw_model.to(device)
+    if world > 1:
+        raw_model = DDP(raw_model, device_ids=[device.index] if device.type == "cuda" else None,
+                        broadcast_buffers=False)
+    if args.torch_compile:
+        raw_model = torch.compile(raw_model, backend="inductor")
+    raw_scheduler = scheduler(raw_optimizer)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision)
+    raw_scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    raw_state = {"step": 0}
+
+    def autocast():
+        return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+
+    def raw_step():
+        input_ids, labels = (t.to(device, non_blocking=True) for t in raw_batches.next())
+        with autocast():
+            loss = loss_fn(raw_model, {"input_ids": input_ids, "labels": labels})
+        raw_scaler.scale(loss).backward()
+        raw_scaler.unscale_(raw_optimizer)
+        torch.nn.utils.clip_grad_norm_(raw_model.parameters(), script_args.max_grad_norm)
+        raw_scaler.step(raw_optimizer)
+        raw_scaler.update()
+        raw_optimizer.zero_grad(set_to_none=True)
+        raw_scheduler.step()
+        raw_state["step"] += 1
+        if raw_state["step"] % args.logging_steps == 0:
+            loss.item()
+
+    # ------------------------------------------------ lm.py: its objects, its step, TrainingLoop
+    model, optimizer = model_and_optimizer()
+    model, optimizer = accelerator.prepare(model, optimizer)
+    lr_scheduler = accelerator.prepare(scheduler(optimizer))
+    train_loader = sharded_loader(accelerator, ParquetSource(train_files, decode=decode), batch_size,
+                                  script_args.seed, True)
+    loop = TrainingLoop(accelerator, script_args, "lm_throughput", model, optimizer, lr_scheduler, train_loader,
+                        evaluate=dict)
+    lm_batches = loop.batches()
+
+    def lm_step():
+        batch = next(lm_batches)
+        with accelerator.accumulate(model):
+            loss = loss_fn(model, batch)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and script_args.max_grad_norm > 0:
+                accelerator.clip_grad_norm_(model.parameters(), script_args.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        loop.after_batch(loss)
+
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        accelerator.wait_for_everyone()
+
+    peak_before = matmul_peak(accelerator)
+    loops = {"raw": raw_step, "lm.py": lm_step}
+    for step in loops.values():  # warm-up: DDP's bucket rebuild, kernels, compilation
+        for _ in range(args.warmup):
+            step()
+    ms_per_step = {name: [] for name in loops}
+    for turn in range(args.turns):
+        for name, step in (list(loops.items()) if turn % 2 == 0 else list(loops.items())[::-1]):
+            synchronize()
+            start = time.perf_counter()
+            step()
+            synchronize()
+            ms_per_step[name].append(1000 * (time.perf_counter() - start))
+    peak_after = matmul_peak(accelerator)
+    loop.progress.close()
+    if accelerator.is_main_process:
+        reference = accelerator.unwrap_model(model)
+        print("RESULT " + json.dumps({
+            "world_size": world, "device": str(device), "mixed_precision": accelerator.mixed_precision,
+            "torch_compile": args.torch_compile, "ms_per_step": ms_per_step, "block_size": block_size,
+            "tokens_per_step": world * batch_size * block_size, "flops_per_token": reference.flops_per_token(),
+            "parameters": sum(p.numel() for p in reference.parameters()), "vocab_size": manifest["vocab_size"],
+            "matmul_peak": [peak_before, peak_after], "raw_steps": raw_state["step"], "lm_steps": loop.step}),
+            flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+    del model, optimizer, raw_model, raw_optimizer  # DDP reducers before the gloo group goes (TrainingLoop.close)
+    loop.close()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dataset_dir", default=None, help="Window shards (default: the demo's, written by "
+                        "make train-lm).")
+    parser.add_argument("--config_file", default=os.path.join(REPO, "accelerate_configs", "cpu_2proc.yaml"))
+    for name, value in DEMO.items():
+        if name != "dataset_dir":
+            parser.add_argument(f"--{name}", type=int, default=None, help=f"Default {value} ({TINY[name]} with --tiny).")
+    parser.add_argument("--turns", type=int, default=30, help="Steps each loop takes, alternating.")
+    parser.add_argument("--warmup", type=int, default=2, help="Untimed steps of each loop first.")
+    parser.add_argument("--logging_steps", type=int, default=20)
+    parser.add_argument("--mixed_precision", choices=["auto", "no", "bf16", "fp16"], default="auto")
+    parser.add_argument("--torch_compile", action="store_true")
+    parser.add_argument("--tiny", action="store_true", help="A tiny model, 6 turns: checks the bench runs.")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--log_dir", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    sizes = TINY if args.tiny else DEMO
+    for name in TINY:
+        if getattr(args, name) is None:
+            setattr(args, name, sizes[name])
+    if args.tiny:
+        args.turns, args.warmup, args.logging_steps = 6, 1, 4
+    if args.worker:
+        return worker(args)
+    args.dataset_dir = args.dataset_dir or os.path.join(REPO, DEMO["dataset_dir"])
+    if not os.path.isfile(os.path.join(args.dataset_dir, "manifest.json")):
+        raise SystemExit(f"error: {args.dataset_dir} holds no token shards; run `make train-lm` once (it writes "
+                         "the demo's) or pass --dataset_dir with shards of python -m data.prepare --tokenizer ...")
+    from bench.loop_overhead import run_workers
+
+    result = run_workers(__file__, [
+        "--dataset_dir", os.path.abspath(args.dataset_dir), "--turns", str(args.turns), "--warmup", str(args.warmup),
+        "--logging_steps", str(args.logging_steps), "--mixed_precision", args.mixed_precision,
+        *[f"--{name}={getattr(args, name)}" for name in TINY], *["--torch_compile"] * args.torch_compile,
+        *["--tiny"] * args.tiny], config_file=args.config_file)
+    ms, tokens = result["ms_per_step"], result["tokens_per_step"]
+    peak = statistics.mean(result["matmul_peak"])
+    print(f"{args.turns} alternating steps per loop after {args.warmup} warm-up, world size {result['world_size']} "
+          f"on {result['device']}, mixed_precision={result['mixed_precision']}, torch_compile={result['torch_compile']}; "
+          f"GPT {args.n_layer}x{args.n_embd}, {args.n_head} heads, {result['parameters'] / 1e6:.2f}M parameters, "
+          f"vocab {result['vocab_size']}, block {result['block_size']}, {args.per_device_train_batch_size} windows per "
+          f"process ({tokens} tokens per step); steps taken: raw {result['raw_steps']}, lm.py {result['lm_steps']}")
+    print(f"matmul peak: {result['matmul_peak'][0] / 1e9:.1f} GFLOP/s before, {result['matmul_peak'][1] / 1e9:.1f} "
+          "after (all processes)")
+    print("| loop | ms/step (median) | ms/step (mean) | tokens/s | mfu |")
+    print("|---|---|---|---|---|")
+    for name, values in ms.items():
+        tokens_per_second = tokens * len(values) / (sum(values) / 1000)
+        print(f"| {name} | {statistics.median(values):.1f} | {statistics.mean(values):.1f} | {tokens_per_second:.0f} | "
+              f"{tokens_per_second * result['flops_per_token'] / peak:.1%} |")
+    print(f"RATIO lm.py tokens/s / raw DDP tokens/s = {sum(ms['raw']) / sum(ms['lm.py']):.3f} "
+          f"(median of turns {statistics.median(r / v for r, v in zip(ms['raw'], ms['lm.py'])):.3f})")
+    for name, values in ms.items():
+        print(f"MFU {name} = {tokens * len(values) / (sum(values) / 1000) * result['flops_per_token'] / peak:.3f} "
+              f"of the measured matmul peak {peak / 1e9:.1f} GFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
