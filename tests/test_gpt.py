@@ -1,0 +1,95 @@
+"""train/gpt.py: causality, weight tying, activation checkpointing that changes nothing but memory,
+the AdamW groups, the FLOPs count behind mfu, and sampling."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import reset_accelerate_state
+from train.gpt import GPT, GPTConfig
+
+
+def tiny(**kwargs):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**{"vocab_size": 50, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 16, **kwargs}))
+
+
+def test_a_position_sees_only_itself_and_earlier_tokens():
+    model = tiny().eval()
+    ids = torch.randint(0, 50, (2, 16))
+    changed = ids.clone()
+    changed[:, 9] = (ids[:, 9] + 1) % 50
+    a, b = model(ids), model(changed)
+    assert torch.equal(a[:, :9], b[:, :9]) and not torch.allclose(a[:, 9:], b[:, 9:])
+
+
+def test_the_output_layer_is_the_token_embedding():
+    model = tiny()
+    assert model.lm_head.weight is model.wte.weight
+    assert len(list(model.parameters())) == len(model.state_dict()) - 1  # one tensor, two names in the state dict
+    model(torch.tensor([[3]])).sum().backward()
+    assert model.wte.weight.grad.abs().sum(1).count_nonzero() == 50  # every row, through the output layer
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients(dropout):
+    ids = torch.randint(0, 50, (3, 16))
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny(dropout=dropout).train()
+        model.gradient_checkpointing = checkpointing
+        torch.manual_seed(1)  # the same dropout masks: recomputation replays the saved RNG state
+        loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        grads.append((loss.detach(), [p.grad for p in model.parameters()]))
+    (loss_a, grads_a), (loss_b, grads_b) = grads
+    assert torch.equal(loss_a, loss_b)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(grads_a, grads_b))
+
+
+def test_weight_decay_falls_on_the_linear_matrices_only():
+    model = tiny()
+    decay, rest = model.param_groups(0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decay["weight_decay"] == 0.1 and rest["weight_decay"] == 0.0
+    assert sorted(names[id(p)] for p in decay["params"] + rest["params"]) == sorted(names.values())
+    decayed = {names[id(p)] for p in decay["params"]}
+    assert decayed == {f"blocks.{i}.{m}.weight" for i in range(2) for m in ("qkv", "proj", "fc", "fc_out")}
+
+
+def test_flops_per_token_counts_six_per_matmul_weight_and_the_attention():
+    d, layers, vocab, block = 16, 2, 50, 16
+    matmul_weights = vocab * d + layers * (3 * d * d + d * d + 4 * d * d + 4 * d * d)  # wte once, as lm_head
+    assert tiny().flops_per_token() == 6 * matmul_weights + 12 * layers * d * block
+
+
+def test_sampling_extends_the_prompt_and_top_k_1_is_greedy():
+    model = tiny().eval()
+    prompt = torch.tensor([[1, 2, 3]])
+    greedy = model.generate(prompt, 20, temperature=0)
+    assert greedy.shape == (1, 23) and torch.equal(greedy[:, :3], prompt)  # past block_size: the last 16 tokens
+    generator = torch.Generator().manual_seed(0)
+    assert torch.equal(model.generate(prompt, 20, temperature=1.0, top_k=1, generator=generator), greedy)
+    sampled = model.generate(prompt, 20, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    again = model.generate(prompt, 20, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sampled, again) and int(sampled.max()) < 50
+
+
+def test_torch_compile_through_accelerate_matches_eager(fresh_accelerate_state):
+    """--torch_compile: accelerate's dynamo plugin (inductor) compiles the model; loss and gradients
+    agree with eager within float tolerance."""
+    from accelerate import Accelerator
+    from accelerate.utils import is_compiled_module
+
+    ids = torch.randint(0, 50, (2, 16))
+    results = []
+    for backend in ("no", "inductor"):
+        model = tiny()
+        prepared = Accelerator(cpu=True, dynamo_backend=backend).prepare(model)
+        loss = F.cross_entropy(prepared(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        results.append((prepared, loss.detach(), [p.grad for p in model.parameters()]))
+        reset_accelerate_state()
+    (eager, loss_a, grads_a), (compiled, loss_b, grads_b) = results
+    assert not is_compiled_module(eager) and is_compiled_module(compiled)
+    assert torch.allclose(loss_a, loss_b, rtol=1e-5)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(grads_a, grads_b))
