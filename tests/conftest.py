@@ -39,6 +39,29 @@ def run_script(script, *args, timeout=120):
     return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def run_as_script(capsys, script, *args):
+    """What `python train/SCRIPT.py ARGS` does, run in this process (the script's own `__main__`
+    block, through runpy) to spare a cold interpreter and torch import per case: for one-process
+    bad-input checks. Returns what run_script does: returncode, stdout, stderr."""
+    import runpy
+    import types
+
+    capsys.readouterr()
+    argv, cwd, code = sys.argv, os.getcwd(), 0
+    sys.argv = [os.path.join("train", script + ".py"), *map(str, args)]
+    os.chdir(REPO)
+    try:
+        runpy.run_path(os.path.join(REPO, "train", script + ".py"), run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv = argv
+        os.chdir(cwd)
+        reset_accelerate_state()
+    out, err = capsys.readouterr()
+    return types.SimpleNamespace(returncode=code, stdout=out, stderr=err)
+
+
 def run_together(commands, timeout=240):
     """Start every (cmd, env) at once, as the nodes of one job, and wait for all of them.
     Returns (exit codes, combined outputs). A rendezvous that never completes hits the timeout."""

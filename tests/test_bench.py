@@ -68,3 +68,31 @@ def test_step_phases_tiny_mode_times_every_phase_on_both_ranks(fashion_dir):
         assert us[phase][0] == us[phase][2] == 0 < min(us[phase][1], us[phase][3]), (phase, us[phase])
     for phase in ("tqdm", "log line"):  # drawn and written on rank 0
         assert us[phase][0] == us[phase][2] == 0 < us[phase][1], (phase, us[phase])
+
+
+def test_lm_throughput_tiny_mode_runs_both_loops_in_two_processes(tmp_path):
+    from data.prepare import main as prepare_main
+
+    words = "the of and a to in is was he for it with as his on be at by had not are but from or".split()
+    (tmp_path / "text.txt").write_text("\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(12))
+                                                 for i in range(300)) + "\n")
+    prepare_main(["--train_file", str(tmp_path / "text.txt"), "--validation_split_percentage", "10", "--tokenizer",
+                  "bytes", "--block_size", "32", "--output_dir", str(tmp_path / "shards")])
+    proc = subprocess.run([sys.executable, "bench/lm_throughput.py", "--tiny", "--dataset_dir", str(tmp_path / "shards")],
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # 1 warm-up + 6 turns each; 4 windows of 32 tokens per process, 2 processes
+    assert "world size 2 on cpu" in proc.stdout and "(256 tokens per step); steps taken: raw 7, lm.py 7" in proc.stdout
+    rows = [line.split(" | ")[0] for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert rows[1:] == ["| raw", "| lm.py"], rows
+    assert re.search(r"RATIO lm\.py tokens/s / raw DDP tokens/s = \d+\.\d+ \(median of turns \d+\.\d+\)", proc.stdout)
+    for name in ("raw", "lm.py"):
+        assert 0 < float(re.search(rf"MFU {re.escape(name)} = (\d+\.\d+) of the measured matmul peak", proc.stdout)[1]) < 1
+
+
+def test_lm_throughput_without_shards_says_how_to_make_them(tmp_path):
+    proc = subprocess.run([sys.executable, "bench/lm_throughput.py", "--dataset_dir", str(tmp_path)], cwd=REPO,
+                          env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        f"error: {tmp_path} holds no token shards; run `make train-lm` once (it writes the demo's) or pass "
+        "--dataset_dir with shards of python -m data.prepare --tokenizer ..."]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, REPO, clean_env, launch, output_of, run_script
+from conftest import CONFIGS, REPO, clean_env, launch, output_of, reset_accelerate_state, run_script
 from train import mnist, regression
 from train.checkpoint import list_checkpoints
 
@@ -48,28 +48,41 @@ def kill_launch(config, script, kill, *args, timeout=300, max_restarts=None):
 
 # ----------------------------------------------------------------------------- exact resume
 
+def run_regression(config, *args):
+    """train/regression.py under `config`: the 1-process one in this process (as `python
+    train/regression.py` runs it, without a cold interpreter), the others through accelerate launch.
+    Returns what it printed."""
+    if config == "cpu":
+        try:
+            regression.main(regression.parse_args(list(map(str, args))))
+        finally:
+            reset_accelerate_state()
+        return None
+    proc = launch(config, "regression", *args)
+    assert proc.returncode == 0, output_of(proc)
+    return proc.stdout
+
+
 @pytest.fixture(scope="module")
 def regression_runs(tmp_path_factory):
     """Uninterrupted runs with a checkpoint at every step: 1 process (batch 32), 2 processes (16 each)."""
     runs = {}
     for config, batch in (("cpu", 32), ("cpu_2proc", 16)):
         out = str(tmp_path_factory.mktemp(config))
-        proc = launch(config, "regression", *REGRESSION, "--per_device_train_batch_size", batch,
-                      "--checkpointing_steps", 1, "--output_dir", out)
-        assert proc.returncode == 0, output_of(proc)
+        run_regression(config, *REGRESSION, "--per_device_train_batch_size", batch, "--checkpointing_steps", 1,
+                       "--output_dir", out)
         runs[config] = (out, batch)
     return runs
 
 
 @pytest.mark.parametrize("config", ["cpu", "cpu_2proc"])
 @pytest.mark.parametrize("step", [32, 45, 63], ids=["epoch_start", "mid_epoch", "last_step"])
-def test_regression_resume_is_bit_identical(regression_runs, tmp_path, config, step):
+def test_regression_resume_is_bit_identical(regression_runs, tmp_path, config, step, capsys):
     full, batch = regression_runs[config]
     out = resume_copy(full, step, str(tmp_path / "resumed"))
-    proc = launch(config, "regression", *REGRESSION, "--per_device_train_batch_size", batch,
-                  "--resume_from_checkpoint", "latest", "--output_dir", out)
-    assert proc.returncode == 0, output_of(proc)
-    assert f"resumed from {out}/checkpoints/step_{step:08d}" in proc.stdout
+    printed = run_regression(config, *REGRESSION, "--per_device_train_batch_size", batch,
+                             "--resume_from_checkpoint", "latest", "--output_dir", out)
+    assert f"resumed from {out}/checkpoints/step_{step:08d}" in (printed or capsys.readouterr().out)
     assert identical(weights(out), weights(full))
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import launch, output_of, reset_accelerate_state, run_script
+from conftest import launch, output_of, reset_accelerate_state, run_as_script, run_script
 from data.images import ImageFileSource, ImageFolderDataset, image_transforms, scan_image_folder
 from data.prepare import CLASS_NAMES, write_image_folders
 from data.sharding import ShardedIterableDataset
@@ -166,7 +166,7 @@ def _fails_with(proc, text):
     assert "Traceback" not in output and output.count("error: ") == 1, output
 
 
-def test_bad_folders_each_fail_in_one_line(tmp_path):
+def test_bad_folders_each_fail_in_one_line(tmp_path, capsys):
     good = _class_folders(tmp_path / "good", {"cat": 4, "dog": 4})
     (tmp_path / "empty").mkdir()
     loose = tmp_path / "loose"
@@ -179,15 +179,17 @@ def test_bad_folders_each_fail_in_one_line(tmp_path):
         _class_folders(tmp_path / "one", {"cat": 3}): "has one class folder (cat); a classifier needs at least two",
         _class_folders(tmp_path / "hollow", {"cat": 3, "dog": 0}): "hollow/dog holds no readable images",
     }
+
+    def fails(*args):
+        return run_as_script(capsys, "image_classification", *args, "--output_dir", tmp_path / "out")
+
     for train_dir, text in cases.items():
-        _fails_with(run_script("image_classification", "--train_dir", train_dir, "--output_dir", tmp_path / "out"),
-                    text)
+        _fails_with(fails("--train_dir", train_dir), text)
     unknown = _class_folders(tmp_path / "val", {"cat": 2, "bird": 2})
-    _fails_with(run_script("image_classification", "--train_dir", good, "--validation_dir", unknown, "--output_dir",
-                           tmp_path / "out"), "has class folder(s) the training set does not have: bird")
-    _fails_with(run_script("image_classification", "--train_dir", good, "--model", "resnet_18", "--output_dir",
-                           tmp_path / "out"), "(did you mean resnet18")
-    _fails_with(run_script("image_classification", "--predict", good, "--output_dir", tmp_path / "nothing"),
+    _fails_with(fails("--train_dir", good, "--validation_dir", unknown),
+                "has class folder(s) the training set does not have: bird")
+    _fails_with(fails("--train_dir", good, "--model", "resnet_18"), "(did you mean resnet18")
+    _fails_with(run_as_script(capsys, "image_classification", "--predict", good, "--output_dir", tmp_path / "nothing"),
                 "holds no finished image classification run")
 
 

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from conftest import launch, output_of, run_script
+from conftest import launch, output_of, run_as_script, run_script
 from data.prepare import main as prepare_main
 from data.sharding import ParquetSource, ShardedIterableDataset, shards_in
 from data.text import decode_windows
@@ -108,12 +108,12 @@ def test_sigkill_and_resume_is_bit_identical_under_two_processes(text, tmp_path)
     assert results(crashed)["eval_loss"] == results(full)["eval_loss"]
 
 
-def test_bad_input_is_one_line(text, tmp_path):
+def test_bad_input_is_one_line(text, tmp_path, capsys):
     folder, shards = text
     (tmp_path / "short.txt").write_text("tiny\n")
 
     def fails(args, message):
-        proc = run_script("lm", *args, "--output_dir", tmp_path / "out")
+        proc = run_as_script(capsys, "lm", *args, "--output_dir", tmp_path / "out")
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode != 0 and len(lines) == 1 and message in lines[0], output_of(proc)
 

@@ -135,15 +135,17 @@ def test_loaded_tensors_are_uint8_in_memory(fashion_dir):
     assert abs(x.mean().item()) < 0.05 and abs(x.std().item() - 1) < 0.05  # the stored mean/std fit the data
 
 
-def test_bf16_on_cpu_through_accelerate_launch(fashion_dir, tmp_path):
+def test_bf16_and_the_recipe_flags_on_cpu_through_accelerate_launch(fashion_dir, tmp_path):
+    """bf16 asked of the launcher (not the script), with the recipe's augmentation, smoothing and warmup."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"{CONFIGS}/cpu_2proc.yaml",
            "--mixed_precision", "bf16", "train/mnist.py", "--max_train_samples", "1280", "--max_eval_samples", "257",
-           "--num_train_epochs", "1", "--per_device_train_batch_size", "32", "--output_dir", str(tmp_path)]
+           "--num_train_epochs", "1", "--per_device_train_batch_size", "32", "--augment", "--label_smoothing", "0.1",
+           "--num_warmup_steps", "5", "--output_dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, output_of(proc)
     assert "world_size=2 " in proc.stdout and "mixed_precision=bf16" in proc.stdout
     results = json.load(open(tmp_path / "all_results.json"))
-    assert results["eval_samples"] == 257 and results["eval_accuracy"] > 0.5
+    assert results["eval_samples"] == 257 and results["step"] == 20 and results["eval_accuracy"] > 0.4
 
 
 def test_fsdp_config_on_cpu_says_it_runs_plain_ddp(fashion_dir, tmp_path):
@@ -184,16 +186,6 @@ def test_augment_images_shifts_and_flips_each_image_reproducibly():
         assert len(matches) == 1  # exactly one shift/flip explains each output
         seen.add(matches[0])
     assert len(seen) == 50  # every one of the 2 x 5 x 5 variants occurs (each missed with p < 1e-8)
-
-
-def test_recipe_flags_run_under_two_processes_with_bf16(fashion_dir, tmp_path):
-    proc = launch("cpu_2proc", "mnist", "--max_train_samples", 1280, "--max_eval_samples", 257,
-                  "--num_train_epochs", 1, "--per_device_train_batch_size", 32, "--mixed_precision", "bf16",
-                  "--augment", "--label_smoothing", 0.1, "--num_warmup_steps", 5, "--output_dir", tmp_path)
-    assert proc.returncode == 0, output_of(proc)
-    assert "world_size=2 " in proc.stdout and "mixed_precision=bf16" in proc.stdout
-    results = json.load(open(tmp_path / "all_results.json"))
-    assert results["eval_samples"] == 257 and results["step"] == 20 and results["eval_accuracy"] > 0.4
 
 
 def test_resume_with_another_model_is_refused(fashion_dir, tmp_path):
