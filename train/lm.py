@@ -51,7 +51,7 @@ def parse_args(argv=None):
                       "tokenizer.json.")
     data.add_argument("--vocab_size", type=positive_int, default=8192, help="--tokenizer bpe: vocabulary size.")
     data.add_argument("--dataset_dir", help="Prepared window shards (python -m data.prepare --tokenizer ...); "
-                      "the cache for --train_file (default: runs/tokens/NAME-TOKENIZER-bBLOCK).")
+                      "the cache for --train_file (default: runs/tokens/NAME-TOKENIZER-bBLOCK, e.g. gcide-bpe8192-b256).")
     data.add_argument("--dataloader_num_workers", type=int, default=0, help="Processes reading shards per rank.")
     model.add_argument("--block_size", type=positive_int, default=256, help="Tokens of context.")
     model.add_argument("--n_layer", type=positive_int, default=4)
@@ -76,7 +76,8 @@ def parse_args(argv=None):
         except ValueError as e:
             parser.error(str(e))
         name = os.path.splitext(os.path.basename(args.train_file[0]))[0] if args.train_file else "gcide"
-        tokenizer = args.tokenizer if args.tokenizer in ("bytes", "bpe") else "file"
+        # the vocabulary is in the name, so a run with another one prepares beside this cache, not over it
+        tokenizer = {"bytes": "bytes", "bpe": f"bpe{args.vocab_size}"}.get(args.tokenizer, "file")
         args.gcide = not args.train_file and args.dataset_dir is None  # the default corpus, prepared on first use
         args.dataset_dir = args.dataset_dir or os.path.join("runs", "tokens", f"{name}-{tokenizer}-b{args.block_size}")
     return args
