@@ -5,6 +5,7 @@ the main process, what every rank saw.
 
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml tests/sharded_probe.py FOLDER OUT.json K [stream]
 """
+import gc
 import json
 import os
 import sys
@@ -76,6 +77,12 @@ def main(folder, out_path, workers, stream=False):
     report["per_rank_batches_in_epoch"] = len(loader)
     if accelerator.is_main_process:
         json.dump(report, open(out_path, "w"))
+    # DDP's reducer holds gloo state: left for interpreter exit, after the group is gone, it can abort a
+    # finished run (SIGABRT, "terminate called without an active exception"; seen once in CI). The order
+    # of TrainingLoop.close: the model first, then the group.
+    del model, optimizer
+    accelerator.free_memory()
+    gc.collect()
     accelerator.wait_for_everyone()  # a rank that tears gloo down while its peer still works can abort
     accelerator.end_training()
 
