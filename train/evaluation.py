@@ -1,4 +1,6 @@
 """Evaluation that counts every held-out sample exactly once, whatever the number of processes."""
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -26,3 +28,24 @@ def evaluate_classifier(accelerator, model, loader, to_inputs=lambda images: ima
     model.train()
     count = int(count)
     return {"eval_accuracy": (correct / count).item(), "eval_loss": (loss_sum / count).item(), "eval_samples": count}
+
+
+def evaluate_language_model(accelerator, model, loader, split):
+    """Loss and bits per byte over every target of the validation windows once, for any process
+    count: the sharded loader's padded repeats (valid=False) and the last window's padding (label
+    -100) are left out of both sums. `split` is the manifest's record of the split (data/text.py):
+    its UTF-8 bytes over its scored tokens turn nats per token into bits per byte, which compare
+    across tokenizers."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+    with torch.no_grad():
+        for batch in loader:
+            labels = batch["labels"].masked_fill(~batch["valid"][:, None], -100)
+            logits = model(batch["input_ids"])
+            nats = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+            totals += torch.stack([nats.double(), (labels != -100).sum().double()])
+    model.train()
+    nats, tokens = accelerator.reduce(totals, reduction="sum").tolist()
+    scored_bytes = split["text_bytes"] * tokens / split["scored_tokens"]
+    return {"eval_loss": nats / tokens, "eval_bpb": nats / math.log(2) / scored_bytes,
+            "eval_perplexity": math.exp(min(nats / tokens, 50)), "eval_tokens": int(tokens)}

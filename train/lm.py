@@ -11,7 +11,6 @@ validation token is scored once for any process count: eval_loss (nats per token
 (bits per UTF-8 byte, comparable across tokenizers).
 """
 import json
-import math
 import os
 import sys
 
@@ -29,6 +28,7 @@ from data.text import ByteTokenizer, decode_windows, load_tokenizer
 from train.accelerator import announce, main_process_first, make_accelerator
 from train.checkpoint import check_output_dir, prepare_output_dir
 from train.cli import add_optimizer_args, fail, make_parser, positive_float, positive_int, run
+from train.evaluation import evaluate_language_model
 from train.gpt import GPT, GPTConfig
 from train.loop import TrainingLoop, sharded_loader
 from train.schedule import make_scheduler, plan_steps
@@ -136,32 +136,14 @@ def main(args):
     lr_scheduler = accelerator.prepare(make_scheduler(optimizer, args.lr_scheduler_type, args.num_warmup_steps,
                                                       plan_steps(args, len(train_loader))[0]))
 
-    def loss_of(batch, reduction="mean"):
-        logits = model(batch["input_ids"])
-        return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=-100,
-                               reduction=reduction)
-
-    @torch.no_grad()
-    def evaluate():
-        """Every validation target once: the padded repeats (valid=False) and the tail's padding
-        (label -100) are left out of both sums."""
-        model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
-        for batch in eval_loader:
-            batch["labels"] = batch["labels"].masked_fill(~batch["valid"][:, None], -100)
-            totals += torch.stack([loss_of(batch, "sum").double(), (batch["labels"] != -100).sum().double()])
-        model.train()
-        nats, tokens = accelerator.reduce(totals, reduction="sum").tolist()
-        scored_bytes = manifest["text"]["validation"]["text_bytes"] * tokens / manifest["text"]["validation"]["scored_tokens"]
-        return {"eval_loss": nats / tokens, "eval_bpb": nats / math.log(2) / scored_bytes,
-                "eval_perplexity": math.exp(min(nats / tokens, 50)), "eval_tokens": int(tokens)}
-
     # ---------------------------------------------------------------- train
-    loop = TrainingLoop(accelerator, args, SCRIPT, model, optimizer, lr_scheduler, train_loader, evaluate,
-                        headline="eval_bpb")
+    loop = TrainingLoop(accelerator, args, SCRIPT, model, optimizer, lr_scheduler, train_loader, headline="eval_bpb",
+                        evaluate=lambda: evaluate_language_model(accelerator, model, eval_loader,
+                                                                 manifest["text"]["validation"]))
     for batch in loop.batches():
         with accelerator.accumulate(model):
-            loss = loss_of(batch)
+            logits = model(batch["input_ids"])
+            loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
             accelerator.backward(loss)
             if accelerator.sync_gradients and args.max_grad_norm > 0:
                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
