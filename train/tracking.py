@@ -103,10 +103,11 @@ def plot_metrics(output_dir, metric="eval_accuracy"):
 
 
 def matmul_peak(accelerator, size=1024, seconds=1.0):
-    """FLOP/s of square fp32 matmuls (bf16/fp16 under mixed precision on a GPU) summed over processes,
-    measured with every process busy at once, as in training: the denominator of mfu."""
-    dtype = torch.float32 if accelerator.device.type == "cpu" or accelerator.mixed_precision == "no" else \
-        {"bf16": torch.bfloat16, "fp16": torch.float16}[accelerator.mixed_precision]
+    """FLOP/s of square matmuls in the dtype that autocast gives the run's matmuls (fp32, or bf16/fp16
+    under mixed precision, on a CPU too: with AMX a bf16 matmul is several times an fp32 one, so an
+    fp32 peak would overstate a bf16 run's mfu), summed over processes, measured with every process
+    busy at once, as in training: the denominator of mfu."""
+    dtype = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[accelerator.mixed_precision]
     a = torch.randn(size, size, device=accelerator.device, dtype=dtype)
     accelerator.wait_for_everyone()
     runs, start = 0, time.perf_counter()
