@@ -75,6 +75,8 @@ def test_two_processes_score_every_validation_token_once_and_report_the_run(text
     assert [h["step"] for h in got["history"]] == [6, 12] and got["history"][-1]["eval_loss"] < got["history"][0]["eval_loss"]
     assert 0 < got["eval_bpb"] < 8 and got["train_tokens_per_second"] > 0 and 0 < got["mfu"] < 1
     assert got["peak_memory_mb"] > 0 and "eval_bpb=" in proc.stdout
+    final = weights(out)  # the tied output layer saved under both names, as in checkpoints, without a warning
+    assert torch.equal(final["lm_head.weight"], final["wte.weight"]) and "shared tensor" not in output_of(proc)
     sampled = run_script("lm", "--output_dir", out, "--prompt", "the man", "--max_new_tokens", 40)
     assert sampled.returncode == 0 and sampled.stdout.startswith("the man") and len(sampled.stdout) > len("the man")
 

@@ -146,14 +146,14 @@ def _full_state_options(**kwargs):
 def save_checkpoint(accelerator, args, script, step, model, optimizer, lr_scheduler, data_state, extra=None):
     """Write checkpoints/step_N atomically; keep the newest --checkpoints_total_limit."""
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     root = os.path.join(args.output_dir, "checkpoints")
     final, tmp = os.path.join(root, f"step_{step:08d}"), os.path.join(root, f".tmp-step_{step:08d}")
     # collectives under FSDP2: every rank calls them; cpu_offload leaves the full dicts on rank 0 only
-    options = _full_state_options(cpu_offload=torch.distributed.is_initialized())
-    state_dict = get_model_state_dict(model, options=options)
-    optimizer_state = get_optimizer_state_dict(model, optimizer.optimizer, options=options)
+    weights = model_weights(model)
+    optimizer_state = get_optimizer_state_dict(model, optimizer.optimizer, options=_full_state_options(
+        cpu_offload=torch.distributed.is_initialized()))
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
         os.makedirs(tmp)
@@ -169,7 +169,7 @@ def save_checkpoint(accelerator, args, script, step, model, optimizer, lr_schedu
     buffers = {name: b.detach().cpu().clone() for name, b in accelerator.unwrap_model(model).named_buffers()}
     put(f"rank_state_{accelerator.process_index}.pt", {**_rng_state(), "buffers": buffers})
     if accelerator.is_main_process:
-        put("model.safetensors", _unshared(state_dict), save_file)
+        put("model.safetensors", weights, save_file)
         put("optimizer.pt", optimizer_state)
         if lr_scheduler is not None:
             put("scheduler.pt", lr_scheduler.state_dict())
@@ -193,9 +193,17 @@ def save_checkpoint(accelerator, args, script, step, model, optimizer, lr_schedu
     return final
 
 
+def model_weights(model):
+    """The whole model's weights for model.safetensors, on the main process (every rank must call it:
+    a collective under FSDP2). Tied weights (an LM's embedding and output layer) are stored once per
+    name, since safetensors refuses tensors that share memory; loading writes the same values into the
+    one parameter. (accelerator.save_model instead drops all but one name, with a warning per save.)"""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return _unshared(get_model_state_dict(model, options=_full_state_options(cpu_offload=torch.distributed.is_initialized())))
+
+
 def _unshared(state_dict):
-    """safetensors refuses tensors that share memory; tied weights (an LM's embedding and output
-    layer) are stored once per name, and loading writes the same values into the one parameter."""
     seen, out = set(), {}
     for name, tensor in state_dict.items():
         tensor = tensor.contiguous()

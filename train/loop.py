@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from data.loader import ShardedLoader, check_loader
 from data.sharding import ShardedIterableDataset, check_same_plan
-from train.checkpoint import data_position, find_checkpoint, load_checkpoint, save_checkpoint
+from train.checkpoint import data_position, find_checkpoint, load_checkpoint, model_weights, save_checkpoint
 from train.schedule import plan_steps
 from train.tracking import log_metrics, plot_metrics, save_final, start_tracking
 
@@ -201,7 +201,7 @@ class TrainingLoop:
                    "global_batch_size": self.global_batch_size, "epoch_seconds": self.epoch_seconds,
                    "wall_seconds": self.train_seconds, "history": self.history, "resumed_from": self.resumed_from,
                    "train_samples_per_second": self.samples_per_second(), **(extra or {})}
-        save_final(self.accelerator, self.model, self.args, results)
+        save_final(self.accelerator, model_weights(self.model), self.args, results)
         if self.accelerator.is_main_process:
             plot_metrics(self.args.output_dir, self.headline)
         headline = {k: results[k] for k in (self.headline, "eval_samples") if k in results}

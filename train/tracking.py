@@ -18,11 +18,15 @@ def write_json(path, payload):
     os.replace(tmp, path)  # readers never see a half-written file
 
 
-def save_final(accelerator, model, args, results):
-    """The run's outputs: model.safetensors, all_results.json and args.json in --output_dir."""
-    accelerator.wait_for_everyone()
-    accelerator.save_model(model, args.output_dir)  # written by the main process
+def save_final(accelerator, weights, args, results):
+    """The run's outputs: model.safetensors (`weights`, from train.checkpoint.model_weights),
+    all_results.json and args.json in --output_dir, written by the main process."""
+    from safetensors.torch import save_file
+
     if accelerator.is_main_process:
+        path = os.path.join(args.output_dir, "model.safetensors")
+        save_file(weights, path + ".tmp")
+        os.replace(path + ".tmp", path)  # as write_json: never half a file under the final name
         write_json(os.path.join(args.output_dir, "all_results.json"), results)
         write_json(os.path.join(args.output_dir, "args.json"), vars(args))
 
