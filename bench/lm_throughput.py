@@ -43,7 +43,6 @@ def worker(args):
     import pyarrow.parquet as pq
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, TensorDataset
     from torch.utils.data.distributed import DistributedSampler
@@ -53,7 +52,7 @@ def worker(args):
     from data.text import decode_windows
     from train import lm
     from train.accelerator import make_accelerator
-    from train.gpt import GPT, GPTConfig
+    from train.gpt import GPT, GPTConfig, next_token_loss
     from train.loop import TrainingLoop, sharded_loader
     from train.schedule import make_scheduler
     from train.tracking import matmul_peak
@@ -80,8 +79,7 @@ def worker(args):
         return make_scheduler(optimizer, script_args.lr_scheduler_type, script_args.num_warmup_steps, 10**9)
 
     def loss_fn(model, batch):  # train/lm.py's loss
-        logits = model(batch["input_ids"])
-        return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+        return next_token_loss(model(batch["input_ids"]), batch["labels"])
 
     class Batches:
         """An endless stream of one loader's batches, a new epoch (set_epoch) when one runs out."""

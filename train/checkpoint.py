@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from train.cli import fail, first_local_process
-from train.tracking import write_json
+from train.tracking import fsync_path, write_json
 
 CHECKPOINT_FORMAT = 1
 
@@ -127,14 +127,6 @@ def _set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _fsync(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _full_state_options(**kwargs):
     # Full (unsharded) state dicts through torch.distributed.checkpoint: one code path and one file
     # format for a plain module, DDP and FSDP2, where optimizer.state_dict() would be one rank's shard.
@@ -179,13 +171,13 @@ def save_checkpoint(accelerator, args, script, step, model, optimizer, lr_schedu
                           "world_size": accelerator.num_processes, "data": data_state, "args": vars(args),
                           **(extra or {})}, lambda obj, path: write_json(path, obj))
     for path in files:  # on disk before the rename publishes them
-        _fsync(path)
+        fsync_path(path)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if os.path.isdir(final):  # the same step saved again after a resume
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync(root)
+        fsync_path(root)
         if args.checkpoints_total_limit:
             for old in list_checkpoints(args.output_dir)[:-args.checkpoints_total_limit]:
                 shutil.rmtree(old)

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from train.accelerator import average_buffers
+from train.gpt import next_token_loss
 
 
 def evaluate_classifier(accelerator, model, loader, to_inputs=lambda images: images):
@@ -41,8 +42,7 @@ def evaluate_language_model(accelerator, model, loader, split):
     with torch.no_grad():
         for batch in loader:
             labels = batch["labels"].masked_fill(~batch["valid"][:, None], -100)
-            logits = model(batch["input_ids"])
-            nats = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+            nats = next_token_loss(model(batch["input_ids"]), labels, reduction="sum")
             totals += torch.stack([nats.double(), (labels != -100).sum().double()])
     model.train()
     nats, tokens = accelerator.reduce(totals, reduction="sum").tolist()

@@ -111,3 +111,9 @@ class GPT(nn.Module):
 
 def config_dict(config):
     return asdict(config)
+
+
+def next_token_loss(logits, labels, reduction="mean"):
+    """Cross-entropy of each position's logits against the next token, in fp32 (under bf16 autocast
+    the logits are bf16); label -100 (padding, masked repeats) is not scored."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction=reduction)

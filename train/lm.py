@@ -18,7 +18,6 @@ if __package__ in (None, ""):  # run as a file: Python put train/ on sys.path, n
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
-import torch.nn.functional as F
 from accelerate.utils import set_seed
 
 from data.mnist import DataError
@@ -29,7 +28,7 @@ from train.accelerator import announce, main_process_first, make_accelerator
 from train.checkpoint import check_output_dir, prepare_output_dir
 from train.cli import add_optimizer_args, fail, make_parser, positive_float, positive_int, run
 from train.evaluation import evaluate_language_model
-from train.gpt import GPT, GPTConfig
+from train.gpt import GPT, GPTConfig, next_token_loss
 from train.loop import TrainingLoop, sharded_loader
 from train.schedule import make_scheduler, plan_steps
 from train.tracking import matmul_peak, peak_memory_mb
@@ -142,8 +141,7 @@ def main(args):
                                                                  manifest["text"]["validation"]))
     for batch in loop.batches():
         with accelerator.accumulate(model):
-            logits = model(batch["input_ids"])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+            loss = next_token_loss(model(batch["input_ids"]), batch["labels"])
             accelerator.backward(loss)
             if accelerator.sync_gradients and args.max_grad_norm > 0:
                 accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -167,13 +165,15 @@ def main(args):
 
 def sample(args):
     """Continue --prompt with the model trained in --output_dir."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
     try:
         with open(os.path.join(args.output_dir, "all_results.json")) as f:
             trained = json.load(f)
-        from safetensors.torch import load_file
         weights = load_file(os.path.join(args.output_dir, "model.safetensors"))
         manifest = read_manifest(trained["dataset_dir"])
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, SafetensorError) as e:
         fail(f"--output_dir {args.output_dir} holds no finished train/lm.py run ({' '.join(str(e).split())[:120]}); "
              "train one there first")
     if manifest is None:
@@ -181,7 +181,7 @@ def sample(args):
     tokenizer = lm_tokenizer(trained["dataset_dir"], manifest)
     model = GPT(GPTConfig(**trained["model_config"]))
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:  # the tied output layer may be saved once, as wte
+    if unexpected or set(missing) - {"lm_head.weight"}:  # runs saved before 2026-11-24 hold the tied layer once, as wte
         fail(f"model.safetensors in {args.output_dir} does not fit its model_config; train the run again")
     torch.manual_seed(args.seed)
     ids = torch.tensor([tokenizer.encode_batch([args.prompt])[0] or [tokenizer.eot_id]])

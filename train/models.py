@@ -93,6 +93,7 @@ def load_pretrained(model, path):
 def load_trained_classifier(output_dir):
     """(model in eval mode, on the GPU if there is one; class names; image size) of a finished run of
     train/image_classification.py."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     try:
@@ -101,7 +102,7 @@ def load_trained_classifier(output_dir):
         with open(os.path.join(output_dir, "labels.json")) as f:
             classes = json.load(f)
         weights = load_file(os.path.join(output_dir, "model.safetensors"))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:
         fail(f"--output_dir {output_dir} holds no finished image classification run ({' '.join(str(e).split())[:120]})"
              "; train one there first")
     model = build_classifier(trained["model"], len(classes), trained["image_size"])

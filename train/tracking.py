@@ -9,13 +9,31 @@ import time
 import torch
 
 
-def write_json(path, payload):
+def fsync_path(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path, write):
+    """write(tmp) then rename: readers, and a run looking at its folder after a crash or power loss,
+    never see half a file under the final name."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(payload, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)  # readers never see a half-written file
+    write(tmp)
+    fsync_path(tmp)
+    os.replace(tmp, path)
+
+
+def write_json(path, payload):
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(payload, f, indent=2, sort_keys=True)
+            f.write("\n")
+
+    atomic_write(path, write)
 
 
 def save_final(accelerator, weights, args, results):
@@ -23,10 +41,8 @@ def save_final(accelerator, weights, args, results):
     all_results.json and args.json in --output_dir, written by the main process."""
     from safetensors.torch import save_file
 
-    if accelerator.is_main_process:
-        path = os.path.join(args.output_dir, "model.safetensors")
-        save_file(weights, path + ".tmp")
-        os.replace(path + ".tmp", path)  # as write_json: never half a file under the final name
+    if accelerator.is_main_process:  # the weights first: all_results.json marks a finished run
+        atomic_write(os.path.join(args.output_dir, "model.safetensors"), lambda tmp: save_file(weights, tmp))
         write_json(os.path.join(args.output_dir, "all_results.json"), results)
         write_json(os.path.join(args.output_dir, "args.json"), vars(args))
 
@@ -111,7 +127,7 @@ def matmul_peak(accelerator, size=1024, seconds=1.0):
     under mixed precision, on a CPU too: with AMX a bf16 matmul is several times an fp32 one, so an
     fp32 peak would overstate a bf16 run's mfu), summed over processes, measured with every process
     busy at once, as in training: the denominator of mfu."""
-    dtype = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[accelerator.mixed_precision]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
     a = torch.randn(size, size, device=accelerator.device, dtype=dtype)
     accelerator.wait_for_everyone()
     runs, start = 0, time.perf_counter()
