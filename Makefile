@@ -35,7 +35,7 @@ setup:
 	  else echo "error: $(FASHION_DIR) is missing and there is no root or sudo to run apt-get install dataset-fashion-mnist"; exit 1; fi; \
 	  $$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq dataset-fashion-mnist; \
 	fi
-	$(PYTHON) -m pip install --disable-pip-version-check -q -r requirements.txt
+	PIP_ROOT_USER_ACTION=ignore $(PYTHON) -m pip install --disable-pip-version-check -q -r requirements.txt
 
 train: setup train-only
 

@@ -63,7 +63,7 @@ def two_process_run(text, tmp_path_factory):
     folder, shards = text
     out = tmp_path_factory.mktemp("lm2") / "run"
     proc = launch("cpu_2proc", "lm", "--dataset_dir", shards, *TINY, "--max_train_steps", 12, "--eval_steps", 6,
-                  "--output_dir", out)
+                  "--with_tracking", "--output_dir", out)
     assert proc.returncode == 0, output_of(proc)
     return out, proc
 
@@ -76,6 +76,8 @@ def test_two_processes_score_every_validation_token_once_and_report_the_run(text
     assert [h["step"] for h in got["history"]] == [6, 12] and got["history"][-1]["eval_loss"] < got["history"][0]["eval_loss"]
     assert 0 < got["eval_bpb"] < 8 and got["train_tokens_per_second"] > 0 and 0 < got["mfu"] < 1
     assert got["peak_memory_mb"] > 0 and "eval_bpb=" in proc.stdout
+    events = [f for _, _, files in os.walk(out / "tensorboard") for f in files if f.startswith("events.out.tfevents")]
+    assert events, "--with_tracking wrote no TensorBoard events"  # lm.py once took the flag and wrote none
     final = weights(out)  # the tied output layer saved under both names, as in checkpoints, without a warning
     assert torch.equal(final["lm_head.weight"], final["wte.weight"]) and "shared tensor" not in output_of(proc)
     sampled = run_script("lm", "--output_dir", out, "--prompt", "the man", "--max_new_tokens", 40)

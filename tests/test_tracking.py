@@ -84,6 +84,9 @@ def test_summary_line_at_the_end(tracked_run):
     assert len(summary) == 1
     assert f"eval_accuracy={final['eval_accuracy']:.4f} eval_samples=301 wall_seconds=" in summary[0]
     assert "samples_per_second=" in summary[0]
+    # the file says what the line says: wall time, then the loop's time, which holds every epoch's training
+    assert f"wall_seconds={final['wall_seconds']:.1f} (training {final['train_seconds']:.1f})" in summary[0]
+    assert final["wall_seconds"] >= final["train_seconds"] >= sum(final["epoch_seconds"]) > 0
 
 
 def test_without_tracking_no_tensorboard_but_still_jsonl_and_png(fashion_dir, tmp_path):

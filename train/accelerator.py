@@ -13,6 +13,7 @@ from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
 
 from train.cli import fail
+from train.tracking import tracking_kwargs
 
 
 def _env_rendezvous_per_attempt(url, timeout=None, **kwargs):
@@ -101,6 +102,8 @@ def make_accelerator(args, **kwargs):
     its state does not depend on the process count and survives a resume with another one.
     DDP's broadcast_buffers is off: broadcasting BatchNorm statistics before every forward cost 20-25%
     of a CPU step here; scripts average them over ranks with average_buffers() before evaluating.
+    --with_tracking's trackers are set up here, so no script can accept the flag and write nothing
+    (train/lm.py once did).
     """
     # torch 2.15 renames broadcast_buffers to forward_sync_buffers, which accelerate 1.15's
     # DistributedDataParallelKwargs cannot pass; the warning itself says to keep broadcast_buffers=False
@@ -114,7 +117,7 @@ def make_accelerator(args, **kwargs):
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         step_scheduler_with_optimizer=False,
         kwargs_handlers=[_process_group_kwargs(args), DistributedDataParallelKwargs(broadcast_buffers=False)],
-        **kwargs,
+        **{**tracking_kwargs(args), **kwargs},
     )
 
 

@@ -148,8 +148,9 @@ def make_parser(doc):
 
 
 def add_optimizer_args(parser, learning_rate, train_batch_size, eval_batch_size, weight_decay=0.0,
-                       label_smoothing=0.0):
-    """The flags of an AdamW + warmup/schedule classifier, with the script's defaults."""
+                       label_smoothing=None):
+    """The flags of AdamW + warmup/schedule training, with the script's defaults; --label_smoothing only
+    for scripts that pass a default for it (a flag a script ignores must not be accepted)."""
     g = parser.groups["optimization"]
     g.add_argument("--per_device_train_batch_size", type=positive_int, default=train_batch_size,
                    help="Batch size per process; the global batch is this x processes x accumulation.")
@@ -160,7 +161,8 @@ def add_optimizer_args(parser, learning_rate, train_batch_size, eval_batch_size,
     g.add_argument("--lr_scheduler_type", choices=["constant", "linear", "cosine"], default="cosine",
                    help="Learning-rate schedule after warmup.")
     g.add_argument("--num_warmup_steps", type=int, default=0, help="Linear warmup steps.")
-    g.add_argument("--label_smoothing", type=float, default=label_smoothing, help="Cross-entropy label smoothing.")
+    if label_smoothing is not None:
+        g.add_argument("--label_smoothing", type=float, default=label_smoothing, help="Cross-entropy label smoothing.")
 
 
 def fail(message):

@@ -28,7 +28,7 @@ from train.evaluation import evaluate_classifier
 from train.loop import TrainingLoop, sharded_loader
 from train.models import build_classifier, check_model_args, load_pretrained, load_trained_classifier
 from train.schedule import make_scheduler, plan_steps
-from train.tracking import tracking_kwargs, write_json
+from train.tracking import write_json
 
 SCRIPT = "image_classification"  # recorded in checkpoints, so another script's checkpoint is refused
 USER_ERRORS = (DataError, PlanError)
@@ -67,7 +67,7 @@ def parse_args(argv=None):
 def main(args):
     check_output_dir(args)  # bad paths fail here, in every process alike, before any of them waits on another
     check_model_args(args.model, args.pretrained_weights)  # before a scan of the folders that can take minutes
-    accelerator = make_accelerator(args, **tracking_kwargs(args))
+    accelerator = make_accelerator(args)
     set_seed(args.seed)
     announce(accelerator, args)
     prepare_output_dir(accelerator, args)

@@ -167,7 +167,10 @@ class TrainingLoop:
         self._t_log = time.perf_counter()  # evaluation time is not training throughput
 
     def _evaluate_and_save(self, epoch, train_seconds):
-        self._record_evaluation(f"epoch {epoch}", {"epoch": epoch, "train_seconds": train_seconds},
+        # --max_train_steps can end a run inside an epoch (an LM's usually does): say so
+        label = f"epoch {epoch}" if self.batches_done >= self.batches_per_epoch else \
+            f"step {self.step} (end of the run, {self.batches_done} of epoch {epoch}'s {self.batches_per_epoch} batches)"
+        self._record_evaluation(label, {"epoch": epoch, "train_seconds": train_seconds},
                                 f" epoch_seconds={train_seconds:.1f}")
         trained = train_seconds > 0  # not the evaluation of a run resumed at its end: nothing new to save
         if trained and (self.args.checkpointing_steps == "epoch" or
@@ -197,15 +200,18 @@ class TrainingLoop:
         """Write model.safetensors, all_results.json (the last evaluation, timings, history and
         `extra`), args.json and curves.png; print the summary line; return the results."""
         self.progress.close()
+        # wall: since the loop was built, as printed below; train: from the first batch to the last
+        # evaluation of this invocation; each epoch's training alone: epoch_seconds and history
         results = {**self.history[-1], "world_size": self.accelerator.num_processes,
                    "global_batch_size": self.global_batch_size, "epoch_seconds": self.epoch_seconds,
-                   "wall_seconds": self.train_seconds, "history": self.history, "resumed_from": self.resumed_from,
+                   "wall_seconds": time.perf_counter() - self.t_start, "train_seconds": self.train_seconds,
+                   "history": self.history, "resumed_from": self.resumed_from,
                    "train_samples_per_second": self.samples_per_second(), **(extra or {})}
         save_final(self.accelerator, model_weights(self.model), self.args, results)
         if self.accelerator.is_main_process:
             plot_metrics(self.args.output_dir, self.headline)
         headline = {k: results[k] for k in (self.headline, "eval_samples") if k in results}
-        self.accelerator.print(f"final {_format(headline)} wall_seconds={time.perf_counter() - self.t_start:.1f} "
+        self.accelerator.print(f"final {_format(headline)} wall_seconds={results['wall_seconds']:.1f} "
                                f"(training {self.train_seconds:.1f}) samples_per_second="
                                f"{results['train_samples_per_second']:.0f} -> {self.args.output_dir}")
         return results

@@ -29,7 +29,6 @@ from train.cli import add_optimizer_args, make_parser, positive_int, run
 from train.evaluation import evaluate_classifier
 from train.loop import TrainingLoop, sharded_loader
 from train.schedule import make_scheduler, plan_steps
-from train.tracking import tracking_kwargs
 
 SCRIPT = "mnist"  # recorded in checkpoints, so another script's checkpoint is refused
 USER_ERRORS = (DataError, PlanError)  # bad data or shards: one line for the user, not a traceback
@@ -62,7 +61,7 @@ def parse_args(argv=None):
                             "after pooling (2.3x fewer multiply-adds, the fast recipe); convnet_wide: 3x3, 32/64.")
     model.add_argument("--no_channels_last", dest="channels_last", action="store_false",
                        help="Keep the NCHW layout (NHWC convolutions are ~1.2x faster on CPU here).")
-    add_optimizer_args(parser, learning_rate=2e-3, train_batch_size=64, eval_batch_size=500)
+    add_optimizer_args(parser, learning_rate=2e-3, train_batch_size=64, eval_batch_size=500, label_smoothing=0.0)
     parser.set_defaults(output_dir="runs/mnist")
     return parser.parse_args(argv)
 
@@ -97,7 +96,7 @@ def main(args):
     check_output_dir(args)  # bad paths fail here, in every process alike, before any of them waits on another
     if args.data_dir and not args.streaming:
         check_data_dir(args.dataset, args.data_dir)
-    accelerator = make_accelerator(args, **tracking_kwargs(args))
+    accelerator = make_accelerator(args)
     set_seed(args.seed)  # same initial weights on every process; DDP also broadcasts them
     announce(accelerator, args)
     prepare_output_dir(accelerator, args)

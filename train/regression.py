@@ -26,7 +26,6 @@ from train.accelerator import announce, make_accelerator
 from train.checkpoint import check_output_dir, prepare_output_dir
 from train.cli import make_parser, positive_float, positive_int, run
 from train.loop import TrainingLoop
-from train.tracking import tracking_kwargs
 
 SCRIPT = "regression"  # recorded in checkpoints, so another script's checkpoint is refused
 NUM_FEATURES = 20
@@ -76,7 +75,7 @@ def evaluate(accelerator, model, loader):
 def main(args):
     # ---------------------------------------------------------------- accelerator
     check_output_dir(args)  # before any process waits on another
-    accelerator = make_accelerator(args, **tracking_kwargs(args))
+    accelerator = make_accelerator(args)
     set_seed(args.seed)
     announce(accelerator, args)
     prepare_output_dir(accelerator, args)

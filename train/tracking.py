@@ -23,6 +23,9 @@ def atomic_write(path, write):
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = path + ".tmp"
     write(tmp)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # safetensors creates its files readable by their owner alone
     fsync_path(tmp)
     os.replace(tmp, path)
 
