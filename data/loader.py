@@ -11,6 +11,9 @@ This wrapper does the three things prepare would have done for us, and nothing e
 - tracks the position (state_dict/load_state_dict): train/loop.py stores it in our checkpoints, and
   in a script that uses accelerate's save_state, `accelerator.register_for_checkpointing` carries it.
 """
+import sys
+import threading
+
 from accelerate.data_loader import (BatchSamplerShard, DataLoaderDispatcher, DataLoaderShard, DataLoaderStateMixin,
                                     IterableDatasetShard)
 from accelerate.state import GradientState
@@ -82,3 +85,21 @@ def check_loader(loader):
                             f"it again: each of the {inner.num_replicas} processes would see 1/{inner.num_replicas} "
                             "of its share; drop the DistributedSampler (prepare shards the data by itself) or do "
                             "not prepare that loader")
+
+
+def settle_loader_threads(timeout=1.0):
+    """Wait for the queue threads of DataLoader iterators that just finished to exit, before the next
+    iterator forks its workers.
+
+    CPython 3.11's fork() hangs the child forever when another thread is exiting at that instant: the
+    exiting thread holds the lock on the list of thread states, and the child takes that lock again
+    (in _PyThreadState_DeleteExcept, before it re-initialises it; gdb on a stuck worker, 2026-11-24).
+    A finished iterator closes its queues, whose feeder threads exit a moment later, which is when
+    the next epoch or evaluation forks: a worker stuck in os.fork, its rank waiting for a batch, the
+    other ranks in the next collective. Seen in 2 of 3 full test runs here. Joining a thread that is
+    not exiting costs `timeout`; python >= 3.12 re-initialises the lock first."""
+    if sys.version_info >= (3, 12):
+        return
+    for thread in threading.enumerate():
+        if thread.name == "QueueFeederThread":  # multiprocessing.Queue's writer thread
+            thread.join(timeout)

@@ -29,7 +29,7 @@ import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from data.loader import ShardedLoader, check_loader
+from data.loader import ShardedLoader, check_loader, settle_loader_threads
 from data.sharding import ShardedIterableDataset, check_same_plan
 from train.checkpoint import data_position, find_checkpoint, load_checkpoint, model_weights, save_checkpoint
 from train.schedule import plan_steps
@@ -111,6 +111,7 @@ class TrainingLoop:
             self.epoch, self.batches_done = epoch, skip
             # a resumed epoch counts its time before the checkpoint too, so its seconds and samples/s
             # describe the same work as an uninterrupted run's
+            settle_loader_threads()  # the last evaluation's loader, before this epoch's forks its workers
             self._t_epoch = time.perf_counter() - (self._resumed_seconds if epoch == first_epoch else 0.0)
             self._t_log = time.perf_counter()
             for batch in epoch_loader:
@@ -119,6 +120,7 @@ class TrainingLoop:
                 if self.step >= self.max_train_steps:
                     break
             self.epoch_seconds.append(time.perf_counter() - self._t_epoch)
+            settle_loader_threads()  # this epoch's loader, before the evaluation's forks its workers
             self._evaluate_and_save(epoch + 1, self.epoch_seconds[-1])
         if not self.history or self.history[-1]["step"] != self.step:  # resumed from a checkpoint at the last step
             self._evaluate_and_save(self.num_train_epochs, 0.0)
