@@ -23,9 +23,6 @@ def atomic_write(path, write):
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = path + ".tmp"
     write(tmp)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # safetensors creates its files readable by their owner alone
     fsync_path(tmp)
     os.replace(tmp, path)
 
@@ -44,8 +41,14 @@ def save_final(accelerator, weights, args, results):
     all_results.json and args.json in --output_dir, written by the main process."""
     from safetensors.torch import save_file
 
+    def write_weights(tmp):
+        save_file(weights, tmp)
+        umask = os.umask(0)  # the only way to read it
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # safetensors creates its files readable by their owner alone
+
     if accelerator.is_main_process:  # the weights first: all_results.json marks a finished run
-        atomic_write(os.path.join(args.output_dir, "model.safetensors"), lambda tmp: save_file(weights, tmp))
+        atomic_write(os.path.join(args.output_dir, "model.safetensors"), write_weights)
         write_json(os.path.join(args.output_dir, "all_results.json"), results)
         write_json(os.path.join(args.output_dir, "args.json"), vars(args))
 
