@@ -139,9 +139,15 @@ class ParquetSource:
         self.paths, self.columns, self.decode = list(paths), columns, decode or table_to_tensors
         self._groups = []  # (path index, row group) per unit
         self.unit_sizes, self._metadata = [], []
-        sizes = []
+        sizes, listed = [], _listed_rows(self.paths)
         for p, path in enumerate(self.paths):
-            meta = pq.ParquetFile(path).metadata
+            try:
+                meta = pq.ParquetFile(path).metadata
+            except Exception as e:  # pyarrow: ArrowInvalid, OSError, ... for a cut or garbled file
+                raise _unreadable(path, e) from None
+            if path in listed and meta.num_rows != listed[path]:
+                raise PlanError(f"{path} holds {meta.num_rows} rows, not the {listed[path]} its manifest lists; "
+                                f"{PREPARE_AGAIN}")
             self._metadata.append(meta)
             sizes.append((os.path.basename(path), meta.num_rows, os.path.getsize(path)))
             for g in range(meta.num_row_groups):
@@ -176,7 +182,10 @@ class ParquetSource:
         if p not in self._files:  # the footer parsed above is reused: no second read of it
             self._files[p] = pq.ParquetFile(self.paths[p], metadata=self._metadata[p])
         f = self._files[p]
-        table = f.read_row_group(g, columns=self.columns)
+        try:
+            table = f.read_row_group(g, columns=self.columns)
+        except Exception as e:  # a page garbled after the footer was read
+            raise _unreadable(self.paths[p], e, g) from None
         meta = f.metadata.row_group(g)
         self.rows_read += table.num_rows
         self.bytes_read += sum(meta.column(c).total_compressed_size for c in range(meta.num_columns)
@@ -202,6 +211,13 @@ class ParquetSource:
 
     def fingerprint(self):
         return self._fingerprint
+
+
+def _unreadable(path, error, row_group=None):
+    where = f" (row group {row_group})" if row_group is not None else ""
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:120]
+    return PlanError(f"{path}{where} is not a readable parquet file ({first}); write it again (python -m data.prepare "
+                     "with --force) or leave it out")
 
 
 def _take(column, rows):
@@ -428,14 +444,81 @@ def check_same_plan(identity, gather_object):
                         "pass the same --seed and data to every process")
 
 
+MANIFEST = "manifest.json"
+WRITTEN_BY = "python -m data.prepare"
+
+
+def read_manifest(folder):
+    """FOLDER/manifest.json, None where there is none; an unreadable one is one line naming it."""
+    from data.mnist import DataError
+
+    path = os.path.join(folder, MANIFEST)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path} is not a readable manifest ({type(e).__name__}: {' '.join(str(e).split())[:100]}); "
+                        "prepare the folder again with python -m data.prepare, or move the file away") from None
+    if not isinstance(manifest, dict):
+        raise DataError(f"{path} is not a manifest (a JSON {type(manifest).__name__}, not an object); prepare the "
+                        "folder again with python -m data.prepare, or move the file away")
+    return manifest
+
+
+def prepared_manifest(folder):
+    """The manifest data.prepare wrote in `folder` (None: a folder of the user's own files)."""
+    manifest = read_manifest(folder)
+    return manifest if manifest is not None and manifest.get("written_by") == WRITTEN_BY else None
+
+
+PREPARE_AGAIN = "prepare the folder again (python -m data.prepare with the same arguments and --force)"
+
+
 def shards_in(folder, split):
-    """Sorted parquet shards of `split` written by data.prepare."""
+    """The parquet shards of `split` in `folder`, sorted. Where data.prepare's manifest.json is there,
+    they are the ones it lists, each still at its recorded size: a missing, cut or extra shard is one
+    line naming it (no file is read: sizes are metadata; ParquetSource checks the row counts). A
+    folder without one (a user's own parquet files) gives whatever matches `split-*.parquet`."""
     if not os.path.isdir(folder):
         return []
-    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.startswith(split + "-") and
-                  f.endswith(".parquet"))
+    found = sorted(f for f in os.listdir(folder) if f.startswith(split + "-") and f.endswith(".parquet"))
+    manifest = prepared_manifest(folder)
+    if manifest is None:
+        return [os.path.join(folder, f) for f in found]
+    from data.mnist import DataError
+
+    listed = (manifest.get("splits") or {}).get(split, {}).get("shards", [])
+    for shard in listed:
+        path = os.path.join(folder, shard["file"])
+        if not os.path.isfile(path):
+            raise DataError(f"{path} is missing: {os.path.join(folder, MANIFEST)} lists it with {shard['rows']} "
+                            f"rows; {PREPARE_AGAIN}")
+        if "bytes" in shard and os.path.getsize(path) != shard["bytes"]:
+            raise DataError(f"{path} has {os.path.getsize(path)} bytes, not the {shard['bytes']} data.prepare "
+                            f"wrote: cut short or changed since; {PREPARE_AGAIN}")
+    if extra := sorted(set(found) - {s["file"] for s in listed}):
+        raise DataError(f"{os.path.join(folder, extra[0])} is not in {os.path.join(folder, MANIFEST)}, which "
+                        f"lists the {split} shards data.prepare wrote; move it away or {PREPARE_AGAIN}")
+    return [os.path.join(folder, s["file"]) for s in listed]
+
+
+def _listed_rows(paths):
+    """{path: rows} for the paths that sit in a prepared folder and are listed in its manifest."""
+    from data.mnist import DataError
+
+    rows = {}
+    for folder in {os.path.dirname(p) for p in paths}:
+        try:
+            manifest = prepared_manifest(folder or ".")
+        except DataError:  # files passed by path: an unreadable manifest beside them is shards_in's to refuse
+            continue
+        for entry in ((manifest or {}).get("splits") or {}).values():
+            rows.update({os.path.join(folder, s["file"]): s["rows"] for s in entry.get("shards", [])})
+    return rows
 
 
 __all__ = ["BatchPlan", "DatasetsSource", "ParquetSource", "PlanError", "ShardedIterableDataset", "TensorSource",
-           "as_source", "check_same_plan", "epoch_order", "shards_in", "streaming_parquet_source", "table_to_columns",
-           "table_to_tensors"]
+           "as_source", "check_same_plan", "epoch_order", "read_manifest", "shards_in", "streaming_parquet_source",
+           "table_to_columns", "table_to_tensors"]
