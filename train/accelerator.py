@@ -4,15 +4,17 @@ shows what is really running, and the main-process-first data load."""
 import functools
 import os
 import sys
+import tempfile
 import warnings
 from datetime import timedelta
 from urllib.parse import urlparse
 
 import torch
+import yaml
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
 
-from train.cli import fail
+from train.cli import launcher_argv, fail
 from train.tracking import tracking_kwargs
 
 
@@ -72,13 +74,50 @@ def cpu_has_native_bf16(cpu_flags=None, capability=None, onednn_isa=None):
     return True, f"{native[0]}, {capability}"
 
 
+def launch_stated_precision():
+    """Where the `accelerate launch` that started this process was told a mixed precision, or None.
+
+    accelerate launch exports ACCELERATE_MIXED_PRECISION always ('no' when nothing was said), so
+    the value alone cannot tell a wizard's answer 'no' from no answer. Its own sources can: its
+    --mixed_precision flag, else the config file it read (its --config_file, else accelerate's
+    default config file unless --cpu, as launch_command decides) holding a mixed_precision key."""
+    argv = launcher_argv()
+    if not argv or argv[:2] != ["accelerate", "launch"]:
+        return None
+    path = None
+    for i, a in enumerate(argv):
+        if a == "--mixed_precision" or a.startswith("--mixed_precision="):
+            return "from accelerate launch --mixed_precision"
+        if a == "--config_file" and i + 1 < len(argv):
+            path = argv[i + 1]
+        elif a.startswith("--config_file="):
+            path = a.split("=", 1)[1]
+    if path is None and "--cpu" not in argv:
+        from accelerate.commands.config import default_config_file
+
+        path = default_config_file if os.path.isfile(default_config_file) else None
+    if path is None:
+        return None
+    try:
+        with open(path) as f:
+            config = yaml.safe_load(f)  # JSON too: `accelerate config default` writes JSON, even to .yaml
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    # accelerate reads a legacy `fp16: true` as mixed_precision fp16
+    stated = isinstance(config, dict) and (config.get("mixed_precision") is not None or config.get("fp16"))
+    return f"from the accelerate config {path}" if stated else None
+
+
 def choose_mixed_precision(requested, on_cpu):
-    """(mode, why) for --mixed_precision. `auto` takes fp16/bf16 from the accelerate config
-    (accelerate launch exports it as ACCELERATE_MIXED_PRECISION; a config's 'no' cannot be told from
-    no answer, since launch always exports one), else bf16 where the hardware runs it natively."""
+    """(mode, why) for --mixed_precision. `auto` yields to the launch's own answer (its config file's
+    mixed_precision, 'no' included, or its --mixed_precision; an fp16/bf16 exported without either
+    counts too), else bf16 where the hardware runs it natively."""
     source = "as asked"
-    if requested in (None, "auto") and os.environ.get("ACCELERATE_MIXED_PRECISION", "no") != "no":
-        requested, source = os.environ["ACCELERATE_MIXED_PRECISION"], "from the accelerate config"
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if requested in (None, "auto") and launched:
+        stated = launch_stated_precision()
+        if stated or launched != "no":
+            requested, source = launched, stated or "from ACCELERATE_MIXED_PRECISION"
     if requested not in (None, "auto"):
         return requested, source
     if on_cpu:
@@ -89,6 +128,24 @@ def choose_mixed_precision(requested, on_cpu):
         return ("bf16", "auto: the GPU supports bf16") if torch.cuda.is_bf16_supported() else \
             ("no", "auto: the GPU has no bf16; fp16 needs loss scaling, pass --mixed_precision fp16 for it")
     return "no", "auto: bf16 on this accelerator is not checked; pass --mixed_precision bf16 for it"
+
+
+def check_writable(output_dir):
+    """Raise the OSError (EROFS, EACCES, ENOSPC, ...) that the run's first write into output_dir would
+    meet, before any process group or data load: run() turns it into one line at once, where the
+    first checkpoint would have met it minutes later. A nameless 1-byte file (O_TMPFILE) in the
+    folder, or in its nearest existing parent while it does not exist yet, is what is written."""
+    if output_dir is None:
+        return
+    folder = os.path.abspath(output_dir)
+    while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)
+    try:
+        with tempfile.TemporaryFile(dir=folder) as f:
+            f.write(b"\0")
+            f.flush()
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, output_dir) from None
 
 
 def make_accelerator(args, **kwargs):
@@ -109,6 +166,7 @@ def make_accelerator(args, **kwargs):
     # DistributedDataParallelKwargs cannot pass; the warning itself says to keep broadcast_buffers=False
     # until then, so it is silenced, and only it
     warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+    check_writable(args.output_dir)
     cpu = args.cpu or not torch.accelerator.is_available()
     return Accelerator(
         cpu=cpu,

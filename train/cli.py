@@ -1,5 +1,6 @@
 """The command line of every script in train/: argument types, grouped --help with defaults, the
-shared flags, one-line errors printed once per launch, and Ctrl-C that says how to resume.
+shared flags, one-line errors printed once per launch (a full or read-only disk included, and last
+on the screen), Ctrl-C that says how to resume, and workers that die with their launcher.
 
 Every process of an `accelerate launch` parses the same argv and meets the same bad path, so an
 error printed by each would appear N times; before any process group exists, the only way to pick
@@ -7,10 +8,12 @@ one printer is the LOCAL_RANK that torchrun sets (absent outside torchrun: a sin
 """
 import argparse
 import difflib
+import errno
 import math
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import time
 
@@ -30,17 +33,76 @@ def exit_once(message, code):
     left to interpreter exit can hang or abort; checkpoints are atomic, so nothing is half-written).
     The other processes wait first: torchrun stops every worker as soon as one exits with an error, so
     one that left before the first had printed would take the only line with it (seen here). If one
-    is still alive after the wait, the error was its own, and it prints it."""
+    is still alive after the wait, the error was its own, and it prints it. Under torchrun's agent
+    the line is written once the agent has exited, after its report (_say_after_launcher)."""
     if "LOCAL_RANK" not in os.environ:  # one process, no launcher: a plain exit, catchable in-process
         sys.stderr.write(message + "\n")
         sys.exit(code)
     if not first_local_process():
         time.sleep(5)
         message = f"[local rank {os.environ['LOCAL_RANK']}] {message}"
-    sys.stderr.write(message + "\n")
     sys.stdout.flush()
+    if not _say_after_launcher(message):
+        sys.stderr.write(message + "\n")
     sys.stderr.flush()
     os._exit(code)
+
+
+# The line's echo: waits until the launcher (the process behind pid file descriptor argv[1]) has
+# exited, at most 60 s (its shutdown gives other workers 30 s), then writes argv[2] to stderr.
+_AFTER_LAUNCHER = "import select, sys; select.select([int(sys.argv[1])], [], [], 60); sys.stderr.write(sys.argv[2])"
+
+
+def _under_elastic_agent():
+    """Started by torch elastic's agent (torchrun, or accelerate launch with several processes)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and sys.platform.startswith("linux")
+
+
+def _say_after_launcher(message):
+    """Have `message` written after the launcher's own report, so the last line on the screen is
+    ours: torch elastic's agent follows a failed worker with a 40-70 line ChildFailedError report,
+    and a Ctrl-C with its SignalException traceback, and neither can be turned off. A tiny process
+    (no torch, cwd /, only stderr and a pid fd open) waits for the launcher through a pid file
+    descriptor and writes the line the moment it has exited. False (write it now) where that cannot
+    be: no agent, no pidfd_open, or the agent will restart the workers rather than exit."""
+    restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > int(
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if not _under_elastic_agent() or restarts_left or os.getppid() == 1:
+        return False
+    try:
+        pidfd = os.pidfd_open(os.getppid())
+    except (AttributeError, OSError):
+        return False
+    try:
+        subprocess.Popen([sys.executable, "-I", "-S", "-c", _AFTER_LAUNCHER, str(pidfd), message + "\n"],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, pass_fds=(pidfd,), cwd="/")
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(pidfd)
+
+
+def die_with_launcher():
+    """Under torch elastic's agent, ask the kernel to SIGKILL this process when the agent dies. Its
+    workers run in their own sessions, so a `kill -9` or the OOM killer on the launcher otherwise
+    leaves them training and writing into --output_dir, unseen, while the user starts the resume.
+    PR_SET_PDEATHSIG fires when the parent *thread* that forked us exits: the agent starts (and
+    restarts) workers from its main thread (torch/distributed/elastic/multiprocessing/api.py
+    SubprocessContext._start, called from LocalElasticAgent._start_workers in agent.run()), which
+    lives until the workers have been reaped. Our own children (DataLoader workers, the line's echo)
+    do not inherit it. Not for `python train/x.py` or accelerate's one-process launcher."""
+    if not _under_elastic_agent():
+        return
+    import ctypes
+
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+        return
+    if parent == 1 or os.getppid() != parent:  # the launcher died before the request was in place
+        sys.stderr.write("error: the launcher of this process has exited; stopping\n")
+        os._exit(1)
 
 
 def positive_int(text):
@@ -130,6 +192,9 @@ def make_parser(doc):
                                        "complete one in --output_dir, or a fresh start if there is none yet.")
     g["checkpoints"].add_argument("--checkpoints_total_limit", type=positive_int, default=None,
                                   help="Keep only the newest N checkpoints.")
+    g["optimization"].add_argument("--nonfinite_loss", choices=["stop", "skip"], default="stop",
+                                   help="A NaN or infinite training loss: stop the run (no final model; the last "
+                                        "checkpoint stays good), or skip those optimizer steps (a sync per step).")
     g["tracking"].add_argument("--logging_steps", type=positive_int, default=20,
                                help="Log the mean training loss every N optimizer steps (each log is a device sync).")
     g["tracking"].add_argument("--with_tracking", action="store_true",
@@ -170,7 +235,7 @@ def fail(message):
     raise SystemExit(f"error: {message}")
 
 
-def _launcher_argv():
+def launcher_argv():
     """The argv of the `accelerate launch` or torchrun that started this process (its parent),
     tidied to `accelerate launch ...`; None when there is none, or no /proc to read it from."""
     try:
@@ -184,8 +249,11 @@ def _launcher_argv():
         return None
     argv = argv[:cut]
     for i, a in enumerate(argv):
-        if a == "-m" and argv[i + 1:i + 2] == ["accelerate.commands.launch"]:
-            return ["accelerate", "launch", *argv[i + 2:]]
+        if (a == "-m" and argv[i + 1:i + 2] == ["accelerate.commands.launch"]) or os.path.basename(a) == \
+                "accelerate-launch":
+            return ["accelerate", "launch", *argv[i + (2 if a == "-m" else 1):]]
+        if a == "-m" and argv[i + 1:i + 2] == ["accelerate.commands.accelerate_cli"]:
+            return ["accelerate", *argv[i + 2:]]
         if os.path.basename(a) in ("accelerate", "torchrun"):
             return [os.path.basename(a), *argv[i + 1:]]
     return None
@@ -201,14 +269,33 @@ def resume_command():
             skip = True
         elif not (a == "--overwrite_output_dir" or a.startswith("--resume_from_checkpoint=")):
             args.append(a)
-    launcher = _launcher_argv() or ["python"]
+    launcher = launcher_argv() or ["python"]
     return shlex.join([*launcher, sys.argv[0], *args, "--resume_from_checkpoint", "latest"])
 
 
+# a file the run could not write, in words, by errno; EACCES/EPERM may also be a read (of --data_dir, say)
+DISK_FAULTS = {errno.ENOSPC: "no space left on device writing {}", errno.EDQUOT: "disk quota exceeded writing {}",
+               errno.EROFS: "read-only file system: cannot write {}", errno.EACCES: "permission denied: {}",
+               errno.EPERM: "operation not permitted: {}"}
+
+
+def disk_fault(error, output_dir):
+    """The one line for an OSError in DISK_FAULTS: what, where, and what to do."""
+    path = error.filename or error.filename2 or output_dir
+    inside = output_dir is not None and path is not None and os.path.commonpath(
+        [os.path.abspath(path), os.path.abspath(output_dir)]) == os.path.abspath(output_dir)
+    advice = ("free space or pass another --output_dir" if error.errno in (errno.ENOSPC, errno.EDQUOT) else
+              "pass another --output_dir" if inside else "check its permissions")
+    return f"error: {DISK_FAULTS[error.errno].format(path)}; {advice}"
+
+
 def run(main, args, errors=()):
-    """main(args) with the two ways out that users meet most made short: an error (fail(), or one
-    of `errors`, the script's kinds of bad input) is one line from one process and exit 1; Ctrl-C is
-    one line with the last checkpoint and the command that resumes from it, and exit 130."""
+    """main(args) with the ways out that users meet most made short: an error (fail(), one of
+    `errors`, the script's kinds of bad input, or a full, read-only or unwritable disk) is one line
+    from one process and exit 1; Ctrl-C is one line with the last checkpoint and the command that
+    resumes from it, and exit 130. Under a launcher, that line comes after the launcher's own report,
+    and this process dies with the launcher."""
+    die_with_launcher()
     try:
         return main(args)
     except SystemExit as e:
@@ -223,6 +310,10 @@ def run(main, args, errors=()):
     except BrokenPipeError:  # printing into a pipe that closed (`... | head`): nothing left to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
         sys.exit(141)
+    except OSError as e:
+        if e.errno not in DISK_FAULTS:
+            raise
+        message, code = disk_fault(e, getattr(args, "output_dir", None)), 1
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher forwards a second SIGINT
         if not first_local_process():  # torchrun's agent got the SIGINT too and waits for every worker

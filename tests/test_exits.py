@@ -1,0 +1,246 @@
+"""How a run ends: its workers die with their launcher, Ctrl-C is one line and exit 130, the last
+line on the screen under `accelerate launch` is ours, a full, read-only or unwritable disk is one
+line, and `--mixed_precision auto` obeys a config file's answer, 'no' included."""
+import errno
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+
+from conftest import CONFIGS, REPO, clean_env, launch, output_of
+from train import accelerator as accelerator_module
+from train.accelerator import check_writable, choose_mixed_precision
+from train.cli import run
+
+TINY_MNIST = ["--model", "convnet_fast", "--max_train_samples", 2000, "--max_eval_samples", 100,
+              "--num_train_epochs", 1]
+LONG_MNIST = ["--model", "convnet_fast", "--max_train_samples", 20000, "--max_eval_samples", 100,
+              "--num_train_epochs", 3]
+
+
+def nonempty_lines(text):
+    return [line for line in text.replace("\r", "\n").splitlines() if line.strip()]
+
+
+def alive(pid):
+    """A process that has not exited (a zombie waiting for its reaper has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def start(cmd, log):
+    """cmd in its own process group, as from a terminal, its output into `log` (a file: no pipe that a
+    surviving worker could hold open)."""
+    with open(log, "w") as f:
+        return subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=clean_env(), stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def wait_for(condition, proc, seconds=240):
+    deadline = time.time() + seconds
+    while not condition() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert condition(), "the run ended or timed out before the moment this test needs"
+
+
+def launch_cmd(config, script, *args):
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            os.path.join(CONFIGS, config + ".yaml"), os.path.join("train", script + ".py"), *args]
+
+
+@pytest.fixture
+def mount(tmp_path):
+    """mount(options) -> a fresh tmpfs folder mounted with those options (root and mount(8) needed:
+    chmod does not stop root), unmounted afterwards."""
+    mounted = []
+
+    def make(options):
+        folder = tmp_path / f"mnt{len(mounted)}"
+        folder.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+        mounted.append(folder)
+        return folder
+
+    yield make
+    for folder in mounted:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+# ----------------------------------------------------------------------------- the launcher dies
+
+def test_workers_die_with_their_launcher(tmp_path):
+    """kill -9 (or the OOM killer) on `accelerate launch` mid-training: no worker goes on writing."""
+    out = tmp_path / "run"
+    proc = start(launch_cmd("cpu_2proc", "mnist", *LONG_MNIST, "--checkpointing_steps", 10, "--output_dir", out),
+                 tmp_path / "log")
+    pids = []
+    try:
+        wait_for(lambda: (out / "checkpoints" / "step_00000010").is_dir(), proc)  # training, and writing
+        pids = [int(p) for p in re.findall(r"process \d/2 pid=(\d+)", (tmp_path / "log").read_text())]
+        assert len(pids) == 2 and all(alive(pid) for pid in pids)
+        proc.kill()  # SIGKILL to the launcher only: its workers run in sessions of their own
+        proc.wait()
+        deadline = time.time() + 5
+        while any(alive(pid) for pid in pids) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in pids), (tmp_path / "log").read_text()[-3000:]
+    finally:
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------- Ctrl-C
+
+def test_ctrl_c_of_a_plain_run_is_the_resume_line_and_130(tmp_path):
+    out = tmp_path / "run"
+    proc = start([sys.executable, "train/mnist.py", *LONG_MNIST, "--checkpointing_steps", 10, "--output_dir", out],
+                 tmp_path / "log")
+    wait_for(lambda: (out / "checkpoints" / "step_00000010").is_dir(), proc)
+    os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C
+    assert proc.wait(timeout=30) == 130
+    output = (tmp_path / "log").read_text()
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+    last = nonempty_lines(output)[-1]
+    assert last.startswith(f"interrupted; last checkpoint {out}/checkpoints/step_0000"), output[-3000:]
+    assert last.endswith(f"--output_dir {out} --resume_from_checkpoint latest")
+
+
+# ----------------------------------------------------------------------------- the last line is ours
+
+def test_under_launch_the_last_line_is_our_error(tmp_path):
+    """torchrun's ChildFailedError report (about 40 lines) comes first, our one line after it."""
+    proc = launch("cpu_2proc", "mnist", "--lerning_rate", "1e-3", "--output_dir", tmp_path / "out", timeout=120)
+    assert proc.returncode != 0
+    lines = nonempty_lines(output_of(proc))
+    assert lines[-1] == "error: unrecognized arguments: --lerning_rate 1e-3 (did you mean --learning_rate?); " \
+                        "see mnist.py --help", "\n".join(lines[-10:])
+    assert sum(line.startswith("error:") for line in lines) == 1
+
+
+# ----------------------------------------------------------------------------- disk faults
+
+FREE = "free space or pass another --output_dir"
+
+
+@pytest.mark.parametrize("number, expected", [
+    (errno.ENOSPC, "error: no space left on device writing {out}/checkpoints/x; " + FREE),
+    (errno.EDQUOT, "error: disk quota exceeded writing {out}/checkpoints/x; " + FREE),
+    (errno.EROFS, "error: read-only file system: cannot write {out}/checkpoints/x; pass another --output_dir"),
+    (errno.EACCES, "error: permission denied: {out}/checkpoints/x; pass another --output_dir"),
+])
+def test_a_disk_fault_is_one_line(tmp_path, capsys, number, expected):
+    out = str(tmp_path / "out")
+
+    def main(args):
+        raise OSError(number, os.strerror(number), os.path.join(args.output_dir, "checkpoints", "x"))
+
+    with pytest.raises(SystemExit) as stopped:
+        run(main, types.SimpleNamespace(output_dir=out))
+    assert stopped.value.code == 1
+    assert capsys.readouterr().err == expected.format(out=out) + "\n"
+
+
+def test_other_os_errors_are_not_disguised(tmp_path):
+    def main(args):
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", "elsewhere")
+
+    with pytest.raises(FileNotFoundError):
+        run(main, types.SimpleNamespace(output_dir=str(tmp_path)))
+
+
+def test_check_writable(tmp_path, mount):
+    check_writable(str(tmp_path / "new" / "deeper"))  # a folder still to be made: its parent is checked
+    assert not (tmp_path / "new").exists() and os.listdir(tmp_path) == []  # and nothing is left behind
+    with pytest.raises(OSError) as raised:
+        check_writable(str(mount("size=64k,ro") / "run"))
+    assert raised.value.errno == errno.EROFS and raised.value.filename.endswith("/run")
+    full = mount("size=4k")  # one page
+    (full / "filler").write_bytes(b"x" * 4096)
+    with pytest.raises(OSError) as raised:
+        check_writable(str(full))
+    assert raised.value.errno == errno.ENOSPC
+
+
+def test_a_read_only_output_dir_under_launch_is_one_line_before_training(tmp_path, mount):
+    out = mount("size=64k,ro") / "run"
+    proc = launch("cpu_2proc", "regression", "--output_dir", out, timeout=120)
+    assert proc.returncode != 0
+    lines = nonempty_lines(output_of(proc))
+    assert lines[-1] == f"error: read-only file system: cannot write {out}; pass another --output_dir", lines[-10:]
+    assert sum(line.startswith("error:") for line in lines) == 1
+    assert "world_size=" not in output_of(proc)  # before any accelerator, process group or data
+
+
+def test_a_full_disk_during_a_run_is_one_line(tmp_path, mount):
+    """The first checkpoint does not fit: one line naming the file, exit 1 (was 105 lines)."""
+    out = mount("size=64k") / "run"
+    proc = subprocess.run([sys.executable, "train/mnist.py", *map(str, TINY_MNIST), "--checkpointing_steps", "2",
+                           "--output_dir", str(out)], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 1, output_of(proc)[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = nonempty_lines(proc.stderr)[-1]
+    assert re.fullmatch(rf"error: no space left on device writing {out}/checkpoints/\S+; free space or pass "
+                        r"another --output_dir", last), last
+
+
+# ----------------------------------------------------------------------------- a config's mixed precision
+
+@pytest.fixture
+def native_bf16_cpu(monkeypatch):
+    """A CPU with native bf16, as `auto` sees it, and a process launched by `accelerate launch`."""
+    monkeypatch.setattr(accelerator_module, "cpu_has_native_bf16", lambda: (True, "avx512_bf16, AVX512 (faked)"))
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")  # what accelerate launch exports when nothing is said
+
+    def launched_with(*argv):
+        monkeypatch.setattr(accelerator_module, "launcher_argv", lambda: ["accelerate", "launch", *argv])
+    return launched_with
+
+
+def test_auto_obeys_a_config_that_says_no(tmp_path, native_bf16_cpu):
+    said_no = tmp_path / "no.yaml"
+    said_no.write_text(open(os.path.join(CONFIGS, "cpu_2proc.yaml")).read() + "mixed_precision: 'no'  # fp32\n")
+    native_bf16_cpu("--config_file", str(said_no))
+    assert choose_mixed_precision("auto", on_cpu=True) == ("no", f"from the accelerate config {said_no}")
+    native_bf16_cpu(f"--config_file={said_no}")
+    assert choose_mixed_precision("auto", on_cpu=True)[1] == f"from the accelerate config {said_no}"
+    assert choose_mixed_precision("bf16", on_cpu=True) == ("bf16", "as asked")  # the script's flag wins
+
+
+def test_auto_without_an_answer_follows_the_hardware(tmp_path, monkeypatch, native_bf16_cpu):
+    native_bf16_cpu("--config_file", os.path.join(CONFIGS, "cpu_2proc.yaml"))  # the shipped file: no key
+    assert choose_mixed_precision("auto", on_cpu=True) == ("bf16", "auto: native bf16 on this CPU, avx512_bf16, "
+                                                                   "AVX512 (faked)")
+    native_bf16_cpu("--mixed_precision", "no")  # said on the launch command line
+    assert choose_mixed_precision("auto", on_cpu=True) == ("no", "from accelerate launch --mixed_precision")
+    # no --config_file: accelerate's default config file, as accelerate launch reads it (not with --cpu)
+    import accelerate.commands.config
+
+    default = tmp_path / "default_config.yaml"
+    default.write_text('{"mixed_precision": "no", "num_processes": 1}')  # `accelerate config default` writes JSON
+    monkeypatch.setattr(accelerate.commands.config, "default_config_file", str(default))
+    native_bf16_cpu()
+    assert choose_mixed_precision("auto", on_cpu=True) == ("no", f"from the accelerate config {default}")
+    native_bf16_cpu("--cpu")
+    assert choose_mixed_precision("auto", on_cpu=True)[0] == "bf16"
+
+
+def test_the_header_says_the_config_chose(tmp_path):
+    config = tmp_path / "no.yaml"
+    config.write_text(open(os.path.join(CONFIGS, "cpu.yaml")).read() + "mixed_precision: 'no'  # the wizard's answer\n")
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+                           "train/regression.py", "--output_dir", str(tmp_path / "out")], cwd=REPO, env=clean_env(),
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, output_of(proc)[-3000:]
+    assert f"mixed_precision=no (from the accelerate config {config})" in proc.stdout
