@@ -10,95 +10,33 @@ import json
 import os
 import pickle
 import random
-import re
 import shutil
-import sys
 
 import numpy as np
 import torch
 
-from train.cli import fail, first_local_process
-from train.tracking import fsync_path, write_json
+from train.output_dir import drop_replaced_run, list_checkpoints
+from train.tracking import fsync_path, save_tensors, write_json
 
 CHECKPOINT_FORMAT = 1
 
 
-def check_output_dir(args):
-    """Before anything starts (no process group, no data yet): what --output_dir holds decides
-    whether this run may go on. A finished run is never touched without --overwrite_output_dir:
-    resuming it says so and exits 0, so a retry loop around a finished job ends well."""
-    out = args.output_dir
-    resume = args.resume_from_checkpoint
-    if resume not in (None, "latest") and not os.path.isfile(os.path.join(resume, "meta.json")):
-        fail(f"--resume_from_checkpoint {resume} is not a checkpoint (no meta.json there); pass an "
-             "OUTPUT_DIR/checkpoints/step_N folder or 'latest'")
-    results = os.path.join(out, "all_results.json")
-    checkpoints = list_checkpoints(out)
-    weights = os.path.isfile(os.path.join(out, "model.safetensors"))
-    holds_run = os.path.isfile(results) or weights or os.path.isdir(os.path.join(out, "checkpoints"))
-    if not holds_run:
-        return
-    if args.overwrite_output_dir:
-        if resume:
-            fail("--overwrite_output_dir and --resume_from_checkpoint contradict each other; pass one")
-        return
-    if os.path.isfile(results):
-        try:
-            with open(results) as f:
-                step = f"step {json.load(f).get('step')}"
-        except (OSError, ValueError):
-            step = "unreadable all_results.json"
-        if resume:
-            if first_local_process():
-                elsewhere = (f"; to continue it elsewhere, --resume_from_checkpoint {checkpoints[-1]} with another "
-                             "--output_dir" if checkpoints else "")
-                print(f"{out} holds a finished run ({step}); nothing to resume, nothing changed. To train it again "
-                      f"pass --overwrite_output_dir{elsewhere}", flush=True)
-            sys.exit(0)
-        fail(f"--output_dir {out} holds a finished run ({step}); pass --overwrite_output_dir to replace it, or "
-             "another --output_dir")
-    if checkpoints:
-        if not resume:
-            fail(f"--output_dir {out} holds an unfinished run with checkpoints up to {os.path.basename(checkpoints[-1])}"
-                 "; pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir to replace it, or "
-                 "another --output_dir")
-    elif weights:
-        fail(f"--output_dir {out} holds a run's weights (model.safetensors) but no checkpoint, so it cannot be "
-             "resumed; pass --overwrite_output_dir to replace it, or another --output_dir")
-    elif not resume:
-        fail(f"--output_dir {out} holds a run that stopped before its first checkpoint; pass --resume_from_checkpoint "
-             "latest to start it again from step 0, --overwrite_output_dir to replace it, or another --output_dir")
-
-
-def prepare_output_dir(accelerator, args):
-    """With --overwrite_output_dir, delete what an earlier run left (check_output_dir has allowed it)."""
-    accelerator.wait_for_everyone()  # every rank has looked before anything is deleted
-    if args.overwrite_output_dir and accelerator.is_main_process:
-        shutil.rmtree(os.path.join(args.output_dir, "checkpoints"), ignore_errors=True)
-        shutil.rmtree(os.path.join(args.output_dir, "tensorboard"), ignore_errors=True)
-        for name in ("metrics.jsonl", "curves.png", "all_results.json", "model.safetensors", "labels.json"):
-            if os.path.exists(os.path.join(args.output_dir, name)):  # a replaced run must not mix into the new one
-                os.remove(os.path.join(args.output_dir, name))
-    accelerator.wait_for_everyone()
-
-
-def list_checkpoints(output_dir):
-    """Complete checkpoints in output_dir, oldest first."""
-    root = os.path.join(output_dir, "checkpoints")
-    names = os.listdir(root) if os.path.isdir(root) else []
-    found = [(int(m.group(1)), os.path.join(root, n)) for n in names if (m := re.fullmatch(r"step_(\d+)", n))]
-    return [path for _, path in sorted(found) if os.path.isfile(os.path.join(path, "meta.json"))]
-
-
 def find_checkpoint(accelerator, args):
-    """The checkpoint to resume from, or None for a fresh start (check_output_dir has vetted the path)."""
+    """The checkpoint to resume from, or None for a fresh start (check_output_dir has vetted the path).
+    The main process resolves 'latest' and tells the others: each looking for itself, ranks could
+    see different newest checkpoints when one lands in between (they then resume from different
+    steps and hang)."""
+    from accelerate.utils import broadcast_object_list
+
     if args.resume_from_checkpoint != "latest":
         return args.resume_from_checkpoint
-    found = list_checkpoints(args.output_dir)
-    if not found:
+    found = list_checkpoints(args.output_dir)[-1:] if accelerator.is_main_process else [None]
+    if accelerator.num_processes > 1:
+        found = broadcast_object_list(found or [None])
+    if not found or found[0] is None:
         accelerator.print(f"no checkpoint in {args.output_dir}/checkpoints yet: starting fresh")
         return None
-    return found[-1]
+    return found[0]
 
 
 def data_position(epoch, batches_done, batches_per_epoch):
@@ -137,7 +75,6 @@ def _full_state_options(**kwargs):
 
 def save_checkpoint(accelerator, args, script, step, model, optimizer, lr_scheduler, data_state, extra=None):
     """Write checkpoints/step_N atomically; keep the newest --checkpoints_total_limit."""
-    from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     root = os.path.join(args.output_dir, "checkpoints")
@@ -152,37 +89,52 @@ def save_checkpoint(accelerator, args, script, step, model, optimizer, lr_schedu
     accelerator.wait_for_everyone()
     files = []
 
-    def put(name, obj, write=torch.save):
+    def put(name, obj, write=torch_save):
         files.append(os.path.join(tmp, name))
         write(obj, files[-1])
 
     # per rank: its RNG streams and its BatchNorm running statistics, which differ between ranks
     # between evaluations (DDP's broadcast_buffers is off, see train/accelerator.py)
     buffers = {name: b.detach().cpu().clone() for name, b in accelerator.unwrap_model(model).named_buffers()}
-    put(f"rank_state_{accelerator.process_index}.pt", {**_rng_state(), "buffers": buffers})
-    if accelerator.is_main_process:
-        put("model.safetensors", weights, save_file)
-        put("optimizer.pt", optimizer_state)
-        if lr_scheduler is not None:
-            put("scheduler.pt", lr_scheduler.state_dict())
-        if accelerator.scaler is not None:
-            put("scaler.pt", accelerator.scaler.state_dict())
-        put("meta.json", {"format": CHECKPOINT_FORMAT, "script": script, "step": step,
-                          "world_size": accelerator.num_processes, "data": data_state, "args": vars(args),
-                          **(extra or {})}, lambda obj, path: write_json(path, obj))
-    for path in files:  # on disk before the rename publishes them
-        fsync_path(path)
+    try:
+        put(f"rank_state_{accelerator.process_index}.pt", {**_rng_state(), "buffers": buffers})
+        if accelerator.is_main_process:
+            put("model.safetensors", weights, save_tensors)
+            put("optimizer.pt", optimizer_state)
+            if lr_scheduler is not None:
+                put("scheduler.pt", lr_scheduler.state_dict())
+            if accelerator.scaler is not None:
+                put("scaler.pt", accelerator.scaler.state_dict())
+            put("meta.json", {"format": CHECKPOINT_FORMAT, "script": script, "step": step,
+                              "world_size": accelerator.num_processes, "data": data_state, "args": vars(args),
+                              **(extra or {})}, lambda obj, path: write_json(path, obj))
+        for path in files:  # on disk before the rename publishes them
+            fsync_path(path)
+    except OSError:  # a full disk, say: the unpublished half goes, and with it the space it took
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if os.path.isdir(final):  # the same step saved again after a resume
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_path(root)
+        drop_replaced_run(args.output_dir)  # the run --overwrite_output_dir replaced: this one has a checkpoint now
         if args.checkpoints_total_limit:
             for old in list_checkpoints(args.output_dir)[:-args.checkpoints_total_limit]:
                 shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
+
+
+def torch_save(obj, path):
+    """torch.save through a Python file, so a full disk is an OSError naming the file (ENOSPC), not
+    torch's RuntimeError 'unexpected pos' from its own writer."""
+    try:
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, path) from None
 
 
 def model_weights(model):

@@ -22,7 +22,7 @@ from data.images import (ImageFileSource, ImageFolderDataset, decode_for_predict
 from data.mnist import DataError
 from data.sharding import PlanError
 from train.accelerator import announce, main_process_first, make_accelerator
-from train.checkpoint import check_output_dir, prepare_output_dir
+from train.output_dir import check_output_dir, claim_output_dir
 from train.cli import add_optimizer_args, make_parser, positive_float, positive_int, run
 from train.evaluation import evaluate_classifier
 from train.loop import TrainingLoop, sharded_loader
@@ -70,7 +70,7 @@ def main(args):
     accelerator = make_accelerator(args)
     set_seed(args.seed)
     announce(accelerator, args)
-    prepare_output_dir(accelerator, args)
+    claim_output_dir(accelerator, args, SCRIPT)
 
     # ---------------------------------------------------------------- data: scanned once, shared with every rank
     def scan():  # on the main process only: the others receive its lists

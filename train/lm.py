@@ -25,7 +25,7 @@ from data.prepare import prepare_gcide, prepare_text, read_manifest
 from data.sharding import ParquetSource, PlanError, shards_in
 from data.text import ByteTokenizer, decode_windows, load_tokenizer
 from train.accelerator import announce, main_process_first, make_accelerator
-from train.checkpoint import check_output_dir, prepare_output_dir
+from train.output_dir import check_output_dir, claim_output_dir
 from train.cli import add_optimizer_args, fail, make_parser, positive_float, positive_int, run
 from train.evaluation import evaluate_language_model
 from train.gpt import GPT, GPTConfig, next_token_loss
@@ -113,7 +113,7 @@ def main(args):
     accelerator = make_accelerator(args, dynamo_backend="inductor" if args.torch_compile else "no")
     set_seed(args.seed)
     announce(accelerator, args)
-    prepare_output_dir(accelerator, args)
+    claim_output_dir(accelerator, args, SCRIPT)
 
     # ---------------------------------------------------------------- data: tokenized once, then streamed
     manifest = main_process_first(accelerator, lambda: prepare_data(args), USER_ERRORS, share=True)

@@ -25,13 +25,15 @@ import gc
 import math
 import time
 
-import torch
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
 from data.loader import ShardedLoader, check_loader, settle_loader_threads
 from data.sharding import ShardedIterableDataset, check_same_plan
 from train.checkpoint import data_position, find_checkpoint, load_checkpoint, model_weights, save_checkpoint
+from train.cli import fail
+from train.loss_watch import LossWatch
+from train.output_dir import drop_replaced_run, release_output_dir
 from train.schedule import plan_steps
 from train.tracking import log_metrics, plot_metrics, save_final, start_tracking
 
@@ -68,8 +70,11 @@ class TrainingLoop:
         self.t_start, self.train_seconds = time.perf_counter(), 0.0
         self.step, self.epoch, self.batches_done, self.history, self.epoch_seconds = 0, 0, 0, [], []
         self.resumed_from, self._resumed_seconds = None, 0.0  # the interrupted epoch's training time before the save
+        self.losses = LossWatch(accelerator, optimizer, args.nonfinite_loss, args.output_dir)
         if path := find_checkpoint(accelerator, args):
             meta = load_checkpoint(accelerator, path, script, model, optimizer, lr_scheduler)
+            self._check_same_run(path, meta)
+            self.losses.load_state_dict(meta.get("losses"))
             self.resumed_from, self.step, self.history = path, meta["step"], meta.get("history", [])
             self.epoch_seconds, self._resumed_seconds = meta.get("epoch_seconds", []), meta.get("epoch_elapsed", 0.0)
             self.epoch, self.batches_done = meta["data"]["epoch"], meta["data"]["next_batch"]
@@ -83,7 +88,6 @@ class TrainingLoop:
                              initial=self.step * self.global_batch_size, unit="samples", unit_scale=True,
                              disable=not accelerator.is_local_main_process, dynamic_ncols=True,
                              mininterval=0.5)  # tqdm's 0.1 s redraws cost ~0.4% of a CPU step here (docs/speed.md)
-        self._losses = []  # detached, since the last log: no device sync and no tensor op per step
 
     # ------------------------------------------------------------------------------ the batches
     def batches(self):
@@ -128,7 +132,7 @@ class TrainingLoop:
 
     def after_batch(self, loss):
         """Call after every micro-batch; returns True when it completed an optimizer step."""
-        self._losses.append(loss.detach())
+        self.losses.add(loss, self.step + 1)
         if not self.accelerator.sync_gradients:
             return False
         self.step += 1
@@ -137,12 +141,13 @@ class TrainingLoop:
             self.lr_scheduler.step()  # fp16 overflow: no step, no schedule tick
         self.progress.update(self.global_batch_size)
         if self.step % self.args.logging_steps == 0:  # mean loss of all processes since the last log
-            train_loss = self.accelerator.reduce(torch.stack(self._losses).mean(), reduction="mean").item()
+            train_loss = self.losses.mean()
             samples_per_second = self.args.logging_steps * self.global_batch_size / (time.perf_counter() - self._t_log)
-            log_metrics(self.accelerator, self.args, {"step": self.step, "train_loss": train_loss, "lr": lr,
-                                                      "samples_per_second": samples_per_second})
+            record = {"step": self.step, "train_loss": train_loss, "lr": lr, "samples_per_second": samples_per_second}
+            skipped = self.losses.skipped_steps
+            log_metrics(self.accelerator, self.args, {**record, **({"skipped_steps": skipped} if skipped else {})})
             self.progress.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", refresh=False)
-            self._losses, self._t_log = [], time.perf_counter()
+            self._t_log = time.perf_counter()
         every = getattr(self.args, "eval_steps", None)  # mid-epoch evaluations, for runs shorter than an epoch
         if every and self.step % every == 0 and self.step < self.max_train_steps and \
                 self.batches_done < self.batches_per_epoch:
@@ -161,6 +166,7 @@ class TrainingLoop:
 
     def _record_evaluation(self, label, where, suffix=""):
         """Evaluate now; put the metrics in the history, metrics.jsonl and the trackers, and one line."""
+        self.losses.check()
         metrics = self.evaluate()
         self.history.append({**where, "step": self.step, **metrics})
         log_metrics(self.accelerator, self.args, {"step": self.step, "epoch": where["epoch"], **metrics})
@@ -186,12 +192,46 @@ class TrainingLoop:
         return data_position(self.epoch, self.batches_done, self.batches_per_epoch)
 
     def save(self):
+        self.losses.check(self.model, self.step)  # a checkpoint is only ever written of a sound model
         mid_epoch = self.batches_done < self.batches_per_epoch
         elapsed = time.perf_counter() - self._t_epoch if mid_epoch else 0.0
         return save_checkpoint(self.accelerator, self.args, self.script, self.step, self.model, self.optimizer,
                                self.lr_scheduler, self.position(),
                                extra={"history": self.history, "epoch_seconds": self.epoch_seconds,
-                                      "epoch_elapsed": elapsed})
+                                      "epoch_elapsed": elapsed, "global_batch": self._global_batch(),
+                                      "train_samples": self._train_samples(), "losses": self.losses.state_dict()})
+
+    # ------------------------------------------------------------------------------ resume: the same run
+    def _global_batch(self):
+        return {"per_device_train_batch_size": self.args.per_device_train_batch_size,
+                "num_processes": self.accelerator.num_processes,
+                "gradient_accumulation_steps": self.args.gradient_accumulation_steps}
+
+    def _train_samples(self):
+        if self.sharded:
+            return self.loader.dataset.plan.num_samples
+        dataset = getattr(self.loader, "dataset", None)
+        return len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None
+
+    def _check_same_run(self, path, meta):
+        """A resume must go on with the run that was saved: the same batches per step (any process count
+        whose per-process batch keeps the batch of one micro-step) and the same training data."""
+        saved, now = meta.get("global_batch"), self._global_batch()
+
+        def describe(b):
+            return (f"{b['per_device_train_batch_size']} per process x {b['num_processes']} processes x "
+                    f"{b['gradient_accumulation_steps']} accumulation steps")
+
+        if saved and (saved["per_device_train_batch_size"] * saved["num_processes"] !=
+                      now["per_device_train_batch_size"] * now["num_processes"] or
+                      saved["gradient_accumulation_steps"] != now["gradient_accumulation_steps"]):
+            fail(f"{path} was saved with a global batch of {describe(saved)}; this run has {describe(now)}, so its "
+                 "steps and data position would not be the saved run's. Resume with --per_device_train_batch_size "
+                 "x processes and --gradient_accumulation_steps as saved, or start a new run")
+        samples = meta.get("train_samples")
+        if samples is not None and self._train_samples() is not None and samples != self._train_samples():
+            fail(f"{path} was saved training on {samples} samples per epoch; this run has {self._train_samples()}: "
+                 "resume with the same data (and --max_train_samples), or start a new run")
 
     # ------------------------------------------------------------------------------ the end
     def samples_per_second(self):
@@ -202,15 +242,19 @@ class TrainingLoop:
         """Write model.safetensors, all_results.json (the last evaluation, timings, history and
         `extra`), args.json and curves.png; print the summary line; return the results."""
         self.progress.close()
+        self.losses.check(self.model, self.step)  # no final model of a run whose numbers went bad
         # wall: since the loop was built, as printed below; train: from the first batch to the last
         # evaluation of this invocation; each epoch's training alone: epoch_seconds and history
         results = {**self.history[-1], "world_size": self.accelerator.num_processes,
                    "global_batch_size": self.global_batch_size, "epoch_seconds": self.epoch_seconds,
                    "wall_seconds": time.perf_counter() - self.t_start, "train_seconds": self.train_seconds,
                    "history": self.history, "resumed_from": self.resumed_from,
-                   "train_samples_per_second": self.samples_per_second(), **(extra or {})}
+                   "train_samples_per_second": self.samples_per_second(),
+                   **({"skipped_steps": self.losses.skipped_steps} if self.losses.skipped_steps else {}),
+                   **(extra or {})}
         save_final(self.accelerator, model_weights(self.model), self.args, results)
         if self.accelerator.is_main_process:
+            drop_replaced_run(self.args.output_dir)
             plot_metrics(self.args.output_dir, self.headline)
         headline = {k: results[k] for k in (self.headline, "eval_samples") if k in results}
         self.accelerator.print(f"final {_format(headline)} wall_seconds={results['wall_seconds']:.1f} "
@@ -223,8 +267,10 @@ class TrainingLoop:
         it can abort a finished run (SIGABRT, "terminate called without an active exception"), so
         every reference to the prepared model goes before the process group does: the script deletes
         its own first, this drops the loop's and the accelerator's."""
+        self.losses.close()
         self.model = self.optimizer = self.lr_scheduler = self.evaluate = None
         self.accelerator.free_memory()
         gc.collect()
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
+        release_output_dir(self.args.output_dir)

@@ -24,7 +24,7 @@ from data import DATASETS, DataError, augment_images, check_data_dir, collate_ba
 from data.prepare import prepare
 from data.sharding import ParquetSource, PlanError, shards_in
 from train.accelerator import announce, main_process_first, make_accelerator
-from train.checkpoint import check_output_dir, prepare_output_dir
+from train.output_dir import check_output_dir, claim_output_dir
 from train.cli import add_optimizer_args, make_parser, positive_int, run
 from train.evaluation import evaluate_classifier
 from train.loop import TrainingLoop, sharded_loader
@@ -99,7 +99,7 @@ def main(args):
     accelerator = make_accelerator(args)
     set_seed(args.seed)  # same initial weights on every process; DDP also broadcasts them
     announce(accelerator, args)
-    prepare_output_dir(accelerator, args)
+    claim_output_dir(accelerator, args, SCRIPT)
 
     # ---------------------------------------------------------------- data
     parquet_dir = args.parquet_dir or os.path.join("runs", "parquet", args.dataset)

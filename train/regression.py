@@ -23,7 +23,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
 from train.accelerator import announce, make_accelerator
-from train.checkpoint import check_output_dir, prepare_output_dir
+from train.output_dir import check_output_dir, claim_output_dir
 from train.cli import make_parser, positive_float, positive_int, run
 from train.loop import TrainingLoop
 
@@ -78,7 +78,7 @@ def main(args):
     accelerator = make_accelerator(args)
     set_seed(args.seed)
     announce(accelerator, args)
-    prepare_output_dir(accelerator, args)
+    claim_output_dir(accelerator, args, SCRIPT)
 
     # ---------------------------------------------------------------- data, model, optimizer
     train_set, eval_set = make_data(args.num_train_samples, args.num_eval_samples, args.seed)

@@ -2,7 +2,9 @@
 model.safetensors, all_results.json and args.json; and two figures a run reports about its machine
 (a matmul peak, the denominator of mfu; peak memory)."""
 import json
+import math
 import os
+import re
 import resource
 import time
 
@@ -27,22 +29,51 @@ def atomic_write(path, write):
     os.replace(tmp, path)
 
 
+def strict(value):
+    """`value` with every NaN or infinity as None: JSON has no such numbers (json.dump writes a bare
+    NaN, which other readers refuse)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict(v) for v in value]
+    return value
+
+
+def to_json(payload, **kwargs):
+    return json.dumps(strict(payload), allow_nan=False, **kwargs)
+
+
 def write_json(path, payload):
     def write(tmp):
         with open(tmp, "w") as f:
-            json.dump(payload, f, indent=2, sort_keys=True)
-            f.write("\n")
+            f.write(to_json(payload, indent=2, sort_keys=True) + "\n")
 
     atomic_write(path, write)
+
+
+def save_tensors(tensors, path):
+    """safetensors' save_file, with a full disk as an OSError naming the file (safetensors raises its
+    own error type, whose text carries the OS error number)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, path)
+    except SafetensorError as e:
+        found = re.search(r"os error (\d+)", str(e))
+        if found:
+            number = int(found.group(1))
+            raise OSError(number, os.strerror(number), path) from None
+        raise
 
 
 def save_final(accelerator, weights, args, results):
     """The run's outputs: model.safetensors (`weights`, from train.checkpoint.model_weights),
     all_results.json and args.json in --output_dir, written by the main process."""
-    from safetensors.torch import save_file
-
     def write_weights(tmp):
-        save_file(weights, tmp)
+        save_tensors(weights, tmp)
         umask = os.umask(0)  # the only way to read it
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # safetensors creates its files readable by their owner alone
@@ -72,7 +103,7 @@ def start_tracking(accelerator, args, project_name, completed_steps):
         os.makedirs(args.output_dir, exist_ok=True)
         records = _read_jsonl(path) if completed_steps else []
         with open(path + ".tmp", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in records if r["step"] <= completed_steps)
+            f.writelines(to_json(r) + "\n" for r in records if r["step"] <= completed_steps)
         os.replace(path + ".tmp", path)  # a crash now leaves the old log, never half of it
     accelerator.wait_for_everyone()
 
@@ -83,7 +114,7 @@ def log_metrics(accelerator, args, record):
         accelerator.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
     if accelerator.is_main_process:
         with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(to_json(record) + "\n")
 
 
 def _read_jsonl(path):

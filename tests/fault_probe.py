@@ -1,0 +1,48 @@
+"""Run train/SCRIPT.py as its `__main__` would (errors as one line), with one fault planted:
+
+    fault_probe.py SCRIPT --nan_at K [--rank R] -- SCRIPT_ARGS...   the K-th training loss on rank R is NaN
+    fault_probe.py SCRIPT --stale_latest [--rank R] -- SCRIPT_ARGS...  rank R sees no checkpoint in the folder
+
+The second is what a rank sees when a checkpoint lands between two ranks' looks at the folder:
+only the main process's answer may count. No hooks in the training code: public functions are
+wrapped from outside.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch.nn.functional as F
+
+
+def main():
+    split = sys.argv.index("--")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("script")
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--nan_at", type=int, default=None)
+    parser.add_argument("--stale_latest", action="store_true")
+    args = parser.parse_args(sys.argv[1:split])
+    mine = int(os.environ.get("RANK", 0)) == args.rank
+    if mine and args.nan_at:
+        real, calls = F.mse_loss, [0]
+
+        def mse_loss(*a, **k):
+            loss = real(*a, **k)
+            calls[0] += 1
+            return loss * float("nan") if calls[0] == args.nan_at else loss
+
+        F.mse_loss = mse_loss
+    if mine and args.stale_latest:
+        import train.checkpoint
+
+        train.checkpoint.list_checkpoints = lambda output_dir: []
+    from train.cli import run
+
+    module = __import__(f"train.{args.script}", fromlist=["main"])
+    run(module.main, module.parse_args(sys.argv[split + 1:]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""What a run may do with its --output_dir: who owns it, who writes it, what it may replace.
+
+- Ownership: a run writes OUTPUT_DIR/run.json, listing the entries a run of these scripts writes
+  there. Only a folder with that marker is ever replaced, and only those entries: a user's own files
+  beside them, or in a folder without the marker, are never deleted.
+- One writer: the main process holds OUTPUT_DIR/.lock (data/locks.py) from before the first write
+  to the end of the run; a second run on the folder is refused, naming the holder.
+- --overwrite_output_dir moves the earlier run into OUTPUT_DIR/replaced_run and deletes it only
+  once the new run has saved its first checkpoint or finished: a new run that fails early leaves
+  the earlier one in reach.
+"""
+import json
+import os
+import re
+import shutil
+import sys
+import time
+
+from data.locks import FolderBusy, lock_folder
+from train.cli import fail, first_local_process
+
+MARKER = "run.json"
+REPLACED = "replaced_run"
+# every entry a run writes in its output folder (labels.json: image_classification.py's class names)
+RUN_ENTRIES = ("checkpoints", "tensorboard", "metrics.jsonl", "curves.png", "all_results.json",
+               "model.safetensors", "args.json", "labels.json")
+
+_held = {}  # folder -> FolderLock held by this process
+
+
+def list_checkpoints(output_dir):
+    """Complete checkpoints in output_dir, oldest first (a folder step_N is complete once it has meta.json)."""
+    root = os.path.join(output_dir, "checkpoints")
+    names = os.listdir(root) if os.path.isdir(root) else []
+    found = [(int(m.group(1)), os.path.join(root, n)) for n in names if (m := re.fullmatch(r"step_(\d+)", n))]
+    return [path for _, path in sorted(found) if os.path.isfile(os.path.join(path, "meta.json"))]
+
+
+def _entries(out):
+    return [name for name in RUN_ENTRIES if os.path.lexists(os.path.join(out, name))]
+
+
+def check_output_dir(args):
+    """Before anything starts (no process group, no data yet): what --output_dir holds decides
+    whether this run may go on. A finished run is never touched without --overwrite_output_dir:
+    resuming it says so and exits 0, so a retry loop around a finished job ends well."""
+    out = args.output_dir
+    resume = args.resume_from_checkpoint
+    if resume not in (None, "latest") and not os.path.isfile(os.path.join(resume, "meta.json")):
+        fail(f"--resume_from_checkpoint {resume} is not a checkpoint (no meta.json there); pass an "
+             "OUTPUT_DIR/checkpoints/step_N folder or 'latest'")
+    if os.path.exists(out) and not os.path.isdir(out):
+        fail(f"--output_dir {out} is a file, not a folder; pass another --output_dir")
+    if args.overwrite_output_dir and resume:
+        fail("--overwrite_output_dir and --resume_from_checkpoint contradict each other; pass one")
+    present = _entries(out)
+    checkpoints = list_checkpoints(out)
+    # resuming only adds to a run, so a run from before the marker existed may still be resumed
+    if present and not os.path.isfile(os.path.join(out, MARKER)) and not (resume and checkpoints):
+        # not written by these scripts: never written over
+        fail(f"--output_dir {out} holds {', '.join(present)} but no {MARKER}, so it is not a run of these scripts "
+             "and nothing in it will be written over or deleted; pass another --output_dir, or move those away")
+    results = os.path.join(out, "all_results.json")
+    weights = os.path.isfile(os.path.join(out, "model.safetensors"))
+    holds_run = os.path.isfile(results) or weights or os.path.isdir(os.path.join(out, "checkpoints"))
+    if not holds_run or args.overwrite_output_dir:
+        return
+    aside = os.path.join(out, REPLACED)
+    kept = f" (the run it replaced is kept in {aside})" if os.path.isdir(aside) else ""
+    if os.path.isfile(results):
+        try:
+            with open(results) as f:
+                step = f"step {json.load(f).get('step')}"
+        except (OSError, ValueError):
+            step = "unreadable all_results.json"
+        if resume:
+            if first_local_process():
+                elsewhere = (f"; to continue it elsewhere, --resume_from_checkpoint {checkpoints[-1]} with another "
+                             "--output_dir" if checkpoints else "")
+                print(f"{out} holds a finished run ({step}); nothing to resume, nothing changed. To train it again "
+                      f"pass --overwrite_output_dir{elsewhere}", flush=True)
+            sys.exit(0)
+        fail(f"--output_dir {out} holds a finished run ({step}); pass --overwrite_output_dir to replace it, or "
+             "another --output_dir")
+    if checkpoints:
+        if not resume:
+            fail(f"--output_dir {out} holds an unfinished run with checkpoints up to {os.path.basename(checkpoints[-1])}"
+                 "; pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir to replace it, or "
+                 "another --output_dir")
+    elif weights:
+        fail(f"--output_dir {out} holds a run's weights (model.safetensors) but no checkpoint, so it cannot be "
+             "resumed; pass --overwrite_output_dir to replace it, or another --output_dir")
+    elif not resume:
+        fail(f"--output_dir {out} holds a run that stopped before its first checkpoint{kept}; pass "
+             "--resume_from_checkpoint latest to start it again from step 0, --overwrite_output_dir to replace it, "
+             "or another --output_dir")
+
+
+def claim_output_dir(accelerator, args, script):
+    """Make this run the folder's one writer: the main process takes the lock, looks again at what
+    the folder holds (another run may have finished or started since check_output_dir), removes
+    what a killed save left, writes the marker and, with --overwrite_output_dir, moves the earlier
+    run aside. Every rank stops with the same line if any of that fails."""
+    from accelerate.utils import broadcast_object_list
+
+    message = None
+    if accelerator.is_main_process:
+        try:
+            _claim(args, script)
+        except FolderBusy as e:
+            message = f"error: {e}"
+        except SystemExit as e:
+            message = e.code if isinstance(e.code, str) else "error: the output folder changed while starting"
+    if accelerator.num_processes > 1:
+        message = broadcast_object_list([message])[0]
+    if message is not None:
+        raise SystemExit(message)
+
+
+def _claim(args, script):
+    out = args.output_dir
+    if out in _held:  # an earlier in-process run on this folder that ended without close()
+        _held.pop(out).release()
+    lock = lock_folder(out, what="the output folder of a training run")
+    try:
+        check_output_dir(args)
+        root = os.path.join(out, "checkpoints")
+        for name in os.listdir(root) if os.path.isdir(root) else []:
+            if name.startswith(".tmp-step_"):  # a save killed midway: never published, ours to remove
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        if args.overwrite_output_dir and _entries(out):
+            _set_aside(out)
+        from train.tracking import write_json
+
+        if not os.path.isfile(os.path.join(out, MARKER)):
+            write_json(os.path.join(out, MARKER), {
+                "written_by": f"train/{script}.py of the accelerate training recipes", "created": time.time(),
+                "entries": list(RUN_ENTRIES), "note": "--overwrite_output_dir replaces only these entries"})
+    except BaseException:
+        lock.release()
+        raise
+    _held[out] = lock
+
+
+def _set_aside(out):
+    aside = os.path.join(out, REPLACED)
+    if os.path.isdir(aside):  # an earlier replacement never got to its first checkpoint: keep the older, finished run
+        for name in _entries(out):
+            path = os.path.join(out, name)
+            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+        print(f"removed the unfinished run in {out}; the run it replaced stays in {aside} until this one saves a "
+              "checkpoint or finishes", flush=True)
+        return
+    os.makedirs(aside + ".tmp", exist_ok=True)
+    for name in _entries(out):
+        os.replace(os.path.join(out, name), os.path.join(aside + ".tmp", name))
+    os.replace(aside + ".tmp", aside)
+    print(f"moved the earlier run to {aside}; it is deleted when this run saves its first checkpoint or finishes",
+          flush=True)
+
+
+def drop_replaced_run(output_dir):
+    """On the main process, once this run has a checkpoint or its final outputs: the replaced run goes."""
+    aside = os.path.join(output_dir, REPLACED)
+    if os.path.isdir(aside):
+        shutil.rmtree(aside)
+
+
+def release_output_dir(output_dir):
+    """The end of the run: the next one may take the folder (a killed run's lock goes with its process)."""
+    lock = _held.pop(output_dir, None)
+    if lock is not None:
+        lock.release()
