@@ -78,16 +78,18 @@ def mount(tmp_path):
 
 # ----------------------------------------------------------------------------- the launcher dies
 
-def test_workers_die_with_their_launcher(tmp_path):
-    """kill -9 (or the OOM killer) on `accelerate launch` mid-training: no worker goes on writing."""
+@pytest.mark.parametrize("config, processes", [("cpu_2proc", 2), ("cpu", 1)])
+def test_workers_die_with_their_launcher(tmp_path, config, processes):
+    """kill -9 (or the OOM killer) on `accelerate launch` mid-training: no worker goes on writing
+    (torch elastic's workers for 2 processes, accelerate's own one-process launcher for cpu.yaml)."""
     out = tmp_path / "run"
-    proc = start(launch_cmd("cpu_2proc", "mnist", *LONG_MNIST, "--checkpointing_steps", 10, "--output_dir", out),
+    proc = start(launch_cmd(config, "mnist", *LONG_MNIST, "--checkpointing_steps", 10, "--output_dir", out),
                  tmp_path / "log")
     pids = []
     try:
         wait_for(lambda: (out / "checkpoints" / "step_00000010").is_dir(), proc)  # training, and writing
-        pids = [int(p) for p in re.findall(r"process \d/2 pid=(\d+)", (tmp_path / "log").read_text())]
-        assert len(pids) == 2 and all(alive(pid) for pid in pids)
+        pids = [int(p) for p in re.findall(rf"process \d/{processes} pid=(\d+)", (tmp_path / "log").read_text())]
+        assert len(pids) == processes and all(alive(pid) for pid in pids)
         proc.kill()  # SIGKILL to the launcher only: its workers run in sessions of their own
         proc.wait()
         deadline = time.time() + 5

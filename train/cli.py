@@ -84,21 +84,30 @@ def _say_after_launcher(message):
 
 
 def die_with_launcher():
-    """Under torch elastic's agent, ask the kernel to SIGKILL this process when the agent dies. Its
-    workers run in their own sessions, so a `kill -9` or the OOM killer on the launcher otherwise
-    leaves them training and writing into --output_dir, unseen, while the user starts the resume.
+    """Ask the kernel to signal this process when its launcher dies. Workers of torch elastic's agent
+    run in their own sessions, so a `kill -9` or the OOM killer on the launcher otherwise leaves them
+    training and writing into --output_dir, unseen, while the user starts the resume: they get
+    SIGKILL (their peers are gone with the agent). Under accelerate's one-process launcher the
+    child gets SIGINT instead, the Ctrl-C path: that launcher waits only 0.25 s for its child after
+    a Ctrl-C, and the child must still print its resume line (run() ignores a second SIGINT).
     PR_SET_PDEATHSIG fires when the parent *thread* that forked us exits: the agent starts (and
     restarts) workers from its main thread (torch/distributed/elastic/multiprocessing/api.py
     SubprocessContext._start, called from LocalElasticAgent._start_workers in agent.run()), which
-    lives until the workers have been reaped. Our own children (DataLoader workers, the line's echo)
-    do not inherit it. Not for `python train/x.py` or accelerate's one-process launcher."""
-    if not _under_elastic_agent():
+    lives until the workers have been reaped, and the one-process launcher from its only thread.
+    Our own children (DataLoader workers, the line's echo) do not inherit it."""
+    if not sys.platform.startswith("linux"):
+        return
+    if _under_elastic_agent():
+        signal_number = signal.SIGKILL
+    elif "ACCELERATE_MIXED_PRECISION" in os.environ and (launcher_argv() or [None])[0] == "accelerate":
+        signal_number = signal.SIGINT
+    else:  # python train/x.py: no launcher to outlive
         return
     import ctypes
 
     parent = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
+    if libc.prctl(1, int(signal_number), 0, 0, 0) != 0:  # 1 = PR_SET_PDEATHSIG
         return
     if parent == 1 or os.getppid() != parent:  # the launcher died before the request was in place
         sys.stderr.write("error: the launcher of this process has exited; stopping\n")
@@ -324,4 +333,14 @@ def run(main, args, errors=()):
         where = (f"last checkpoint {found[-1]}" if found else
                  "no checkpoint yet (--checkpointing_steps saves them), so a resume starts from step 0")
         message, code = f"interrupted; {where}; resume with: {resume_command()}", 130
+    for undo in _on_failure:  # e.g. an output folder this run created and never wrote a result into
+        undo()
     exit_once(message, code)
+
+
+_on_failure = []
+
+
+def on_failure(undo):
+    """Have run() call undo() when the script stops with one of its one-line errors or Ctrl-C."""
+    _on_failure.append(undo)

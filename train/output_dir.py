@@ -17,7 +17,7 @@ import sys
 import time
 
 from data.locks import FolderBusy, lock_folder
-from train.cli import fail, first_local_process
+from train.cli import fail, first_local_process, on_failure
 
 MARKER = "run.json"
 REPLACED = "replaced_run"
@@ -121,6 +121,7 @@ def _claim(args, script):
     out = args.output_dir
     if out in _held:  # an earlier in-process run on this folder that ended without close()
         _held.pop(out).release()
+    created = not os.path.isdir(out)
     lock = lock_folder(out, what="the output folder of a training run")
     try:
         check_output_dir(args)
@@ -140,6 +141,17 @@ def _claim(args, script):
         lock.release()
         raise
     _held[out] = lock
+    if created:
+        on_failure(lambda: _remove_if_unused(out))
+
+
+def _remove_if_unused(out):
+    """A run that fails before writing anything (bad data, say) leaves no folder it created."""
+    if out in _held and sorted(os.listdir(out)) == sorted([MARKER, ".lock"]):
+        os.remove(os.path.join(out, MARKER))
+        release_output_dir(out)
+        os.remove(os.path.join(out, ".lock"))
+        os.rmdir(out)
 
 
 def _set_aside(out):
