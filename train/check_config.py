@@ -130,7 +130,8 @@ def summary(path, gpu_count=None):
     dtype = str(raw.get("distributed_type", "NO")).upper()
     processes, machines = int(raw.get("num_processes", 1) or 1), int(raw.get("num_machines", 1) or 1)
     text = (f"{dtype}, {processes} process(es) on {machines} machine(s), "
-            f"mixed_precision={raw.get('mixed_precision', 'no')}")
+            + (f"mixed_precision={raw['mixed_precision']}" if raw.get("mixed_precision") is not None else
+               "mixed_precision unset (the script's --mixed_precision decides; auto: bf16 where native)"))
     if gpu_count is None:
         import torch
         gpu_count = torch.cuda.device_count()
