@@ -13,10 +13,10 @@ turns, one optimizer step each, the first of each pair alternating, so the host'
   LambdaLR schedule, and `.item()` every --logging_steps steps;
 - lm.py: train/lm.py's step with the objects it builds (make_accelerator with its dynamo backend,
   accelerator.prepare, the sharded parquet loader, accumulate, accelerator.backward,
-  accelerator.clip_grad_norm_) inside train/loop.py's TrainingLoop (step count, schedule, tqdm, the
+  accelerator.clip_grad_norm_) inside train/core/loop.py's TrainingLoop (step count, schedule, tqdm, the
   loss all-reduced and logged every --logging_steps steps). No evaluation in either.
 
-Same model (GPT of train/gpt.py, same initial weights), same optimizer, the same batch shapes of full
+Same model (GPT of train/models/gpt.py, same initial weights), same optimizer, the same batch shapes of full
 windows (labels all valid), so the same FLOPs. mfu = tokens/s × FLOPs per token (6N + attention, as
 GPT.flops_per_token counts them) ÷ the square-matmul peak of train/tracking.matmul_peak, measured in
 these processes before and after the turns (all of them busy at once, as in training; the mean of
@@ -51,11 +51,11 @@ def worker(args):
     from data.sharding import ParquetSource, shards_in
     from data.text import decode_windows
     from train import lm
-    from train.accelerator import make_accelerator
-    from train.gpt import GPT, GPTConfig, next_token_loss
-    from train.loop import TrainingLoop, sharded_loader
-    from train.schedule import make_scheduler
-    from train.tracking import matmul_peak
+    from train.core.accelerator import make_accelerator
+    from train.models.gpt import GPT, GPTConfig, next_token_loss
+    from train.core.loop import TrainingLoop, sharded_loader
+    from train.core.schedule import make_scheduler
+    from train.core.tracking import matmul_peak
 
     manifest = read_manifest(args.dataset_dir)
     block_size, batch_size = manifest["block_size"], args.per_device_train_batch_size

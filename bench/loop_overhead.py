@@ -15,7 +15,7 @@ over 1500 turns the ratio of total times is the overhead. The loops:
   tick, the losses kept for logging, a tqdm bar, and every 20 steps the mean loss all-reduced
   (torch.distributed) and appended to a JSONL file. Ours against it is accelerate's cost alone;
 - ours: train/mnist.py's step with the objects it builds (make_accelerator; prepared model, optimizer,
-  loader and scheduler; accumulate, accelerator.backward) inside train/loop.py's TrainingLoop (its
+  loader and scheduler; accumulate, accelerator.backward) inside train/core/loop.py's TrainingLoop (its
   batches() generator and after_batch: the step count, scheduler tick, tqdm, and every 20 steps the
   mean loss reduced over ranks and appended to a metrics.jsonl);
 
@@ -52,9 +52,9 @@ def worker(args):
 
     from data import collate_batch, load_mnist, normalize_images
     from train import mnist
-    from train.accelerator import make_accelerator
-    from train.loop import TrainingLoop
-    from train.schedule import make_scheduler
+    from train.core.accelerator import make_accelerator
+    from train.core.loop import TrainingLoop
+    from train.core.schedule import make_scheduler
 
     script_args = mnist.parse_args(["--mixed_precision", args.mixed_precision, "--output_dir", args.log_dir,
                                     "--max_train_steps", str(10**9), "--per_device_train_batch_size", "50"])
@@ -150,7 +150,7 @@ def worker(args):
                 losses, t_log = [], time.perf_counter()
         logged_state.update(losses=losses, t_log=t_log)
 
-    # ------------------------------------------------ ours: train/mnist.py's step inside train/loop.py's TrainingLoop
+    # ------------------------------------------------ ours: train/mnist.py's step inside train/core/loop.py's TrainingLoop
     model, optimizer = model_and_optimizer()
     loader = DataLoader(train_set, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=collate_batch)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)

@@ -42,9 +42,9 @@ def worker(args):
 
     from data import collate_batch, load_mnist, normalize_images
     from train import mnist
-    from train.accelerator import make_accelerator
-    from train.schedule import make_scheduler
-    from train.tracking import log_metrics
+    from train.core.accelerator import make_accelerator
+    from train.core.schedule import make_scheduler
+    from train.core.tracking import log_metrics
 
     script_args = mnist.parse_args(["--mixed_precision", "bf16", "--output_dir", args.log_dir])
     accelerator = make_accelerator(script_args)

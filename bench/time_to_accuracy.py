@@ -56,7 +56,7 @@ def main(argv=None):
                   f"{' '.join(f'{a:.4f}' for a in accuracies)}", flush=True)
     met = sum(r["accuracy"] >= args.target_accuracy and r["wall"] <= args.target_seconds for r in runs)
     sys.path.insert(0, REPO)
-    from train.accelerator import cpu_has_native_bf16
+    from train.core.accelerator import cpu_has_native_bf16
 
     native, what = cpu_has_native_bf16()
     print(f"\n`make train-only {' '.join(make_vars)}`, {args.repeats} run(s){' (tiny)' if args.tiny else ''}")

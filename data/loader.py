@@ -8,7 +8,7 @@ This wrapper does the three things prepare would have done for us, and nothing e
 - registers with accelerate's GradientState and flags the last batch, so `accelerator.accumulate`
   syncs and steps at the end of the loader even when the batch count is not a multiple of the
   accumulation steps;
-- tracks the position (state_dict/load_state_dict): train/loop.py stores it in our checkpoints, and
+- tracks the position (state_dict/load_state_dict): train/core/loop.py stores it in our checkpoints, and
   in a script that uses accelerate's save_state, `accelerator.register_for_checkpointing` carries it.
 """
 import sys

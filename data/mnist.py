@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset
 
+from data.errors import UserError
+
 SPLIT_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
@@ -51,7 +53,7 @@ DATASETS = {
 }
 
 
-class DataError(RuntimeError):
+class DataError(UserError):
     """Missing or unreadable data; the message is one line that says what was looked for and the fix."""
 
 

@@ -28,16 +28,18 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from data.errors import UserError
+
 POLICIES = ("drop", "pad")
 
 
-class PlanError(ValueError):
+class PlanError(UserError):
     """A plan or state that cannot be right; the message names the problem and the fix."""
 
 
 PREPARED_SHARDED = ("a DataLoader over a ShardedIterableDataset went through accelerator.prepare, which splits it "
                     "by rank a second time (or dispatches rank 0's share to every rank) and loses part of the data; "
-                    "wrap it in data.loader.ShardedLoader (or train.loop.sharded_loader) instead and do not prepare it")
+                    "wrap it in data.loader.ShardedLoader (or train.core.loop.sharded_loader) instead and do not prepare it")
 
 
 def epoch_order(unit_sizes, seed, epoch, shuffle=True):

@@ -35,10 +35,10 @@ def main():
 
         F.mse_loss = mse_loss
     if mine and args.stale_latest:
-        import train.checkpoint
+        import train.core.checkpoint
 
-        train.checkpoint.list_checkpoints = lambda output_dir: []
-    from train.cli import run
+        train.core.checkpoint.list_checkpoints = lambda output_dir: []
+    from train.core.run import run
 
     module = __import__(f"train.{args.script}", fromlist=["main"])
     run(module.main, module.parse_args(sys.argv[split + 1:]))

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from conftest import CONFIGS, REPO, clean_env, launch, output_of, reset_accelerate_state, run_script
 from train import mnist, regression
-from train.output_dir import list_checkpoints
+from train.core.output_dir import list_checkpoints
 
 # 1024 samples / batch 32 = 32 steps per epoch, 2 epochs; lr small enough to stay mid-trajectory
 REGRESSION = ["--num_train_epochs", 2, "--learning_rate", 0.01, "--seed", 5]

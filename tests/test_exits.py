@@ -14,8 +14,8 @@ import pytest
 
 from conftest import CONFIGS, REPO, clean_env, launch, output_of
 from train import accelerator as accelerator_module
-from train.accelerator import check_writable, choose_mixed_precision
-from train.cli import run
+from train.core.accelerator import check_writable, choose_mixed_precision
+from train.core.run import run
 
 TINY_MNIST = ["--model", "convnet_fast", "--max_train_samples", 2000, "--max_eval_samples", 100,
               "--num_train_epochs", 1]

@@ -15,7 +15,7 @@ import pytest
 from conftest import CONFIGS, REPO, clean_env, launch, output_of, reset_accelerate_state
 from wizard import run_wizard
 from train import mnist
-from train.accelerator import cpu_has_native_bf16
+from train.core.accelerator import cpu_has_native_bf16
 
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 TINY_MNIST = ["--model", "convnet_fast", "--max_train_samples", 512, "--max_eval_samples", 100,

@@ -1,11 +1,11 @@
-"""train/gpt.py: causality, weight tying, activation checkpointing that changes nothing but memory,
+"""train/models/gpt.py: causality, weight tying, activation checkpointing that changes nothing but memory,
 the AdamW groups, the FLOPs count behind mfu, and sampling."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from conftest import reset_accelerate_state
-from train.gpt import GPT, GPTConfig
+from train.models.gpt import GPT, GPTConfig
 
 
 def tiny(**kwargs):

@@ -98,7 +98,7 @@ def test_nothing_of_accelerate_is_replaced():
     import accelerate.optimizer
     import accelerate.state
 
-    from train.accelerator import make_accelerator
+    from train.core.accelerator import make_accelerator
 
     modules = (accelerate, accelerate.accelerator, accelerate.optimizer, accelerate.state)
     classes = (accelerate.Accelerator, accelerate.optimizer.AcceleratedOptimizer)

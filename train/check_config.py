@@ -28,6 +28,8 @@ def known_keys():
 
 def problems(path, machine_rank=None, gpu_count=None):
     """Every problem with the config at `path` on this machine, as one-line strings."""
+    # one check after another, in the order a user meets them (file, keys, layout, machine): long, but
+    # read top to bottom; split into helpers it would hide the order that makes the messages make sense
     try:
         with open(path) as f:
             raw = yaml.safe_load(f)
@@ -141,7 +143,7 @@ def summary(path, gpu_count=None):
         if processes // machines > (os.cpu_count() or 1):
             text += f"; warning: more processes than the {os.cpu_count()} CPU cores here"
         if raw.get("mixed_precision") == "bf16":
-            from train.accelerator import cpu_has_native_bf16
+            from train.core.accelerator import cpu_has_native_bf16
 
             native, what = cpu_has_native_bf16()
             if not native:

@@ -14,24 +14,19 @@ if __package__ in (None, ""):  # run as a file: Python put train/ on sys.path, n
 
 import torch
 import torch.nn.functional as F
-from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
 from data.images import (ImageFileSource, ImageFolderDataset, decode_for_prediction, image_transforms, list_images,
                          normalize, scan_image_folder)
-from data.mnist import DataError
-from data.sharding import PlanError
-from train.accelerator import announce, main_process_first, make_accelerator
-from train.output_dir import check_output_dir, claim_output_dir
-from train.cli import add_optimizer_args, make_parser, positive_float, positive_int, run
-from train.evaluation import evaluate_classifier
-from train.loop import TrainingLoop, sharded_loader
-from train.models import build_classifier, check_model_args, load_pretrained, load_trained_classifier
-from train.schedule import make_scheduler, plan_steps
-from train.tracking import write_json
+from train.core.accelerator import main_process_first
+from train.core.cli import add_optimizer_args, make_parser, positive_float, positive_int
+from train.core.run import run, start_run
+from train.core.evaluation import evaluate_classifier
+from train.core.loop import TrainingLoop, sharded_loader
+from train.models.vision import build_classifier, check_model_args, load_pretrained, load_trained_classifier
+from train.core.tracking import write_json
 
-SCRIPT = "image_classification"  # recorded in checkpoints, so another script's checkpoint is refused
-USER_ERRORS = (DataError, PlanError)
+TASK = "image_classification"  # the run's name in its checkpoints: another task's checkpoint is refused
 
 
 def parse_args(argv=None):
@@ -65,12 +60,8 @@ def parse_args(argv=None):
 
 
 def main(args):
-    check_output_dir(args)  # bad paths fail here, in every process alike, before any of them waits on another
     check_model_args(args.model, args.pretrained_weights)  # before a scan of the folders that can take minutes
-    accelerator = make_accelerator(args)
-    set_seed(args.seed)
-    announce(accelerator, args)
-    claim_output_dir(accelerator, args, SCRIPT)
+    accelerator = start_run(args, TASK)
 
     # ---------------------------------------------------------------- data: scanned once, shared with every rank
     def scan():  # on the main process only: the others receive its lists
@@ -80,7 +71,7 @@ def main(args):
             return train, scan_image_folder(args.validation_dir, "--validation_dir", train.classes)
         return train.split(args.train_val_split, args.seed)
 
-    train_files, eval_files = main_process_first(accelerator, scan, USER_ERRORS, share=True)
+    train_files, eval_files = main_process_first(accelerator, scan, share=True)
     accelerator.print(f"train: {train_files.summary()}; validation: {eval_files.summary()}")
     train_files, eval_files = train_files.subset(args.max_train_samples, args.seed), \
         eval_files.subset(args.max_eval_samples, args.seed)
@@ -111,11 +102,9 @@ def main(args):
         model, optimizer = accelerator.prepare(model, optimizer)
     else:
         model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
-    lr_scheduler = accelerator.prepare(make_scheduler(optimizer, args.lr_scheduler_type, args.num_warmup_steps,
-                                                      plan_steps(args, len(train_loader))[0]))
 
     # ---------------------------------------------------------------- train
-    loop = TrainingLoop(accelerator, args, SCRIPT, model, optimizer, lr_scheduler, train_loader,
+    loop = TrainingLoop(accelerator, args, TASK, model, optimizer, train_loader,
                         evaluate=lambda: evaluate_classifier(accelerator, model, eval_loader, to_inputs),
                         headline="eval_accuracy")
     for batch in loop.batches():
@@ -126,10 +115,7 @@ def main(args):
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         loop.after_batch(loss)
-    results = loop.finish({"classes": train_files.classes, "train_samples": len(train_files)})
-    del model, optimizer  # before the process group goes (TrainingLoop.close)
-    loop.close()
-    return results
+    return loop.finish({"classes": train_files.classes, "train_samples": len(train_files)})
 
 
 def predict(args):
@@ -147,4 +133,4 @@ def predict(args):
 
 if __name__ == "__main__":
     arguments = parse_args()
-    run(predict if arguments.predict else main, arguments, USER_ERRORS)
+    run(predict if arguments.predict else main, arguments)

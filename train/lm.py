@@ -18,23 +18,21 @@ if __package__ in (None, ""):  # run as a file: Python put train/ on sys.path, n
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch
-from accelerate.utils import set_seed
 
 from data.mnist import DataError
 from data.prepare import prepare_gcide, prepare_text, read_manifest
-from data.sharding import ParquetSource, PlanError, shards_in
+from data.sharding import ParquetSource, shards_in
 from data.text import ByteTokenizer, decode_windows, load_tokenizer
-from train.accelerator import announce, main_process_first, make_accelerator
-from train.output_dir import check_output_dir, claim_output_dir
-from train.cli import add_optimizer_args, fail, make_parser, positive_float, positive_int, run
-from train.evaluation import evaluate_language_model
-from train.gpt import GPT, GPTConfig, next_token_loss
-from train.loop import TrainingLoop, sharded_loader
-from train.schedule import make_scheduler, plan_steps
-from train.tracking import matmul_peak, peak_memory_mb
+from train.core.accelerator import main_process_first
+from data.errors import fail
+from train.core.cli import add_optimizer_args, make_parser, positive_float, positive_int
+from train.core.run import run, start_run
+from train.core.evaluation import evaluate_language_model
+from train.models.gpt import GPT, GPTConfig, next_token_loss
+from train.core.loop import TrainingLoop, sharded_loader
+from train.core.tracking import matmul_peak, peak_memory_mb
 
-SCRIPT = "lm"
-USER_ERRORS = (DataError, PlanError)
+TASK = "lm"  # the run's name in its checkpoints: another task's checkpoint is refused
 
 
 def parse_args(argv=None):
@@ -66,7 +64,6 @@ def parse_args(argv=None):
     add_optimizer_args(parser, learning_rate=1e-3, train_batch_size=16, eval_batch_size=16, weight_decay=0.1)
     opt = parser.groups["optimization"]
     opt.add_argument("--max_grad_norm", type=float, default=1.0, help="Clip the gradient norm (0: no clipping).")
-    opt.add_argument("--eval_steps", type=positive_int, help="Also evaluate every N optimizer steps.")
     parser.set_defaults(output_dir="runs/lm", num_train_epochs=1, num_warmup_steps=100)
     args = parser.parse_args(argv)
     if args.prompt is None:
@@ -109,14 +106,10 @@ def lm_tokenizer(folder, manifest):
 
 
 def main(args):
-    check_output_dir(args)
-    accelerator = make_accelerator(args, dynamo_backend="inductor" if args.torch_compile else "no")
-    set_seed(args.seed)
-    announce(accelerator, args)
-    claim_output_dir(accelerator, args, SCRIPT)
+    accelerator = start_run(args, TASK, dynamo_backend="inductor" if args.torch_compile else "no")
 
     # ---------------------------------------------------------------- data: tokenized once, then streamed
-    manifest = main_process_first(accelerator, lambda: prepare_data(args), USER_ERRORS, share=True)
+    manifest = main_process_first(accelerator, lambda: prepare_data(args), share=True)
     decode = decode_windows(manifest["token_dtype"])
     train_loader = sharded_loader(accelerator, ParquetSource(shards_in(args.dataset_dir, "train"), decode=decode),
                                   args.per_device_train_batch_size, args.seed, True, args.dataloader_num_workers)
@@ -132,11 +125,9 @@ def main(args):
     model.gradient_checkpointing = args.gradient_checkpointing
     optimizer = torch.optim.AdamW(model.param_groups(args.weight_decay), lr=args.learning_rate, betas=(0.9, 0.95))
     model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
-    lr_scheduler = accelerator.prepare(make_scheduler(optimizer, args.lr_scheduler_type, args.num_warmup_steps,
-                                                      plan_steps(args, len(train_loader))[0]))
 
     # ---------------------------------------------------------------- train
-    loop = TrainingLoop(accelerator, args, SCRIPT, model, optimizer, lr_scheduler, train_loader, headline="eval_bpb",
+    loop = TrainingLoop(accelerator, args, TASK, model, optimizer, train_loader, headline="eval_bpb",
                         evaluate=lambda: evaluate_language_model(accelerator, model, eval_loader,
                                                                  manifest["text"]["validation"]))
     for batch in loop.batches():
@@ -158,8 +149,6 @@ def main(args):
         "peak_memory_mb": peak_memory_mb(accelerator)})
     accelerator.print(f"train_tokens_per_second={tokens_per_second:.0f} mfu={results['mfu']:.1%} "
                       f"peak_memory_mb={results['peak_memory_mb']:.0f}")
-    del model, optimizer
-    loop.close()
     return results
 
 
@@ -181,7 +170,7 @@ def sample(args):
     tokenizer = lm_tokenizer(trained["dataset_dir"], manifest)
     model = GPT(GPTConfig(**trained["model_config"]))
     missing, unexpected = model.load_state_dict(weights, strict=False)
-    if unexpected or set(missing) - {"lm_head.weight"}:  # runs saved before 2026-11-24 hold the tied layer once, as wte
+    if unexpected or set(missing) - {"lm_head.weight"}:  # older runs hold the tied layer once, as wte
         fail(f"model.safetensors in {args.output_dir} does not fit its model_config; train the run again")
     torch.manual_seed(args.seed)
     ids = torch.tensor([tokenizer.encode_batch([args.prompt])[0] or [tokenizer.eot_id]])
@@ -191,4 +180,4 @@ def sample(args):
 
 if __name__ == "__main__":
     arguments = parse_args()
-    run(sample if arguments.prompt is not None else main, arguments, USER_ERRORS)
+    run(sample if arguments.prompt is not None else main, arguments)

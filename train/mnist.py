@@ -17,21 +17,18 @@ if __package__ in (None, ""):  # run as a file: Python put train/ on sys.path, n
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
-from data import DATASETS, DataError, augment_images, check_data_dir, collate_batch, load_mnist, normalize_images
+from data import DATASETS, augment_images, check_data_dir, collate_batch, load_mnist, normalize_images
 from data.prepare import prepare
-from data.sharding import ParquetSource, PlanError, shards_in
-from train.accelerator import announce, main_process_first, make_accelerator
-from train.output_dir import check_output_dir, claim_output_dir
-from train.cli import add_optimizer_args, make_parser, positive_int, run
-from train.evaluation import evaluate_classifier
-from train.loop import TrainingLoop, sharded_loader
-from train.schedule import make_scheduler, plan_steps
+from data.sharding import ParquetSource, shards_in
+from train.core.accelerator import main_process_first
+from train.core.cli import add_optimizer_args, make_parser, positive_int
+from train.core.run import run, start_run
+from train.core.evaluation import evaluate_classifier
+from train.core.loop import TrainingLoop, sharded_loader
 
-SCRIPT = "mnist"  # recorded in checkpoints, so another script's checkpoint is refused
-USER_ERRORS = (DataError, PlanError)  # bad data or shards: one line for the user, not a traceback
+TASK = "mnist"  # the run's name in its checkpoints: another task's checkpoint is refused
 MODELS = {"convnet": {"channels": (16, 32), "kernel_sizes": (5, 5)},  # the seed notes' model: 2.8 M multiply-adds
           "convnet_fast": {"channels": (16, 32), "kernel_sizes": (5, 3), "norm_after_pool": True},  # 1.2 M: the recipe
           "convnet_wide": {"channels": (32, 64), "kernel_sizes": (3, 3)}}  # 3.9 M: the >= 92% recipe (README)
@@ -60,7 +57,7 @@ def parse_args(argv=None):
                        help="convnet: the seed's 5x5 16/32-channel ConvNet; convnet_fast: 5x5 then 3x3, BatchNorm "
                             "after pooling (2.3x fewer multiply-adds, the fast recipe); convnet_wide: 3x3, 32/64.")
     model.add_argument("--no_channels_last", dest="channels_last", action="store_false",
-                       help="Keep the NCHW layout (NHWC convolutions are ~1.2x faster on CPU here).")
+                       help="Keep the NCHW layout (NHWC convolutions are ~1.2x faster on CPUs: docs/speed.md).")
     add_optimizer_args(parser, learning_rate=2e-3, train_batch_size=64, eval_batch_size=500, label_smoothing=0.0)
     parser.set_defaults(output_dir="runs/mnist")
     return parser.parse_args(argv)
@@ -92,14 +89,12 @@ class ConvNet(nn.Module):
 
 
 def main(args):
+    # One task, top to bottom, in the sections every script shares (nanoGPT's train.py is the model):
+    # longer than 60 lines because it holds both data paths, not because it hides anything.
     # ---------------------------------------------------------------- checks, accelerator
-    check_output_dir(args)  # bad paths fail here, in every process alike, before any of them waits on another
     if args.data_dir and not args.streaming:
         check_data_dir(args.dataset, args.data_dir)
-    accelerator = make_accelerator(args)
-    set_seed(args.seed)  # same initial weights on every process; DDP also broadcasts them
-    announce(accelerator, args)
-    claim_output_dir(accelerator, args, SCRIPT)
+    accelerator = start_run(args, TASK)
 
     # ---------------------------------------------------------------- data
     parquet_dir = args.parquet_dir or os.path.join("runs", "parquet", args.dataset)
@@ -111,7 +106,7 @@ def main(args):
         if not shards_in(parquet_dir, "train") and accelerator.is_main_process:
             prepare(args.dataset, parquet_dir, data_dir=args.data_dir)
 
-    loaded = main_process_first(accelerator, load, USER_ERRORS)
+    loaded = main_process_first(accelerator, load)
     if args.streaming:
         source = f"{parquet_dir} (parquet shards, sharded iterable)"
         train_loader = sharded_loader(accelerator, ParquetSource(shards_in(parquet_dir, "train"),
@@ -146,12 +141,9 @@ def main(args):
         model, optimizer = accelerator.prepare(model, optimizer)
     else:
         model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
-    max_train_steps, _ = plan_steps(args, len(train_loader))
-    lr_scheduler = accelerator.prepare(make_scheduler(optimizer, args.lr_scheduler_type, args.num_warmup_steps,
-                                                      max_train_steps))
 
     # ---------------------------------------------------------------- train
-    loop = TrainingLoop(accelerator, args, SCRIPT, model, optimizer, lr_scheduler, train_loader,
+    loop = TrainingLoop(accelerator, args, TASK, model, optimizer, train_loader,
                         evaluate=lambda: evaluate_classifier(accelerator, model, eval_loader, to_inputs),
                         headline="eval_accuracy")
     for batch in loop.batches():
@@ -167,11 +159,8 @@ def main(args):
         loop.after_batch(loss)
 
     # ---------------------------------------------------------------- save
-    results = loop.finish({"dataset": args.dataset, "data_source": source})
-    del model, optimizer  # before the process group goes (TrainingLoop.close)
-    loop.close()
-    return results
+    return loop.finish({"dataset": args.dataset, "data_source": source})
 
 
 if __name__ == "__main__":
-    run(main, parse_args(), USER_ERRORS)
+    run(main, parse_args())

@@ -19,15 +19,13 @@ if __package__ in (None, ""):  # run as a file: Python put train/ on sys.path, n
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, TensorDataset
 
-from train.accelerator import announce, make_accelerator
-from train.output_dir import check_output_dir, claim_output_dir
-from train.cli import make_parser, positive_float, positive_int, run
-from train.loop import TrainingLoop
+from train.core.cli import make_parser, positive_float, positive_int
+from train.core.run import run, start_run
+from train.core.loop import TrainingLoop
 
-SCRIPT = "regression"  # recorded in checkpoints, so another script's checkpoint is refused
+TASK = "regression"  # the run's name in its checkpoints: another task's checkpoint is refused
 NUM_FEATURES = 20
 
 
@@ -74,11 +72,7 @@ def evaluate(accelerator, model, loader):
 
 def main(args):
     # ---------------------------------------------------------------- accelerator
-    check_output_dir(args)  # before any process waits on another
-    accelerator = make_accelerator(args)
-    set_seed(args.seed)
-    announce(accelerator, args)
-    claim_output_dir(accelerator, args, SCRIPT)
+    accelerator = start_run(args, TASK)
 
     # ---------------------------------------------------------------- data, model, optimizer
     train_set, eval_set = make_data(args.num_train_samples, args.num_eval_samples, args.seed)
@@ -89,7 +83,7 @@ def main(args):
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
 
     # ---------------------------------------------------------------- train
-    loop = TrainingLoop(accelerator, args, SCRIPT, model, optimizer, None, train_loader,
+    loop = TrainingLoop(accelerator, args, TASK, model, optimizer, train_loader, schedule=False,
                         evaluate=lambda: evaluate(accelerator, model, eval_loader), headline="eval_mse")
     for x, y in loop.batches():
         with accelerator.accumulate(model):
@@ -100,10 +94,7 @@ def main(args):
         loop.after_batch(loss)
 
     # ---------------------------------------------------------------- save
-    results = loop.finish()
-    del model, optimizer  # before the process group goes (TrainingLoop.close)
-    loop.close()
-    return results
+    return loop.finish()
 
 
 if __name__ == "__main__":

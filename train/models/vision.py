@@ -8,7 +8,7 @@ import pickle
 import torch
 import torch.nn as nn
 
-from train.cli import fail
+from data.errors import fail
 
 
 class ConvNet(nn.Module):

@@ -15,26 +15,28 @@ import shutil
 import numpy as np
 import torch
 
-from train.output_dir import drop_replaced_run, list_checkpoints
-from train.tracking import fsync_path, save_tensors, write_json
+from data.errors import fail
+
+from train.core.output_dir import drop_replaced_run, list_checkpoints
+from train.core.tracking import fsync_path, save_tensors, write_json
 
 CHECKPOINT_FORMAT = 1
 
 
-def find_checkpoint(accelerator, args):
+def find_checkpoint(accelerator, resume_from_checkpoint, output_dir):
     """The checkpoint to resume from, or None for a fresh start (check_output_dir has vetted the path).
     The main process resolves 'latest' and tells the others: each looking for itself, ranks could
     see different newest checkpoints when one lands in between (they then resume from different
     steps and hang)."""
     from accelerate.utils import broadcast_object_list
 
-    if args.resume_from_checkpoint != "latest":
-        return args.resume_from_checkpoint
-    found = list_checkpoints(args.output_dir)[-1:] if accelerator.is_main_process else [None]
+    if resume_from_checkpoint != "latest":
+        return resume_from_checkpoint
+    found = list_checkpoints(output_dir)[-1:] if accelerator.is_main_process else [None]
     if accelerator.num_processes > 1:
         found = broadcast_object_list(found or [None])
     if not found or found[0] is None:
-        accelerator.print(f"no checkpoint in {args.output_dir}/checkpoints yet: starting fresh")
+        accelerator.print(f"no checkpoint in {output_dir}/checkpoints yet: starting fresh")
         return None
     return found[0]
 
@@ -73,11 +75,12 @@ def _full_state_options(**kwargs):
     return StateDictOptions(full_state_dict=True, **kwargs)
 
 
-def save_checkpoint(accelerator, args, script, step, model, optimizer, lr_scheduler, data_state, extra=None):
-    """Write checkpoints/step_N atomically; keep the newest --checkpoints_total_limit."""
+def save_checkpoint(accelerator, output_dir, step, model, optimizer, lr_scheduler, meta, keep_last=None):
+    """Write OUTPUT_DIR/checkpoints/step_N atomically, with `meta` (the script, the data position,
+    the resolved arguments, ...) as its meta.json; keep the newest `keep_last`."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    root = os.path.join(args.output_dir, "checkpoints")
+    root = os.path.join(output_dir, "checkpoints")
     final, tmp = os.path.join(root, f"step_{step:08d}"), os.path.join(root, f".tmp-step_{step:08d}")
     # collectives under FSDP2: every rank calls them; cpu_offload leaves the full dicts on rank 0 only
     weights = model_weights(model)
@@ -94,7 +97,7 @@ def save_checkpoint(accelerator, args, script, step, model, optimizer, lr_schedu
         write(obj, files[-1])
 
     # per rank: its RNG streams and its BatchNorm running statistics, which differ between ranks
-    # between evaluations (DDP's broadcast_buffers is off, see train/accelerator.py)
+    # between evaluations (DDP's broadcast_buffers is off, see train/core/accelerator.py)
     buffers = {name: b.detach().cpu().clone() for name, b in accelerator.unwrap_model(model).named_buffers()}
     try:
         put(f"rank_state_{accelerator.process_index}.pt", {**_rng_state(), "buffers": buffers})
@@ -105,9 +108,8 @@ def save_checkpoint(accelerator, args, script, step, model, optimizer, lr_schedu
                 put("scheduler.pt", lr_scheduler.state_dict())
             if accelerator.scaler is not None:
                 put("scaler.pt", accelerator.scaler.state_dict())
-            put("meta.json", {"format": CHECKPOINT_FORMAT, "script": script, "step": step,
-                              "world_size": accelerator.num_processes, "data": data_state, "args": vars(args),
-                              **(extra or {})}, lambda obj, path: write_json(path, obj))
+            put("meta.json", {"format": CHECKPOINT_FORMAT, "step": step, "world_size": accelerator.num_processes,
+                              **meta}, lambda obj, path: write_json(path, obj))
         for path in files:  # on disk before the rename publishes them
             fsync_path(path)
     except OSError:  # a full disk, say: the unpublished half goes, and with it the space it took
@@ -119,9 +121,9 @@ def save_checkpoint(accelerator, args, script, step, model, optimizer, lr_schedu
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_path(root)
-        drop_replaced_run(args.output_dir)  # the run --overwrite_output_dir replaced: this one has a checkpoint now
-        if args.checkpoints_total_limit:
-            for old in list_checkpoints(args.output_dir)[:-args.checkpoints_total_limit]:
+        drop_replaced_run(output_dir)  # the run --overwrite_output_dir replaced: this one has a checkpoint now
+        if keep_last:
+            for old in list_checkpoints(output_dir)[:-keep_last]:
                 shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
@@ -163,14 +165,14 @@ def _load_trusted(path):
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         reason = str(e).splitlines()[0]
-        raise SystemExit(f"error: refused to load {path}: it holds pickled objects other than tensors ({reason}); "
-                         "it was not written by these scripts; delete that checkpoint") from None
+        fail(f"refused to load {path}: it holds pickled objects other than tensors ({reason}); "
+             "it was not written by these scripts; delete that checkpoint")
     except Exception as e:  # a damaged file meets torch.load as any of OSError, EOFError, KeyError, RuntimeError, ...
-        raise SystemExit(f"error: {path} is unreadable ({type(e).__name__}); delete that checkpoint and resume "
-                         "from an earlier one") from None
+        fail(f"{path} is unreadable ({type(e).__name__}); delete that checkpoint and resume "
+             "from an earlier one")
 
 
-def load_checkpoint(accelerator, path, script, model, optimizer, lr_scheduler):
+def load_checkpoint(accelerator, path, task, model, optimizer, lr_scheduler):
     """Restore everything save_checkpoint wrote into the prepared objects; return its meta dict."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -179,15 +181,15 @@ def load_checkpoint(accelerator, path, script, model, optimizer, lr_scheduler):
         with open(os.path.join(path, "meta.json")) as f:
             meta = json.load(f)
     except (OSError, ValueError) as e:
-        raise SystemExit(f"error: {path}/meta.json is unreadable ({e}); resume from another checkpoint") from None
-    if meta.get("script") != script or meta.get("format") != CHECKPOINT_FORMAT:
-        raise SystemExit(f"error: {path} was written by train/{meta.get('script')}.py (format {meta.get('format')}), "
-                         f"not train/{script}.py (format {CHECKPOINT_FORMAT}); pass a checkpoint of this script")
+        fail(f"{path}/meta.json is unreadable ({e}); resume from another checkpoint")
+    if meta.get("script") != task or meta.get("format") != CHECKPOINT_FORMAT:
+        fail(f"{path} was written by train/{meta.get('script')}.py (format {meta.get('format')}), "
+             f"not train/{task}.py (format {CHECKPOINT_FORMAT}); pass a checkpoint of this script")
     try:
         weights = load_file(os.path.join(path, "model.safetensors"))
     except (SafetensorError, OSError, ValueError) as e:
-        raise SystemExit(f"error: {path}/model.safetensors is corrupt or missing ({e}); delete that checkpoint "
-                         "and resume from an earlier one") from None
+        fail(f"{path}/model.safetensors is corrupt or missing ({e}); delete that checkpoint "
+             "and resume from an earlier one")
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     options = _full_state_options()  # every rank reads the full files; FSDP2 keeps its own shard of them
@@ -195,8 +197,8 @@ def load_checkpoint(accelerator, path, script, model, optimizer, lr_scheduler):
         set_model_state_dict(model, weights, options=options)
     except (RuntimeError, KeyError, ValueError) as e:
         detail = " ".join(str(e).split())[:200]
-        raise SystemExit(f"error: {path} does not fit this model ({detail}); resume with the model arguments "
-                         "it was saved with") from None
+        fail(f"{path} does not fit this model ({detail}); resume with the model arguments "
+             "it was saved with")
     optimizer_state = _load_trusted(os.path.join(path, "optimizer.pt"))
     if not optimizer_state["state"]:  # plain SGD keeps no tensors; the full-state loader needs one to find the device
         from torch.distributed.checkpoint.state_dict import StateDictOptions

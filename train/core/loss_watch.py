@@ -9,8 +9,8 @@ nothing instead (that check is a sync per step, which is why it is not the defau
 import torch
 from accelerate.utils import gather_object
 
-from train.cli import fail
-from train.output_dir import list_checkpoints
+from data.errors import fail
+from train.core.output_dir import list_checkpoints
 
 
 class LossWatch:

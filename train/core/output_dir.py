@@ -16,8 +16,9 @@ import shutil
 import sys
 import time
 
-from data.locks import FolderBusy, lock_folder
-from train.cli import fail, first_local_process, on_failure
+from data.locks import lock_folder
+from data.errors import UserError, fail
+from train.core.process import first_local_process, on_failure
 
 MARKER = "run.json"
 REPLACED = "replaced_run"
@@ -40,18 +41,16 @@ def _entries(out):
     return [name for name in RUN_ENTRIES if os.path.lexists(os.path.join(out, name))]
 
 
-def check_output_dir(args):
+def check_output_dir(out, resume=None, overwrite=False):
     """Before anything starts (no process group, no data yet): what --output_dir holds decides
     whether this run may go on. A finished run is never touched without --overwrite_output_dir:
     resuming it says so and exits 0, so a retry loop around a finished job ends well."""
-    out = args.output_dir
-    resume = args.resume_from_checkpoint
     if resume not in (None, "latest") and not os.path.isfile(os.path.join(resume, "meta.json")):
         fail(f"--resume_from_checkpoint {resume} is not a checkpoint (no meta.json there); pass an "
              "OUTPUT_DIR/checkpoints/step_N folder or 'latest'")
     if os.path.exists(out) and not os.path.isdir(out):
         fail(f"--output_dir {out} is a file, not a folder; pass another --output_dir")
-    if args.overwrite_output_dir and resume:
+    if overwrite and resume:
         fail("--overwrite_output_dir and --resume_from_checkpoint contradict each other; pass one")
     present = _entries(out)
     checkpoints = list_checkpoints(out)
@@ -63,7 +62,7 @@ def check_output_dir(args):
     results = os.path.join(out, "all_results.json")
     weights = os.path.isfile(os.path.join(out, "model.safetensors"))
     holds_run = os.path.isfile(results) or weights or os.path.isdir(os.path.join(out, "checkpoints"))
-    if not holds_run or args.overwrite_output_dir:
+    if not holds_run or overwrite:
         return
     aside = os.path.join(out, REPLACED)
     kept = f" (the run it replaced is kept in {aside})" if os.path.isdir(aside) else ""
@@ -96,46 +95,47 @@ def check_output_dir(args):
              "or another --output_dir")
 
 
-def claim_output_dir(accelerator, args, script):
+def claim_output_dir(accelerator, out, task, resume=None, overwrite=False):
     """Make this run the folder's one writer: the main process takes the lock, looks again at what
     the folder holds (another run may have finished or started since check_output_dir), removes
     what a killed save left, writes the marker and, with --overwrite_output_dir, moves the earlier
     run aside. Every rank stops with the same line if any of that fails."""
     from accelerate.utils import broadcast_object_list
 
-    message = None
+    message, exit_code = None, None
     if accelerator.is_main_process:
         try:
-            _claim(args, script)
-        except FolderBusy as e:
-            message = f"error: {e}"
-        except SystemExit as e:
-            message = e.code if isinstance(e.code, str) else "error: the output folder changed while starting"
+            _claim(out, task, resume, overwrite)
+        except UserError as e:  # FolderBusy, or what check_output_dir says of the folder now
+            message = str(e)
+        except SystemExit as e:  # the run finished meanwhile: nothing to resume, a clean exit on every rank
+            exit_code = e.code
     if accelerator.num_processes > 1:
-        message = broadcast_object_list([message])[0]
+        message, exit_code = broadcast_object_list([message, exit_code])
     if message is not None:
-        raise SystemExit(message)
+        fail(message)
+    if exit_code is not None:
+        sys.exit(exit_code)
 
 
-def _claim(args, script):
-    out = args.output_dir
+def _claim(out, task, resume, overwrite):
     if out in _held:  # an earlier in-process run on this folder that ended without close()
         _held.pop(out).release()
     created = not os.path.isdir(out)
     lock = lock_folder(out, what="the output folder of a training run")
     try:
-        check_output_dir(args)
+        check_output_dir(out, resume, overwrite)
         root = os.path.join(out, "checkpoints")
         for name in os.listdir(root) if os.path.isdir(root) else []:
             if name.startswith(".tmp-step_"):  # a save killed midway: never published, ours to remove
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        if args.overwrite_output_dir and _entries(out):
+        if overwrite and _entries(out):
             _set_aside(out)
-        from train.tracking import write_json
+        from train.core.tracking import write_json
 
         if not os.path.isfile(os.path.join(out, MARKER)):
             write_json(os.path.join(out, MARKER), {
-                "written_by": f"train/{script}.py of the accelerate training recipes", "created": time.time(),
+                "written_by": f"train/{task}.py of the accelerate training recipes", "created": time.time(),
                 "entries": list(RUN_ENTRIES), "note": "--overwrite_output_dir replaces only these entries"})
     except BaseException:
         lock.release()

@@ -69,9 +69,10 @@ def save_tensors(tensors, path):
         raise
 
 
-def save_final(accelerator, weights, args, results):
-    """The run's outputs: model.safetensors (`weights`, from train.checkpoint.model_weights),
-    all_results.json and args.json in --output_dir, written by the main process."""
+def save_final(accelerator, weights, output_dir, results, hparams):
+    """The run's outputs: model.safetensors (`weights`, from train.core.checkpoint.model_weights),
+    all_results.json and args.json (`hparams`, the resolved arguments) in output_dir, written by the
+    main process."""
     def write_weights(tmp):
         save_tensors(weights, tmp)
         umask = os.umask(0)  # the only way to read it
@@ -79,42 +80,52 @@ def save_final(accelerator, weights, args, results):
         os.chmod(tmp, 0o666 & ~umask)  # safetensors creates its files readable by their owner alone
 
     if accelerator.is_main_process:  # the weights first: all_results.json marks a finished run
-        atomic_write(os.path.join(args.output_dir, "model.safetensors"), write_weights)
-        write_json(os.path.join(args.output_dir, "all_results.json"), results)
-        write_json(os.path.join(args.output_dir, "args.json"), vars(args))
+        atomic_write(os.path.join(output_dir, "model.safetensors"), write_weights)
+        write_json(os.path.join(output_dir, "all_results.json"), results)
+        write_json(os.path.join(output_dir, "args.json"), hparams)
 
 
-def tracking_kwargs(args):
+def tracking_kwargs(with_tracking, report_to, output_dir):
     """Accelerator arguments for --with_tracking: trackers write under OUTPUT_DIR/tensorboard/."""
-    if not args.with_tracking:
+    if not with_tracking:
         return {}
-    return {"log_with": args.report_to, "project_dir": os.path.join(args.output_dir, "tensorboard")}
+    return {"log_with": report_to, "project_dir": os.path.join(output_dir, "tensorboard")}
 
 
-def start_tracking(accelerator, args, project_name, completed_steps):
-    """Start the trackers and cut metrics.jsonl back to `completed_steps`, so a resumed run neither
-    repeats nor loses lines (the steps logged after the checkpoint are logged again)."""
-    if args.with_tracking:
-        # hparams must be scalars: tensorboard rejects None
-        config = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))}
-        accelerator.init_trackers(project_name, config=config)
-    path = os.path.join(args.output_dir, "metrics.jsonl")
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-        records = _read_jsonl(path) if completed_steps else []
-        with open(path + ".tmp", "w") as f:
-            f.writelines(to_json(r) + "\n" for r in records if r["step"] <= completed_steps)
-        os.replace(path + ".tmp", path)  # a crash now leaves the old log, never half of it
-    accelerator.wait_for_everyone()
+class MetricsLog:
+    """OUTPUT_DIR/metrics.jsonl and, with --with_tracking, accelerate's trackers: one record (a dict
+    with "step") at a time."""
 
+    def __init__(self, accelerator, output_dir, with_tracking):
+        self.accelerator, self.path, self.with_tracking = accelerator, os.path.join(output_dir, "metrics.jsonl"), \
+            with_tracking
 
-def log_metrics(accelerator, args, record):
-    """One record (a dict with "step") to OUTPUT_DIR/metrics.jsonl and, with --with_tracking, the trackers."""
-    if args.with_tracking:
-        accelerator.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
-    if accelerator.is_main_process:
-        with open(os.path.join(args.output_dir, "metrics.jsonl"), "a") as f:
-            f.write(to_json(record) + "\n")
+    def start(self, project_name, hparams, completed_steps):
+        """Start the trackers and cut metrics.jsonl back to `completed_steps`, so a resumed run neither
+        repeats nor loses lines (the steps logged after the checkpoint are logged again)."""
+        if self.with_tracking:
+            # hparams must be scalars: tensorboard rejects None
+            config = {k: v for k, v in hparams.items() if isinstance(v, (int, float, str, bool))}
+            self.accelerator.init_trackers(project_name, config=config)
+        if self.accelerator.is_main_process:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            records = _read_jsonl(self.path) if completed_steps else []
+            with open(self.path + ".tmp", "w") as f:
+                f.writelines(to_json(r) + "\n" for r in records if r["step"] <= completed_steps)
+            os.replace(self.path + ".tmp", self.path)  # a crash now leaves the old log, never half of it
+        self.accelerator.wait_for_everyone()
+
+    def log(self, record):
+        if self.with_tracking:
+            self.accelerator.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        if self.accelerator.is_main_process:
+            with open(self.path, "a") as f:
+                f.write(to_json(record) + "\n")
+
+    def finish(self):
+        """Flush and close the trackers (TensorBoard's event files)."""
+        for tracker in self.accelerator.trackers:
+            tracker.finish()
 
 
 def _read_jsonl(path):

@@ -14,8 +14,9 @@ import yaml
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
 
-from train.cli import launcher_argv, fail
-from train.tracking import tracking_kwargs
+from data.errors import UserError, fail
+from train.core.process import launcher_argv
+from train.core.tracking import tracking_kwargs
 
 
 def _env_rendezvous_per_attempt(url, timeout=None, **kwargs):
@@ -24,7 +25,7 @@ def _env_rendezvous_per_attempt(url, timeout=None, **kwargs):
     torch 2.15's elastic agent keeps one rendezvous store for its whole life and `env://` uses it
     without a per-attempt prefix, so after `--max_restarts` restarts the workers a rank can read its
     peer's address from the dead attempt and fail ("Gloo connectFullMesh failed ... Connection
-    refused"; 3 of 3 restarts here, pytorch#135712 has the same root cause). A prefix per attempt
+    refused"; 3 of 3 restarts in our tests, pytorch#135712 has the same root cause). A prefix per attempt
     gives every attempt fresh keys. torch has no public way to put a prefix into env://, so its
     private handler is wrapped (not replaced): registered under a new scheme, through public
     register_rendezvous_handler.
@@ -38,8 +39,8 @@ def _env_rendezvous_per_attempt(url, timeout=None, **kwargs):
         yield PrefixStore(f"attempt_{attempt}/", store), rank, world_size
 
 
-def _process_group_kwargs(args):
-    kwargs = {"timeout": timedelta(seconds=args.ddp_timeout)}
+def _process_group_kwargs(ddp_timeout):
+    kwargs = {"timeout": timedelta(seconds=ddp_timeout)}
     if "TORCHELASTIC_RESTART_COUNT" in os.environ:  # launched by torchrun, so restarts are possible
         from torch.distributed.rendezvous import _rendezvous_handlers, register_rendezvous_handler
 
@@ -155,12 +156,11 @@ def make_accelerator(args, **kwargs):
     when told cpu=True, and under torchrun (MULTI_GPU configs) the config's use_cpu never reaches the
     script, so without this a 2-process CPU launch trains two independent copies.
     The seedable sampler makes the shuffle a function of (seed, epoch) alone: the same on every rank
-    and reproducible on resume. The scheduler is stepped by the script once per optimizer step, so
+    and reproducible on resume. The scheduler is stepped by the loop once per optimizer step, so
     its state does not depend on the process count and survives a resume with another one.
-    DDP's broadcast_buffers is off: broadcasting BatchNorm statistics before every forward cost 20-25%
-    of a CPU step here; scripts average them over ranks with average_buffers() before evaluating.
-    --with_tracking's trackers are set up here, so no script can accept the flag and write nothing
-    (train/lm.py once did).
+    DDP's broadcast_buffers is off: broadcasting BatchNorm statistics before every forward costs 20-25%
+    of a CPU step (docs/speed.md); evaluation averages them over ranks (average_buffers) first.
+    --with_tracking's trackers are set up here, so no script can accept the flag and write nothing.
     """
     # torch 2.15 renames broadcast_buffers to forward_sync_buffers, which accelerate 1.15's
     # DistributedDataParallelKwargs cannot pass; the warning itself says to keep broadcast_buffers=False
@@ -174,24 +174,24 @@ def make_accelerator(args, **kwargs):
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed),
         step_scheduler_with_optimizer=False,
-        kwargs_handlers=[_process_group_kwargs(args), DistributedDataParallelKwargs(broadcast_buffers=False)],
-        **{**tracking_kwargs(args), **kwargs},
+        kwargs_handlers=[_process_group_kwargs(args.ddp_timeout), DistributedDataParallelKwargs(broadcast_buffers=False)],
+        **{**tracking_kwargs(args.with_tracking, args.report_to, args.output_dir), **kwargs},
     )
 
 
-def main_process_first(accelerator, load, errors, share=False):
+def main_process_first(accelerator, load, share=False):
     """load() on the main process, then on the others: one process downloads or writes files, the
     others read them. With share=True the others receive the main process's result instead (a
-    folder scanned once, the same list on every rank). If the main process fails with one of
-    `errors`, every process stops with its message, instead of the others timing out in a barrier
-    with a traceback of their own."""
+    folder scanned once, the same list on every rank). If the main process meets a user's error,
+    every process stops with its message, instead of the others timing out in a barrier with a
+    traceback of their own."""
     from accelerate.utils import broadcast_object_list
 
     result, message = None, None
     if accelerator.is_main_process:
         try:
             result = load()
-        except errors as e:
+        except UserError as e:
             message = str(e)
     if accelerator.num_processes > 1:
         message, shared = broadcast_object_list([message, result if share else None])
@@ -211,7 +211,7 @@ def average_buffers(accelerator, model):
                     buffer.copy_(accelerator.reduce(buffer, reduction="mean"))
 
 
-def announce(accelerator, args):
+def announce(accelerator, per_device_train_batch_size, gradient_accumulation_steps, mixed_precision):
     """One line per process, then a header from the main process: what is really running, so a
     wrong launch (two independent world-size-1 runs, say) shows at once."""
     # one write() per line, so lines from different processes do not interleave mid-line
@@ -220,8 +220,8 @@ def announce(accelerator, args):
     sys.stdout.flush()
     accelerator.wait_for_everyone()
     on_cpu = accelerator.device.type == "cpu"
-    global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
-    why = choose_mixed_precision(args.mixed_precision, on_cpu)[1]
+    global_batch_size = per_device_train_batch_size * accelerator.num_processes * gradient_accumulation_steps
+    why = choose_mixed_precision(mixed_precision, on_cpu)[1]
     accelerator.print(f"world_size={accelerator.num_processes} device={accelerator.device.type} "
                       f"distributed_type={accelerator.distributed_type.value} "
                       f"mixed_precision={accelerator.mixed_precision} ({why}) global_batch_size={global_batch_size} "

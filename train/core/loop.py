@@ -4,7 +4,7 @@ logging, evaluation at each epoch's end, checkpoints, and the run's outputs.
 
 A script keeps its own loop in view:
 
-    loop = TrainingLoop(accelerator, args, "my_task", model, optimizer, lr_scheduler, train_loader,
+    loop = TrainingLoop(accelerator, args, "my_task", model, optimizer, train_loader,
                         evaluate=lambda: evaluate_classifier(accelerator, model, eval_loader, to_inputs))
     for batch in loop.batches():          # the rest of the run, from a checkpoint's exact position
         with accelerator.accumulate(model):
@@ -13,15 +13,12 @@ A script keeps its own loop in view:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         loop.after_batch(loss)            # on an optimizer step: schedule, log, checkpoint when due
-    results = loop.finish()               # weights, all_results.json, curves.png
-    del model, optimizer                  # see close()
-    loop.close()
+    return loop.finish()                  # weights, all_results.json, curves.png; run() tears down
 
 One path for the end of an epoch and the end of the run (nanochat's `last_step`): each evaluates,
 records and, when due, saves after the evaluation. A run resumed from its final checkpoint trains
 no batch and goes down the same path, so it evaluates once and writes the same outputs.
 """
-import gc
 import math
 import time
 
@@ -30,12 +27,13 @@ from tqdm.auto import tqdm
 
 from data.loader import ShardedLoader, check_loader, settle_loader_threads
 from data.sharding import ShardedIterableDataset, check_same_plan
-from train.checkpoint import data_position, find_checkpoint, load_checkpoint, model_weights, save_checkpoint
-from train.cli import fail
-from train.loss_watch import LossWatch
-from train.output_dir import drop_replaced_run, release_output_dir
-from train.schedule import plan_steps
-from train.tracking import log_metrics, plot_metrics, save_final, start_tracking
+from train.core.checkpoint import data_position, find_checkpoint, load_checkpoint, model_weights, save_checkpoint
+from data.errors import fail
+from train.core.loss_watch import LossWatch
+from train.core.output_dir import drop_replaced_run, release_output_dir
+from train.core.process import on_teardown
+from train.core.schedule import make_scheduler, plan_steps
+from train.core.tracking import MetricsLog, plot_metrics, save_final
 
 
 def sharded_loader(accelerator, source, per_device_batch_size, seed, train, num_workers=0):
@@ -54,25 +52,35 @@ def _format(metrics):
 
 
 class TrainingLoop:
-    """The state of one run and what happens between optimizer steps; the step itself is the script's."""
+    """The state of one run and what happens between optimizer steps; the step itself is the script's.
 
-    def __init__(self, accelerator, args, script, model, optimizer, lr_scheduler, train_loader, evaluate,
-                 headline="eval_loss"):
-        self.accelerator, self.args, self.script = accelerator, args, script
-        self.model, self.optimizer, self.lr_scheduler, self.loader = model, optimizer, lr_scheduler, train_loader
+    `args` is the script's parsed command line: the loop reads the shared flags (make_parser's) and,
+    with schedule=True, add_optimizer_args' schedule flags; it records all of them in checkpoints
+    and args.json. Without a schedule the optimizer keeps its learning rate."""
+
+    def __init__(self, accelerator, args, task, model, optimizer, train_loader, evaluate, headline="eval_loss",
+                 schedule=True):
+        self.accelerator, self.args, self.task = accelerator, args, task
+        self.model, self.optimizer, self.loader = model, optimizer, train_loader
         self.evaluate, self.headline = evaluate, headline
+        self.output_dir, self.logging_steps, self.eval_steps = args.output_dir, args.logging_steps, args.eval_steps
+        self.checkpointing_steps, self.keep_last = args.checkpointing_steps, args.checkpoints_total_limit
         check_loader(train_loader)
         self.sharded = isinstance(train_loader, ShardedLoader)  # keeps its own position; else set_epoch + skip
         self.global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * \
             args.gradient_accumulation_steps
         self.batches_per_epoch = len(train_loader)  # per process; before a resume shortens the sharded loader
-        self.max_train_steps, self.num_train_epochs = plan_steps(args, self.batches_per_epoch)
+        self.max_train_steps, self.num_train_epochs = plan_steps(
+            self.batches_per_epoch, args.gradient_accumulation_steps, args.num_train_epochs, args.max_train_steps)
+        # stepped here once per optimizer step, so its state does not depend on the process count
+        self.lr_scheduler = accelerator.prepare(make_scheduler(
+            optimizer, args.lr_scheduler_type, args.num_warmup_steps, self.max_train_steps)) if schedule else None
         self.t_start, self.train_seconds = time.perf_counter(), 0.0
         self.step, self.epoch, self.batches_done, self.history, self.epoch_seconds = 0, 0, 0, [], []
         self.resumed_from, self._resumed_seconds = None, 0.0  # the interrupted epoch's training time before the save
         self.losses = LossWatch(accelerator, optimizer, args.nonfinite_loss, args.output_dir)
-        if path := find_checkpoint(accelerator, args):
-            meta = load_checkpoint(accelerator, path, script, model, optimizer, lr_scheduler)
+        if path := find_checkpoint(accelerator, args.resume_from_checkpoint, args.output_dir):
+            meta = load_checkpoint(accelerator, path, task, model, optimizer, self.lr_scheduler)
             self._check_same_run(path, meta)
             self.losses.load_state_dict(meta.get("losses"))
             self.resumed_from, self.step, self.history = path, meta["step"], meta.get("history", [])
@@ -80,14 +88,15 @@ class TrainingLoop:
             self.epoch, self.batches_done = meta["data"]["epoch"], meta["data"]["next_batch"]
             if self.sharded:
                 train_loader.load_state_dict(meta["data"])
-        start_tracking(accelerator, args, script, self.step)
+        self.metrics = MetricsLog(accelerator, args.output_dir, args.with_tracking)
+        self.metrics.start(task, vars(args), self.step)
         accelerator.print(f"epochs={self.num_train_epochs} steps={self.max_train_steps} steps_per_epoch="
                           f"{math.ceil(self.batches_per_epoch / args.gradient_accumulation_steps)}"
                           + (f" resuming at step {self.step}" if self.resumed_from else ""))
         self.progress = tqdm(total=self.max_train_steps * self.global_batch_size,
                              initial=self.step * self.global_batch_size, unit="samples", unit_scale=True,
                              disable=not accelerator.is_local_main_process, dynamic_ncols=True,
-                             mininterval=0.5)  # tqdm's 0.1 s redraws cost ~0.4% of a CPU step here (docs/speed.md)
+                             mininterval=0.5)  # tqdm's 0.1 s redraws cost ~0.4% of a CPU step (docs/speed.md)
 
     # ------------------------------------------------------------------------------ the batches
     def batches(self):
@@ -140,15 +149,15 @@ class TrainingLoop:
         if self.lr_scheduler is not None and not self.accelerator.optimizer_step_was_skipped:
             self.lr_scheduler.step()  # fp16 overflow: no step, no schedule tick
         self.progress.update(self.global_batch_size)
-        if self.step % self.args.logging_steps == 0:  # mean loss of all processes since the last log
+        if self.step % self.logging_steps == 0:  # mean loss of all processes since the last log
             train_loss = self.losses.mean()
-            samples_per_second = self.args.logging_steps * self.global_batch_size / (time.perf_counter() - self._t_log)
+            samples_per_second = self.logging_steps * self.global_batch_size / (time.perf_counter() - self._t_log)
             record = {"step": self.step, "train_loss": train_loss, "lr": lr, "samples_per_second": samples_per_second}
             skipped = self.losses.skipped_steps
-            log_metrics(self.accelerator, self.args, {**record, **({"skipped_steps": skipped} if skipped else {})})
+            self.metrics.log({**record, **({"skipped_steps": skipped} if skipped else {})})
             self.progress.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", refresh=False)
             self._t_log = time.perf_counter()
-        every = getattr(self.args, "eval_steps", None)  # mid-epoch evaluations, for runs shorter than an epoch
+        every = self.eval_steps  # mid-epoch evaluations, for runs shorter than an epoch
         if every and self.step % every == 0 and self.step < self.max_train_steps and \
                 self.batches_done < self.batches_per_epoch:
             t_eval = time.perf_counter()
@@ -161,7 +170,7 @@ class TrainingLoop:
 
     # ------------------------------------------------------------------------------ evaluation, checkpoints
     def _save_due(self):
-        every = self.args.checkpointing_steps
+        every = self.checkpointing_steps
         return isinstance(every, int) and self.step % every == 0
 
     def _record_evaluation(self, label, where, suffix=""):
@@ -169,7 +178,7 @@ class TrainingLoop:
         self.losses.check()
         metrics = self.evaluate()
         self.history.append({**where, "step": self.step, **metrics})
-        log_metrics(self.accelerator, self.args, {"step": self.step, "epoch": where["epoch"], **metrics})
+        self.metrics.log({"step": self.step, "epoch": where["epoch"], **metrics})
         if self.accelerator.is_main_process:
             self.progress.write(f"{label}: {_format(metrics)}{suffix}")
         self._t_log = time.perf_counter()  # evaluation time is not training throughput
@@ -181,7 +190,7 @@ class TrainingLoop:
         self._record_evaluation(label, {"epoch": epoch, "train_seconds": train_seconds},
                                 f" epoch_seconds={train_seconds:.1f}")
         trained = train_seconds > 0  # not the evaluation of a run resumed at its end: nothing new to save
-        if trained and (self.args.checkpointing_steps == "epoch" or
+        if trained and (self.checkpointing_steps == "epoch" or
                         (self._save_due() and self.batches_done >= self.batches_per_epoch)):
             self.save()
 
@@ -195,11 +204,11 @@ class TrainingLoop:
         self.losses.check(self.model, self.step)  # a checkpoint is only ever written of a sound model
         mid_epoch = self.batches_done < self.batches_per_epoch
         elapsed = time.perf_counter() - self._t_epoch if mid_epoch else 0.0
-        return save_checkpoint(self.accelerator, self.args, self.script, self.step, self.model, self.optimizer,
-                               self.lr_scheduler, self.position(),
-                               extra={"history": self.history, "epoch_seconds": self.epoch_seconds,
-                                      "epoch_elapsed": elapsed, "global_batch": self._global_batch(),
-                                      "train_samples": self._train_samples(), "losses": self.losses.state_dict()})
+        meta = {"script": self.task, "data": self.position(), "args": vars(self.args), "history": self.history,
+                "epoch_seconds": self.epoch_seconds, "epoch_elapsed": elapsed, "global_batch": self._global_batch(),
+                "train_samples": self._train_samples(), "losses": self.losses.state_dict()}
+        return save_checkpoint(self.accelerator, self.output_dir, self.step, self.model, self.optimizer,
+                               self.lr_scheduler, meta, self.keep_last)
 
     # ------------------------------------------------------------------------------ resume: the same run
     def _global_batch(self):
@@ -240,7 +249,9 @@ class TrainingLoop:
 
     def finish(self, extra=None):
         """Write model.safetensors, all_results.json (the last evaluation, timings, history and
-        `extra`), args.json and curves.png; print the summary line; return the results."""
+        `extra`), args.json and curves.png; print the summary line; close the trackers and hand the
+        folder back; return the results. The process group goes in run(), once the script's objects
+        are gone."""
         self.progress.close()
         self.losses.check(self.model, self.step)  # no final model of a run whose numbers went bad
         # wall: since the loop was built, as printed below; train: from the first batch to the last
@@ -252,25 +263,27 @@ class TrainingLoop:
                    "train_samples_per_second": self.samples_per_second(),
                    **({"skipped_steps": self.losses.skipped_steps} if self.losses.skipped_steps else {}),
                    **(extra or {})}
-        save_final(self.accelerator, model_weights(self.model), self.args, results)
+        save_final(self.accelerator, model_weights(self.model), self.output_dir, results, vars(self.args))
         if self.accelerator.is_main_process:
-            drop_replaced_run(self.args.output_dir)
-            plot_metrics(self.args.output_dir, self.headline)
+            drop_replaced_run(self.output_dir)
+            plot_metrics(self.output_dir, self.headline)
         headline = {k: results[k] for k in (self.headline, "eval_samples") if k in results}
         self.accelerator.print(f"final {_format(headline)} wall_seconds={results['wall_seconds']:.1f} "
                                f"(training {self.train_seconds:.1f}) samples_per_second="
-                               f"{results['train_samples_per_second']:.0f} -> {self.args.output_dir}")
+                               f"{results['train_samples_per_second']:.0f} -> {self.output_dir}")
+        self._close()
         return results
 
-    def close(self):
-        """Tear down in the order gloo needs. DDP's reducer holds gloo state: left for interpreter exit,
-        it can abort a finished run (SIGABRT, "terminate called without an active exception"), so
-        every reference to the prepared model goes before the process group does: the script deletes
-        its own first, this drops the loop's and the accelerator's."""
+    def _close(self):
+        """DDP's reducer holds gloo state: left for interpreter exit, it can abort a finished run
+        (SIGABRT, "terminate called without an active exception"), so every reference to the prepared
+        model must go before the process group does. The loop drops its own and the accelerator's
+        here; the script's go with its main(); run() then collects them and ends the group."""
+        self.accelerator.wait_for_everyone()
+        self.metrics.finish()
         self.losses.close()
         self.model = self.optimizer = self.lr_scheduler = self.evaluate = None
         self.accelerator.free_memory()
-        gc.collect()
-        self.accelerator.wait_for_everyone()
-        self.accelerator.end_training()
-        release_output_dir(self.args.output_dir)
+        release_output_dir(self.output_dir)
+        accelerator = self.accelerator
+        on_teardown(lambda: (accelerator.wait_for_everyone(), accelerator.state.destroy_process_group()))

@@ -4,14 +4,16 @@ import math
 
 import torch
 
+from data.errors import fail
 
-def plan_steps(args, batches_per_epoch):
+
+def plan_steps(batches_per_epoch, gradient_accumulation_steps, num_train_epochs, max_train_steps=None):
     """(max_train_steps, num_train_epochs) from the per-process batch count of the prepared loader."""
-    steps_per_epoch = math.ceil(batches_per_epoch / args.gradient_accumulation_steps)
+    steps_per_epoch = math.ceil(batches_per_epoch / gradient_accumulation_steps)
     if steps_per_epoch == 0:
-        raise SystemExit("error: the training set is smaller than one global batch; lower "
-                         "--per_device_train_batch_size or use more training samples")
-    max_train_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
+        fail("the training set is smaller than one global batch; lower "
+             "--per_device_train_batch_size or use more training samples")
+    max_train_steps = max_train_steps or num_train_epochs * steps_per_epoch
     return max_train_steps, math.ceil(max_train_steps / steps_per_epoch)
 
 

@@ -1,0 +1,141 @@
+"""The command line of every script in train/: argument types, grouped --help with defaults, the
+shared flags named as in transformers' run_*_no_trainer.py scripts, and argparse errors as one line
+(with a did-you-mean) printed once per launch."""
+import argparse
+import difflib
+import math
+
+from train.core.process import exit_once
+
+GROUPS = (("data", "data"), ("model", "model"), ("optimization", "optimization"),
+          ("checkpoints", "output and checkpoints"), ("tracking", "logging and tracking"),
+          ("hardware", "hardware and precision"))
+
+
+def positive_int(text):
+    """argparse type: an int >= 1, so `--per_device_train_batch_size 0` fails at parse time."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def steps_or_epoch(text):
+    return "epoch" if text == "epoch" else positive_int(text)
+
+
+# what other scripts call our flags: `--lr` is too far from `--learning_rate` for a spelling match
+ALIASES = {"--lr": "--learning_rate", "--epochs": "--num_train_epochs", "--num_epochs": "--num_train_epochs",
+           "--batch_size": "--per_device_train_batch_size", "--train_batch_size": "--per_device_train_batch_size",
+           "--eval_batch_size": "--per_device_eval_batch_size", "--warmup_steps": "--num_warmup_steps",
+           "--max_steps": "--max_train_steps", "--num_workers": "--dataloader_num_workers",
+           "--resume": "--resume_from_checkpoint", "--fp16": "--mixed_precision", "--bf16": "--mixed_precision"}
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows each flag's default, except for switches and unset values, where it says nothing."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, True, False, argparse.SUPPRESS) or "%(default)" in (action.help or ""):
+            return action.help
+        return f"{action.help} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the flags grouped (`parser.groups["data"]`, ...), defaults in --help, no
+    abbreviations (`--lr` must not silently mean `--lr_scheduler_type`), and errors as one line."""
+
+    def __init__(self, doc):
+        super().__init__(description=doc.split("\n")[0], allow_abbrev=False,
+                         formatter_class=_HelpFormatter)
+        self.groups = {key: self.add_argument_group(title) for key, title in GROUPS}
+
+    def error(self, message):
+        if message.startswith("unrecognized arguments:"):
+            known = [s for action in self._actions for s in action.option_strings if s not in ("-h", "--help")]
+            for word in message.split(":", 1)[1].split():
+                flag = word.split("=")[0]
+                close = [ALIASES[flag]] if ALIASES.get(flag) in known else \
+                    difflib.get_close_matches(flag, known, n=1, cutoff=0.75) if word.startswith("--") else []
+                if close:
+                    message += f" (did you mean {close[0]}?)"
+                    break
+        exit_once(f"error: {message}; see {self.prog} --help", 2)
+
+
+def make_parser(doc):
+    """The parser of a script in train/, with the flags every script shares, named as in
+    transformers' run_*_no_trainer.py scripts; the script adds its own to `parser.groups`."""
+    parser = Parser(doc)
+    g = parser.groups
+    g["optimization"].add_argument("--num_train_epochs", type=positive_int, default=3,
+                                   help="Passes over the training data.")
+    g["optimization"].add_argument("--max_train_steps", type=positive_int, default=None,
+                                   help="Optimizer steps to run; overrides --num_train_epochs when set.")
+    g["optimization"].add_argument("--gradient_accumulation_steps", type=positive_int, default=1,
+                                   help="Micro-batches per optimizer step.")
+    g["optimization"].add_argument("--seed", type=int, default=42, help="Seed for weights, shuffling and dropout.")
+    g["checkpoints"].add_argument("--output_dir", type=str, default=None,
+                                  help="Where weights, metrics and checkpoints go.")
+    g["checkpoints"].add_argument("--overwrite_output_dir", action="store_true",
+                                  help="Replace a run already in --output_dir (its checkpoints are deleted).")
+    g["tracking"].add_argument("--eval_steps", type=positive_int, default=None,
+                               help="Also evaluate every N optimizer steps (for runs shorter than an epoch).")
+    g["checkpoints"].add_argument("--checkpointing_steps", type=steps_or_epoch, default=None,
+                                  help="Save a checkpoint every N optimizer steps, or 'epoch' at each epoch's end.")
+    g["checkpoints"].add_argument("--resume_from_checkpoint", type=str, default=None,
+                                  help="A checkpoint folder (OUTPUT_DIR/checkpoints/step_N) or 'latest': the newest "
+                                       "complete one in --output_dir, or a fresh start if there is none yet.")
+    g["checkpoints"].add_argument("--checkpoints_total_limit", type=positive_int, default=None,
+                                  help="Keep only the newest N checkpoints.")
+    g["optimization"].add_argument("--nonfinite_loss", choices=["stop", "skip"], default="stop",
+                                   help="A NaN or infinite training loss: stop the run (no final model; the last "
+                                        "checkpoint stays good), or skip those optimizer steps (a sync per step).")
+    g["tracking"].add_argument("--logging_steps", type=positive_int, default=20,
+                               help="Log the mean training loss every N optimizer steps (each log is a device sync).")
+    g["tracking"].add_argument("--with_tracking", action="store_true",
+                               help="Send metrics to the --report_to trackers (files under OUTPUT_DIR/tensorboard).")
+    g["tracking"].add_argument("--report_to", type=str, default="tensorboard",
+                               help="accelerate tracker(s) for --with_tracking: tensorboard, wandb, ..., or all.")
+    g["hardware"].add_argument("--mixed_precision", choices=["auto", "no", "fp16", "bf16"], default="auto",
+                               help="auto: bf16 on GPUs that support it and on CPUs with native bf16 (AVX512-BF16, "
+                                    "AMX), else fp32, unless the accelerate config asks for fp16/bf16.")
+    g["hardware"].add_argument("--cpu", action="store_true",
+                               help="Train on the CPU even when a GPU is visible (the default when none is).")
+    g["hardware"].add_argument("--ddp_timeout", type=positive_int, default=300,
+                               help="Seconds a collective may wait for a peer before the run fails (torch's default "
+                                    "is 30 minutes, which is how long survivors of a dead rank would hang).")
+    return parser
+
+
+def add_optimizer_args(parser, learning_rate, train_batch_size, eval_batch_size, weight_decay=0.0,
+                       label_smoothing=None):
+    """The flags of AdamW + warmup/schedule training, with the script's defaults; --label_smoothing only
+    for scripts that pass a default for it (a flag a script ignores must not be accepted)."""
+    g = parser.groups["optimization"]
+    g.add_argument("--per_device_train_batch_size", type=positive_int, default=train_batch_size,
+                   help="Batch size per process; the global batch is this x processes x accumulation.")
+    g.add_argument("--per_device_eval_batch_size", type=positive_int, default=eval_batch_size,
+                   help="Evaluation batch size per process.")
+    g.add_argument("--learning_rate", type=positive_float, default=learning_rate, help="Peak AdamW learning rate.")
+    g.add_argument("--weight_decay", type=float, default=weight_decay, help="AdamW weight decay.")
+    g.add_argument("--lr_scheduler_type", choices=["constant", "linear", "cosine"], default="cosine",
+                   help="Learning-rate schedule after warmup.")
+    g.add_argument("--num_warmup_steps", type=int, default=0, help="Linear warmup steps.")
+    if label_smoothing is not None:
+        g.add_argument("--label_smoothing", type=float, default=label_smoothing, help="Cross-entropy label smoothing.")
+
+

@@ -1,0 +1,62 @@
+"""Evaluation that counts every held-out sample exactly once, whatever the number of processes."""
+import math
+
+import torch
+import torch.nn.functional as F
+
+from train.core.accelerator import average_buffers
+from train.models.gpt import next_token_loss
+
+
+def evaluate_rows(accelerator, model, loader, per_row):
+    """The mean over exactly the evaluation set of each metric that per_row(batch) returns as one
+    value per row ({"loss": tensor of shape [rows], ...}), as {"eval_loss": ..., "eval_samples": N}.
+    Both kinds of loader repeat rows so every process gets the same number of batches: a prepared
+    map-style loader's repeats are dropped by gather_for_metrics, a sharded loader's by its `valid`
+    mask; the caller needs to know neither. BatchNorm statistics are averaged over ranks first."""
+    average_buffers(accelerator, model)
+    model.eval()
+    sums, count = {}, 0
+    with torch.no_grad():
+        for batch in loader:
+            rows = {name: value.float() for name, value in per_row(batch).items()}
+            some = next(iter(rows.values()))
+            valid = batch.get("valid", torch.ones_like(some, dtype=torch.bool)) if isinstance(batch, dict) else \
+                torch.ones_like(some, dtype=torch.bool)
+            rows, valid = accelerator.gather_for_metrics((rows, valid))
+            for name, value in rows.items():
+                sums[name] = sums.get(name, 0) + (value * valid).sum()
+            count += valid.sum()
+    model.train()
+    count = int(count)
+    return {**{f"eval_{name}": (total / count).item() for name, total in sums.items()}, "eval_samples": count}
+
+
+def evaluate_classifier(accelerator, model, loader, to_inputs=lambda images: images):
+    """Accuracy and mean cross-entropy over exactly the evaluation set (batches of {"image", "label"})."""
+    def per_row(batch):
+        logits = model(to_inputs(batch["image"]))
+        return {"accuracy": logits.argmax(-1) == batch["label"],
+                "loss": F.cross_entropy(logits.float(), batch["label"], reduction="none")}
+
+    return evaluate_rows(accelerator, model, loader, per_row)
+
+
+def evaluate_language_model(accelerator, model, loader, split):
+    """Loss and bits per byte over every target of the validation windows once, for any process
+    count: the sharded loader's padded repeats (valid=False) and the last window's padding (label
+    -100) are left out of both sums. `split` is the manifest's record of the split (data/text.py):
+    its UTF-8 bytes over its scored tokens turn nats per token into bits per byte, which compare
+    across tokenizers."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+    with torch.no_grad():
+        for batch in loader:
+            labels = batch["labels"].masked_fill(~batch["valid"][:, None], -100)
+            nats = next_token_loss(model(batch["input_ids"]), labels, reduction="sum")
+            totals += torch.stack([nats.double(), (labels != -100).sum().double()])
+    model.train()
+    nats, tokens = accelerator.reduce(totals, reduction="sum").tolist()
+    scored_bytes = split["text_bytes"] * tokens / split["scored_tokens"]
+    return {"eval_loss": nats / tokens, "eval_bpb": nats / math.log(2) / scored_bytes,
+            "eval_perplexity": math.exp(min(nats / tokens, 50)), "eval_tokens": int(tokens)}

@@ -1,0 +1,83 @@
+"""The life of a run: one call sets it up (start_run), and run() is how it ends, whatever happens:
+a result and a clean teardown, one line for a user's error or a full disk, the resume command for
+Ctrl-C. Scripts only declare `main(args)` and call `run(main, parse_args())`."""
+import errno
+import gc
+import os
+import signal
+import sys
+
+from accelerate.utils import set_seed
+
+from data.errors import UserError
+from train.core.accelerator import announce, make_accelerator
+from train.core.output_dir import check_output_dir, claim_output_dir, list_checkpoints
+from train.core.process import (die_with_launcher, exit_once, first_local_process, resume_command, run_failure_hooks,
+                                run_teardown)
+
+
+def start_run(args, task, **accelerator_kwargs):
+    """Everything before the data, in the order it must happen: the output folder is checked (before
+    any process waits on another), the accelerator built, the seed set (the same initial weights on
+    every process), the header printed, and the folder claimed (its one writer from here on)."""
+    check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
+    accelerator = make_accelerator(args, **accelerator_kwargs)
+    set_seed(args.seed)
+    announce(accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.mixed_precision)
+    claim_output_dir(accelerator, args.output_dir, task, args.resume_from_checkpoint, args.overwrite_output_dir)
+    return accelerator
+
+
+# a file the run could not write, in words, by errno; EACCES/EPERM may also be a read (of --data_dir, say)
+DISK_FAULTS = {errno.ENOSPC: "no space left on device writing {}", errno.EDQUOT: "disk quota exceeded writing {}",
+               errno.EROFS: "read-only file system: cannot write {}", errno.EACCES: "permission denied: {}",
+               errno.EPERM: "operation not permitted: {}"}
+
+
+def disk_fault(error, output_dir):
+    """The one line for an OSError in DISK_FAULTS: what, where, and what to do."""
+    path = error.filename or error.filename2 or output_dir
+    inside = output_dir is not None and path is not None and os.path.commonpath(
+        [os.path.abspath(path), os.path.abspath(output_dir)]) == os.path.abspath(output_dir)
+    advice = ("free space or pass another --output_dir" if error.errno in (errno.ENOSPC, errno.EDQUOT) else
+              "pass another --output_dir" if inside else "check its permissions")
+    return f"error: {DISK_FAULTS[error.errno].format(path)}; {advice}"
+
+
+def run(main, args):
+    """main(args), then the teardown, with the ways out that users meet most made short: a user's
+    error (data.errors.UserError and its kinds) or a full, read-only or unwritable disk is one line
+    from one process and exit 1; Ctrl-C is one line with the last checkpoint and the command that
+    resumes from it, and exit 130. Under a launcher that line comes after the launcher's own report,
+    and this process dies with the launcher."""
+    die_with_launcher()
+    try:
+        result = main(args)
+    except UserError as e:
+        text = str(e)
+        if "Original Traceback" in text:  # raised in a DataLoader worker: its own message is the last line
+            text = text.strip().splitlines()[-1].split(": ", 1)[-1]
+        message, code = f"error: {text}", 1
+    except BrokenPipeError:  # printing into a pipe that closed (`... | head`): nothing left to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+        sys.exit(141)
+    except OSError as e:
+        if e.errno not in DISK_FAULTS:
+            raise
+        message, code = disk_fault(e, getattr(args, "output_dir", None)), 1
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher forwards a second SIGINT
+        if not first_local_process():  # torchrun's agent got the SIGINT too and waits for every worker
+            os._exit(130)
+        found = list_checkpoints(args.output_dir) if args.output_dir else []
+        where = (f"last checkpoint {found[-1]}" if found else
+                 "no checkpoint yet (--checkpointing_steps saves them), so a resume starts from step 0")
+        message, code = f"interrupted; {where}; resume with: {resume_command()}", 130
+    else:
+        # main's frame is gone, and with it the script's model: DDP's reducer holds gloo state and must
+        # go before the process group, or interpreter exit can abort a finished run
+        gc.collect()
+        run_teardown()
+        return result
+    run_failure_hooks()  # e.g. an output folder this run created and never wrote a result into
+    exit_once(message, code)
