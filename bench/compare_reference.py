@@ -30,10 +30,9 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.harness import FASHION_DIR, REPO, child_env, turn_order
 
-FASHION_DIR = "/usr/share/datasets/fashion-mnist"
 STEMS = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
@@ -150,7 +149,7 @@ def main(argv=None):
         parser.error(f"--paths takes names from {','.join(PATHS)}, got {args.paths!r}")
     if args.tiny:
         args.repeats, args.epochs = 1, 1
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = child_env()
     with tempfile.TemporaryDirectory() as tmp:
         data_root = torchvision_layout(os.path.join(tmp, "data"), args.tiny)
         out = os.path.join(tmp, "out")
@@ -161,8 +160,8 @@ def main(argv=None):
         paths = {name: path for name, path in paths.items() if name in chosen}
         runs = {name: [] for name in paths}
         for repeat in range(args.repeats):  # A/B/C/D, D/C/B/A, ...: drift and run order hit every path alike
-            for name, path in (list(paths.items()) if repeat % 2 == 0 else list(paths.items())[::-1]):
-                runs[name].append(path())
+            for name in turn_order(paths, repeat):
+                runs[name].append(paths[name]())
             print(f"repeat {repeat + 1}: " + ", ".join(f"{name} {rs[-1]['epoch_seconds']:.2f}" for name, rs in
                                                        runs.items()) + " s/epoch", flush=True)
         floors = {"fp32": compute_floor(data_root, False), "bf16": compute_floor(data_root, True)}

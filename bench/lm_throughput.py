@@ -23,14 +23,14 @@ these processes before and after the turns (all of them busy at once, as in trai
 the two is the denominator). Nothing of accelerate is patched or read from private attributes.
 """
 import argparse
-import json
 import os
 import statistics
 import sys
-import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.harness import CPU_2PROC, REPO, Batches, add_worker_flags, flag, print_result, ratio_line, run_workers, \
+    time_turns
+
 # the demo of `make train-lm`: the Makefile's LM_RECIPE sizes
 DEMO = {"dataset_dir": os.path.join("runs", "tokens", "gcide-bpe8192-b256"), "n_layer": 4, "n_head": 4, "n_embd": 192,
         "per_device_train_batch_size": 8}
@@ -38,6 +38,8 @@ TINY = {"n_layer": 2, "n_head": 2, "n_embd": 32, "per_device_train_batch_size": 
 
 
 def worker(args):
+    # One function on purpose: both loops are closures over objects built here, and the DDP models
+    # must be deleted here, at the end, before loop.close() ends the process group (TrainingLoop.close).
     import contextlib
 
     import pyarrow.parquet as pq
@@ -63,7 +65,7 @@ def worker(args):
         "--dataset_dir", args.dataset_dir, "--block_size", str(block_size), "--n_layer", str(args.n_layer),
         "--n_head", str(args.n_head), "--n_embd", str(args.n_embd), "--per_device_train_batch_size", str(batch_size),
         "--mixed_precision", args.mixed_precision, "--max_train_steps", str(10**9), "--output_dir", args.log_dir,
-        "--logging_steps", str(args.logging_steps), *["--torch_compile"] * args.torch_compile])
+        "--logging_steps", str(args.logging_steps), *flag("torch_compile", args.torch_compile)])
     accelerator = make_accelerator(script_args, dynamo_backend="inductor" if args.torch_compile else "no")
     device, world = accelerator.device, accelerator.num_processes
     config = GPTConfig(manifest["vocab_size"], block_size, args.n_layer, args.n_head, args.n_embd, 0.0)
@@ -80,20 +82,6 @@ def worker(args):
 
     def loss_fn(model, batch):  # train/lm.py's loss
         return next_token_loss(model(batch["input_ids"]), batch["labels"])
-
-    class Batches:
-        """An endless stream of one loader's batches, a new epoch (set_epoch) when one runs out."""
-
-        def __init__(self, loader, set_epoch):
-            self.loader, self.set_epoch, self.epoch, self.it = loader, set_epoch, 0, iter(())
-
-        def next(self):
-            try:
-                return next(self.it)
-            except StopIteration:
-                self.set_epoch(self.epoch)
-                self.epoch, self.it = self.epoch + 1, iter(self.loader)
-                return next(self.it)
 
     # ------------------------------------------------ raw: torch alone
     train_files = shards_in(args.dataset_dir, "train")
@@ -137,10 +125,9 @@ def worker(args):
     # ------------------------------------------------ lm.py: its objects, its step, TrainingLoop
     model, optimizer = model_and_optimizer()
     model, optimizer = accelerator.prepare(model, optimizer)
-    lr_scheduler = accelerator.prepare(scheduler(optimizer))
     train_loader = sharded_loader(accelerator, ParquetSource(train_files, decode=decode), batch_size,
                                   script_args.seed, True)
-    loop = TrainingLoop(accelerator, script_args, "lm_throughput", model, optimizer, lr_scheduler, train_loader,
+    loop = TrainingLoop(accelerator, script_args, "lm_throughput", model, optimizer, train_loader,
                         evaluate=dict)
     lm_batches = loop.batches()
 
@@ -165,25 +152,17 @@ def worker(args):
     for step in loops.values():  # warm-up: DDP's bucket rebuild, kernels, compilation
         for _ in range(args.warmup):
             step()
-    ms_per_step = {name: [] for name in loops}
-    for turn in range(args.turns):
-        for name, step in (list(loops.items()) if turn % 2 == 0 else list(loops.items())[::-1]):
-            synchronize()
-            start = time.perf_counter()
-            step()
-            synchronize()
-            ms_per_step[name].append(1000 * (time.perf_counter() - start))
+    ms_per_step = time_turns(loops, args.turns, synchronize, sync_after=True)
     peak_after = matmul_peak(accelerator)
     loop.progress.close()
     if accelerator.is_main_process:
         reference = accelerator.unwrap_model(model)
-        print("RESULT " + json.dumps({
+        print_result({
             "world_size": world, "device": str(device), "mixed_precision": accelerator.mixed_precision,
             "torch_compile": args.torch_compile, "ms_per_step": ms_per_step, "block_size": block_size,
             "tokens_per_step": world * batch_size * block_size, "flops_per_token": reference.flops_per_token(),
             "parameters": sum(p.numel() for p in reference.parameters()), "vocab_size": manifest["vocab_size"],
-            "matmul_peak": [peak_before, peak_after], "raw_steps": raw_state["step"], "lm_steps": loop.step}),
-            flush=True)
+            "matmul_peak": [peak_before, peak_after], "raw_steps": raw_state["step"], "lm_steps": loop.step})
     if dist.is_initialized():
         dist.barrier()
     del model, optimizer, raw_model, raw_optimizer  # DDP reducers before the gloo group goes (TrainingLoop.close)
@@ -194,7 +173,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dataset_dir", default=None, help="Window shards (default: the demo's, written by "
                         "make train-lm).")
-    parser.add_argument("--config_file", default=os.path.join(REPO, "accelerate_configs", "cpu_2proc.yaml"))
+    parser.add_argument("--config_file", default=CPU_2PROC)
     for name, value in DEMO.items():
         if name != "dataset_dir":
             parser.add_argument(f"--{name}", type=int, default=None, help=f"Default {value} ({TINY[name]} with --tiny).")
@@ -204,8 +183,7 @@ def main(argv=None):
     parser.add_argument("--mixed_precision", choices=["auto", "no", "bf16", "fp16"], default="auto")
     parser.add_argument("--torch_compile", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="A tiny model, 6 turns: checks the bench runs.")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--log_dir", default=None, help=argparse.SUPPRESS)
+    add_worker_flags(parser)
     args = parser.parse_args(argv)
     sizes = TINY if args.tiny else DEMO
     for name in TINY:
@@ -219,13 +197,11 @@ def main(argv=None):
     if not os.path.isfile(os.path.join(args.dataset_dir, "manifest.json")):
         raise SystemExit(f"error: {args.dataset_dir} holds no token shards; run `make train-lm` once (it writes "
                          "the demo's) or pass --dataset_dir with shards of python -m data.prepare --tokenizer ...")
-    from bench.loop_overhead import run_workers
-
     result = run_workers(__file__, [
         "--dataset_dir", os.path.abspath(args.dataset_dir), "--turns", str(args.turns), "--warmup", str(args.warmup),
         "--logging_steps", str(args.logging_steps), "--mixed_precision", args.mixed_precision,
-        *[f"--{name}={getattr(args, name)}" for name in TINY], *["--torch_compile"] * args.torch_compile,
-        *["--tiny"] * args.tiny], config_file=args.config_file)
+        *[f"--{name}={getattr(args, name)}" for name in TINY], *flag("torch_compile", args.torch_compile),
+        *flag("tiny", args.tiny)], config_file=args.config_file)
     ms, tokens = result["ms_per_step"], result["tokens_per_step"]
     peak = statistics.mean(result["matmul_peak"])
     print(f"{args.turns} alternating steps per loop after {args.warmup} warm-up, world size {result['world_size']} "
@@ -241,8 +217,7 @@ def main(argv=None):
         tokens_per_second = tokens * len(values) / (sum(values) / 1000)
         print(f"| {name} | {statistics.median(values):.1f} | {statistics.mean(values):.1f} | {tokens_per_second:.0f} | "
               f"{tokens_per_second * result['flops_per_token'] / peak:.1%} |")
-    print(f"RATIO lm.py tokens/s / raw DDP tokens/s = {sum(ms['raw']) / sum(ms['lm.py']):.3f} "
-          f"(median of turns {statistics.median(r / v for r, v in zip(ms['raw'], ms['lm.py'])):.3f})")
+    print(ratio_line("lm.py tokens/s / raw DDP tokens/s", ms, "lm.py", "raw"))
     for name, values in ms.items():
         print(f"MFU {name} = {tokens * len(values) / (sum(values) / 1000) * result['flops_per_token'] / peak:.3f} "
               f"of the measured matmul peak {peak / 1e9:.1f} GFLOP/s")

@@ -3,10 +3,8 @@
     python bench/loop_overhead.py                  # ~2 minutes on 2 cores
     python bench/loop_overhead.py --tiny           # seconds; what the test suite runs
 
-compare_reference.py times whole runs one after another; this host's speed drifts by 10-20% within
-a minute, so its ours/raw ratio moves by several percent between runs of the bench and cannot settle
-a 1-3% question. Here the loops live in the same two processes (launched with
-accelerate_configs/cpu_2proc.yaml) and take turns, one step each by default, so drift hits them alike;
+compare_reference.py times whole runs one after another, which the host's drift makes too rough
+for a 1-3% question; here the loops take turns in the same two processes (bench/harness.py) and
 over 1500 turns the ratio of total times is the overhead. The loops:
 
 - raw: bench/reference/raw_ddp_mnist.py's step (DistributedSampler loader, torch DDP without buffer
@@ -21,82 +19,41 @@ over 1500 turns the ratio of total times is the overhead. The loops:
 
 Same data (Fashion-MNIST), the seed's ConvNet, channels_last, 50 samples per process, in the precision
 `--mixed_precision auto` picks on this CPU (bf16 with native bf16, else fp32; --mixed_precision to
-force one). A check of the instrument: with ours' pieces swapped for raw's one by one, the last variant
-(all swapped) came out at 1.000. Nothing of accelerate is patched: until 2026-11 make_accelerator
-cached two of accelerate's per-step lookups by replacing its functions (about 1.5% of a step), which
-would break on accelerate's next release.
+force one). How far to trust the instrument, and the history of the figures: docs/speed.md.
 """
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-FASHION_DIR = "/usr/share/datasets/fashion-mnist"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.harness import FASHION_DIR, MNIST_BATCH, add_worker_flags, flag, print_result, ratio_line, run_workers, \
+    speed_ratio, time_turns
+
+LOG_EVERY = 20  # train/mnist.py's --logging_steps default, which the raw_logged loop copies
 
 
 def worker(args):
-    import contextlib
+    # One function on purpose: the three loops are closures over objects built here, and the DDP
+    # models must be deleted here, at the end, before loop.close() ends the gloo group (a reference
+    # that outlives it can abort the finished run: TrainingLoop.close).
+    import json
 
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.utils.data import DataLoader
-    from torch.utils.data.distributed import DistributedSampler
     from tqdm.auto import tqdm
 
-    from data import collate_batch, load_mnist, normalize_images
-    from train import mnist
-    from train.core.accelerator import make_accelerator
-    from train.core.loop import TrainingLoop
+    from bench.mnist_loops import MnistBench
     from train.core.schedule import make_scheduler
 
-    script_args = mnist.parse_args(["--mixed_precision", args.mixed_precision, "--output_dir", args.log_dir,
-                                    "--max_train_steps", str(10**9), "--per_device_train_batch_size", "50"])
-    accelerator = make_accelerator(script_args)
-    bf16 = accelerator.mixed_precision == "bf16"
-
-    def autocast():  # what accelerate's autocast does, for the raw loops
-        return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    train_set, _, _ = load_mnist("fashion_mnist", args.data_dir)
-    if args.tiny:
-        train_set = train_set.subset(1000)
-    mean, std = train_set.mean, train_set.std
-    batch_size, channels_last = 50, torch.channels_last
-
-    def to_inputs(images):
-        return normalize_images(images, mean, std).contiguous(memory_format=channels_last)
-
-    def model_and_optimizer():
-        torch.manual_seed(42)
-        model = mnist.ConvNet().to(memory_format=channels_last)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
-
-    class Batches:
-        """An endless stream of one loader's batches, a new epoch (set_epoch) when one runs out."""
-
-        def __init__(self, loader, set_epoch):
-            self.loader, self.set_epoch, self.epoch, self.it = loader, set_epoch, 0, iter(())
-
-        def next(self):
-            try:
-                return next(self.it)
-            except StopIteration:
-                self.set_epoch(self.epoch)
-                self.epoch, self.it = self.epoch + 1, iter(self.loader)
-                return next(self.it)
+    bench = MnistBench(args.data_dir, args.log_dir, args.mixed_precision, samples=1000 if args.tiny else None)
+    accelerator, to_inputs, autocast = bench.accelerator, bench.to_inputs, bench.autocast
+    world = accelerator.num_processes
 
     # ------------------------------------------------ raw: as bench/reference/raw_ddp_mnist.py
-    raw_model, raw_optimizer = model_and_optimizer()
-    raw_model = DDP(raw_model, broadcast_buffers=False)
-    sampler = DistributedSampler(train_set, shuffle=True, seed=42, drop_last=True)
-    raw_batches = Batches(DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True,
-                                     collate_fn=collate_batch), sampler.set_epoch)
+    raw_model, raw_optimizer, _, raw_batches = bench.raw()
     raw_state = {"step": 0}
 
     def raw_steps(n):
@@ -109,15 +66,11 @@ def worker(args):
             raw_optimizer.step()
             raw_optimizer.zero_grad(set_to_none=True)
             raw_state["step"] += 1
-            if raw_state["step"] % 20 == 0:
+            if raw_state["step"] % LOG_EVERY == 0:
                 loss.item()
 
     # ------------------------------------------------ raw_logged: raw with our loop's bookkeeping, no accelerate
-    logged_model, logged_optimizer = model_and_optimizer()  # its own: the scheduler wraps optimizer.step
-    logged_model = DDP(logged_model, broadcast_buffers=False)
-    logged_sampler = DistributedSampler(train_set, shuffle=True, seed=42, drop_last=True)
-    logged_batches = Batches(DataLoader(train_set, batch_size=batch_size, sampler=logged_sampler, drop_last=True,
-                                        collate_fn=collate_batch), logged_sampler.set_epoch)
+    logged_model, logged_optimizer, _, logged_batches = bench.raw()  # its own: the scheduler wraps optimizer.step
     logged_scheduler = make_scheduler(logged_optimizer, "constant", 0, 10**9)
     logged_progress = tqdm(total=10**9, unit="samples", unit_scale=True, disable=dist.get_rank() != 0, mininterval=0.5)
     logged_state = {"step": 0, "losses": [], "t_log": time.perf_counter()}
@@ -136,27 +89,22 @@ def worker(args):
             logged_state["step"] += 1
             lr = logged_scheduler.get_last_lr()[0]
             logged_scheduler.step()
-            logged_progress.update(batch_size * dist.get_world_size())
-            if logged_state["step"] % 20 == 0:
+            logged_progress.update(MNIST_BATCH * world)
+            if logged_state["step"] % LOG_EVERY == 0:
                 mean_loss = torch.stack(losses).mean()
                 dist.all_reduce(mean_loss)
-                train_loss = mean_loss.item() / dist.get_world_size()
+                train_loss = mean_loss.item() / world
                 if dist.get_rank() == 0:
                     with open(os.path.join(args.log_dir, "raw_metrics.jsonl"), "a") as f:
                         f.write(json.dumps({"step": logged_state["step"], "train_loss": train_loss, "lr": lr,
-                                            "samples_per_second": 20 * batch_size * dist.get_world_size() /
+                                            "samples_per_second": LOG_EVERY * MNIST_BATCH * world /
                                             (time.perf_counter() - t_log)}) + "\n")
                 logged_progress.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", refresh=False)
                 losses, t_log = [], time.perf_counter()
         logged_state.update(losses=losses, t_log=t_log)
 
     # ------------------------------------------------ ours: train/mnist.py's step inside train/core/loop.py's TrainingLoop
-    model, optimizer = model_and_optimizer()
-    loader = DataLoader(train_set, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=collate_batch)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    lr_scheduler = accelerator.prepare(make_scheduler(optimizer, "constant", 0, 10**9))
-    loop = TrainingLoop(accelerator, script_args, "loop_overhead", model, optimizer, lr_scheduler, loader,
-                        evaluate=dict)  # no evaluation at the epoch ends: raw has none either
+    model, optimizer, loop = bench.ours("loop_overhead")
     ours_batches = loop.batches()
 
     def our_steps(n):
@@ -172,13 +120,8 @@ def worker(args):
     loops = {"raw": raw_steps, "raw_logged": raw_logged_steps, "ours": our_steps}
     for run in loops.values():  # warm-up: DDP's first-iteration bucket rebuild, oneDNN kernel creation
         run(args.block)
-    ms_per_step = {name: [] for name in loops}
-    for block in range(args.blocks):  # A/B/C/D, D/C/B/A, ...
-        for name, run in (list(loops.items()) if block % 2 == 0 else list(loops.items())[::-1]):
-            accelerator.wait_for_everyone()
-            start = time.perf_counter()
-            run(args.block)
-            ms_per_step[name].append(1000 * (time.perf_counter() - start) / args.block)
+    ms_per_step = time_turns({name: lambda run=run: run(args.block) for name, run in loops.items()}, args.blocks,
+                             accelerator.wait_for_everyone, steps_per_turn=args.block)
     loop.progress.close()
     logged_progress.close()
     if accelerator.is_main_process:
@@ -186,29 +129,11 @@ def worker(args):
         for name, file in (("ours", "metrics.jsonl"), ("raw_logged", "raw_metrics.jsonl")):
             with open(os.path.join(args.log_dir, file)) as f:
                 logged_steps[name] = [r["step"] for r in map(json.loads, f) if "train_loss" in r]
-        print("RESULT " + json.dumps({"world_size": accelerator.num_processes, "ms_per_step": ms_per_step,
-                                      "mixed_precision": accelerator.mixed_precision,
-                                      "logged_steps": logged_steps}), flush=True)
-    # DDP reducers before the gloo group goes (see train/mnist.py)
+        print_result({"world_size": world, "ms_per_step": ms_per_step,
+                      "mixed_precision": accelerator.mixed_precision, "logged_steps": logged_steps})
+    # DDP reducers before the gloo group goes (TrainingLoop.close)
     del model, optimizer, raw_model, raw_optimizer, logged_model, logged_optimizer
     loop.close()
-
-
-def run_workers(script, worker_args, config_file=os.path.join(REPO, "accelerate_configs", "cpu_2proc.yaml")):
-    """`script --worker` in the processes of `config_file` (2 CPU processes unless told) with a scratch
-    --log_dir: what its main process printed after RESULT, parsed."""
-    import tempfile
-
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file,
-               os.path.abspath(script), "--worker",
-               "--log_dir", tmp, *worker_args]
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"error: the bench workers failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
 
 
 def main(argv=None):
@@ -218,8 +143,7 @@ def main(argv=None):
     parser.add_argument("--data_dir", default=FASHION_DIR)
     parser.add_argument("--mixed_precision", choices=["auto", "no", "bf16"], default="auto")
     parser.add_argument("--tiny", action="store_true", help="1000 samples, 30 turns: checks the bench runs")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--log_dir", default=None, help=argparse.SUPPRESS)
+    add_worker_flags(parser)
     args = parser.parse_args(argv)
     if args.tiny:
         args.blocks, args.block = 30, 1  # 30 steps: epochs roll over, the loss is logged at step 20
@@ -227,23 +151,23 @@ def main(argv=None):
         return worker(args)
     result = run_workers(__file__, ["--data_dir", args.data_dir, "--blocks", str(args.blocks),
                                     "--block", str(args.block), "--mixed_precision", args.mixed_precision,
-                                    *["--tiny"] * args.tiny])
+                                    *flag("tiny", args.tiny)])
     ms = result["ms_per_step"]
     print(f"{args.blocks} alternating turns of {args.block} step(s) per loop, world size {result['world_size']}, "
-          f"mixed_precision={result['mixed_precision']}, 50 samples per process{' (tiny)' if args.tiny else ''}; "
-          "logged steps: " +
+          f"mixed_precision={result['mixed_precision']}, {MNIST_BATCH} samples per process"
+          f"{' (tiny)' if args.tiny else ''}; logged steps: " +
           ", ".join(f"{name} {steps[0]}..{steps[-1]} ({len(steps)} records)"
                     for name, steps in result["logged_steps"].items()))
     print("| loop | ms/step (median) | ms/step (mean) | throughput vs raw (total time) | vs raw, median of turns |")
     print("|---|---|---|---|---|")
     for name, values in ms.items():
-        paired = statistics.median(r / v for r, v in zip(ms["raw"], values))
-        print(f"| {name} | {statistics.median(values):.3f} | {statistics.mean(values):.3f} | "
-              f"{sum(ms['raw']) / sum(values):.3f} | {paired:.3f} |")
+        totals, per_turn = speed_ratio(ms, name, "raw")
+        print(f"| {name} | {statistics.median(values):.3f} | {statistics.mean(values):.3f} | {totals:.3f} | "
+              f"{per_turn:.3f} |")
     for name, base, label in [(name, "raw", "raw DDP") for name in ms if name != "raw"] + [
             ("ours", "raw_logged", "raw_logged (accelerate's cost alone)")]:
-        print(f"RATIO {name} throughput / {label} throughput = {sum(ms[base]) / sum(ms[name]):.3f} "
-              f"(median of turns {statistics.median(b / v for b, v in zip(ms[base], ms[name])):.3f})")
+        print(ratio_line(f"{name} throughput / {label} throughput", ms, name, base))
+
 
 if __name__ == "__main__":
     main()

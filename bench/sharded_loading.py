@@ -96,6 +96,24 @@ def one_epoch(accelerator, make, paths, batch, workers, epoch):
     return gather_object([(seconds, samples, chars)])
 
 
+def print_table(rows, world, args, total_bytes, num_files):
+    """The markdown table of medians, with the speed and bytes ratios of ours against `datasets`."""
+    print(f"\nW={world} processes, batch {args.per_device_batch_size}/rank, {args.repeats} alternating repeats, "
+          f"shards {total_bytes / 1e6:.1f} MB in {num_files} files")
+    print("| source | K workers | path | samples/s (median) | samples/epoch | bytes read per rank (K=0) | "
+          "speed ratio | bytes ratio |")
+    print("|---|---|---|---|---|---|---|---|")
+    for source, size, workers, medians in rows:
+        speed_ratio = medians["ours"][0] / medians["datasets"][0]
+        bytes_ratio = max(medians["ours"][2]) / max(max(medians["datasets"][2]), 1)
+        for name in ("ours", "datasets"):
+            speed, samples, per_rank = medians[name]
+            bytes_text = " / ".join(f"{b / size:.2f}x" for b in per_rank) + " of the data" if workers == 0 else "n/a"
+            print(f"| {source} | {workers} | {name} | {speed:,.0f} | {samples} | {bytes_text} | "
+                  f"{f'{speed_ratio:.2f}' if name == 'ours' else ''} | "
+                  f"{f'{bytes_ratio:.2f}' if name == 'ours' and workers == 0 else ''} |")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--parquet_dir", default="runs/parquet/fashion_mnist")
@@ -152,20 +170,7 @@ def main():
                 medians[name] = (samples / seconds, samples, per_rank_bytes)
             rows.append((source, size, workers, medians))
     if accelerator.is_main_process:
-        print(f"\nW={world} processes, batch {args.per_device_batch_size}/rank, {args.repeats} alternating repeats, "
-              f"shards {total_bytes / 1e6:.1f} MB in {len(paths)} files")
-        print("| source | K workers | path | samples/s (median) | samples/epoch | bytes read per rank (K=0) | "
-              "speed ratio | bytes ratio |")
-        print("|---|---|---|---|---|---|---|---|")
-        for source, size, workers, medians in rows:
-            speed_ratio = medians["ours"][0] / medians["datasets"][0]
-            bytes_ratio = max(medians["ours"][2]) / max(max(medians["datasets"][2]), 1)
-            for name in ("ours", "datasets"):
-                speed, samples, per_rank = medians[name]
-                bytes_text = " / ".join(f"{b / size:.2f}x" for b in per_rank) + " of the data" if workers == 0 else "n/a"
-                print(f"| {source} | {workers} | {name} | {speed:,.0f} | {samples} | {bytes_text} | "
-                      f"{f'{speed_ratio:.2f}' if name == 'ours' else ''} | "
-                      f"{f'{bytes_ratio:.2f}' if name == 'ours' and workers == 0 else ''} |")
+        print_table(rows, world, args, total_bytes, len(paths))
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

@@ -4,173 +4,137 @@
     python bench/step_phases.py --tiny     # seconds; what the test suite runs
 
 loop_overhead.py measures how much slower our step is; this shows where the difference sits. The
-raw loop of bench/reference/raw_ddp_mnist.py and train/mnist.py's loop run in the same two processes
-(accelerate_configs/cpu_2proc.yaml) and alternate step by step, the first of each pair alternating
-too. A clock is read between the phases:
+raw loop of bench/reference/raw_ddp_mnist.py and train/mnist.py's step inside the real
+train/core/loop.py TrainingLoop run in the same two processes (accelerate_configs/cpu_2proc.yaml) and
+alternate step by step, the first of each pair alternating too (bench/harness.py). A clock is read
+between the phases:
 
-- data: the next batch;
+- data: the next batch (ours: from TrainingLoop.batches(), the generator train/mnist.py iterates);
 - forward: model and loss (ours: entering `accumulate` too);
 - backward: includes DDP's gradient all-reduce, so also the wait for the other rank;
 - step, zero_grad: the optimizer (ours: leaving `accumulate` with zero_grad);
-- ours only, the bookkeeping the raw loop does not do: the loss kept for logging, the scheduler
-  tick, tqdm (drawn on rank 0), and every 20 steps the loss all-reduce and the log line.
+- after_batch, ours only: TrainingLoop.after_batch, the bookkeeping the raw loop does not do (the
+  loss kept for logging, the step count, the scheduler tick, tqdm drawn on rank 0, and every 20
+  steps the loss all-reduce and the log line). It is one public call, timed whole; a line below the
+  table splits it into logging steps and the others. Finer rows need a hook in TrainingLoop
+  (docs/speed.md).
 
 µs per step, mean over the epoch. A phase is rough to ~±10 µs and the host drifts between runs:
 this locates costs, loop_overhead.py measures the total.
 """
 import argparse
-import json
 import os
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-FASHION_DIR = "/usr/share/datasets/fashion-mnist"
-PHASES = ["data", "forward", "backward", "step", "zero_grad", "loss kept", "scheduler", "tqdm", "loss all-reduce",
-          "log line"]
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.harness import FASHION_DIR, MNIST_BATCH, add_worker_flags, flag, print_result, run_workers, turn_order
+
+PHASES = ["data", "forward", "backward", "step", "zero_grad", "after_batch"]
+clock = time.perf_counter
+
+
+def add(spent, t):
+    """Add the clock readings `t`, one between each two phases, to the seconds `spent` per phase."""
+    for phase, start, end in zip(PHASES, t, t[1:]):
+        spent[phase] += end - start
+
+
+def raw_step(model, optimizer, to_inputs, batches, spent):  # bench/reference/raw_ddp_mnist.py's step
+    t = [clock()]
+    batch = next(batches)
+    t.append(clock())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(to_inputs(batch["image"])).float()
+    loss = F.cross_entropy(logits, batch["label"])
+    t.append(clock())
+    loss.backward()
+    t.append(clock())
+    optimizer.step()
+    t.append(clock())
+    optimizer.zero_grad(set_to_none=True)
+    t.append(clock())
+    add(spent, t)
+
+
+def our_step(accelerator, model, optimizer, loop, to_inputs, batches, spent):
+    """train/mnist.py's loop body, with clocks between the phases; returns after_batch's seconds and
+    whether this step logged."""
+    t = [clock()]
+    batch = next(batches)
+    t.append(clock())
+    with accelerator.accumulate(model):
+        loss = F.cross_entropy(model(to_inputs(batch["image"])), batch["label"], label_smoothing=0.0)
+        t.append(clock())
+        accelerator.backward(loss)
+        t.append(clock())
+        optimizer.step()
+        t.append(clock())
+        optimizer.zero_grad(set_to_none=True)
+    t.append(clock())
+    stepped = loop.after_batch(loss)
+    t.append(clock())
+    add(spent, t)
+    return t[-1] - t[-2], stepped and loop.step % loop.args.logging_steps == 0
 
 
 def worker(args):
-    import torch
-    import torch.nn.functional as F
     from accelerate.utils import gather_object
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from torch.utils.data import DataLoader
-    from torch.utils.data.distributed import DistributedSampler
-    from tqdm.auto import tqdm
 
-    from data import collate_batch, load_mnist, normalize_images
-    from train import mnist
-    from train.core.accelerator import make_accelerator
-    from train.core.schedule import make_scheduler
-    from train.core.tracking import log_metrics
+    from bench.mnist_loops import MnistBench
 
-    script_args = mnist.parse_args(["--mixed_precision", "bf16", "--output_dir", args.log_dir])
-    accelerator = make_accelerator(script_args)
-    train_set, _, _ = load_mnist("fashion_mnist", args.data_dir)
-    if args.tiny:
-        train_set = train_set.subset(2000)  # 20 steps: one log line
-    mean, std, batch_size = train_set.mean, train_set.std, 50
-
-    def to_inputs(images):
-        return normalize_images(images, mean, std).contiguous(memory_format=torch.channels_last)
-
-    def model_and_optimizer():
-        torch.manual_seed(42)
-        model = mnist.ConvNet().to(memory_format=torch.channels_last)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
-
-    raw_model, raw_optimizer = model_and_optimizer()
-    raw_model = DDP(raw_model, broadcast_buffers=False)
-    sampler = DistributedSampler(train_set, shuffle=True, seed=42, drop_last=True)
-    raw_loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True, collate_fn=collate_batch)
-    model, optimizer = model_and_optimizer()
-    loader = DataLoader(train_set, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=collate_batch)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    lr_scheduler = accelerator.prepare(make_scheduler(optimizer, "constant", 0, 10**9))
-    progress = tqdm(total=10**9, unit="samples", unit_scale=True, disable=not accelerator.is_local_main_process,
-                    mininterval=0.5)
-    global_batch_size = batch_size * accelerator.num_processes
+    bench = MnistBench(args.data_dir, args.log_dir, "bf16", samples=2000 if args.tiny else None)  # tiny: 20 steps
+    accelerator, to_inputs = bench.accelerator, bench.to_inputs
+    raw_model, raw_optimizer, raw_loader, _ = bench.raw()
+    model, optimizer, loop = bench.ours("step_phases")
     seconds = {"raw": dict.fromkeys(PHASES, 0.0), "ours": dict.fromkeys(PHASES, 0.0)}
-    clock = time.perf_counter
-
-    def add(spent, t):
-        for phase, start, end in zip(PHASES, t, t[1:]):
-            spent[phase] += end - start
-
-    def raw_step(batches, spent):
-        t = [clock()]
-        batch = next(batches)
-        t.append(clock())
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = raw_model(to_inputs(batch["image"])).float()
-        loss = F.cross_entropy(logits, batch["label"])
-        t.append(clock())
-        loss.backward()
-        t.append(clock())
-        raw_optimizer.step()
-        t.append(clock())
-        raw_optimizer.zero_grad(set_to_none=True)
-        t.append(clock())
-        add(spent, t)
-
-    state = {"completed_steps": 0, "losses": [], "t_log": clock()}
-
-    def our_step(batches, spent):  # train/mnist.py's loop body, with clocks between the phases
-        t = [clock()]
-        batch = next(batches)
-        t.append(clock())
-        with accelerator.accumulate(model):
-            loss = F.cross_entropy(model(to_inputs(batch["image"])), batch["label"], label_smoothing=0.0)
-            t.append(clock())
-            accelerator.backward(loss)
-            t.append(clock())
-            optimizer.step()
-            t.append(clock())
-            optimizer.zero_grad(set_to_none=True)
-        t.append(clock())
-        state["losses"].append(loss.detach())
-        t.append(clock())
-        state["completed_steps"] += 1
-        lr = lr_scheduler.get_last_lr()[0]
-        if not accelerator.optimizer_step_was_skipped:
-            lr_scheduler.step()
-        t.append(clock())
-        progress.update(global_batch_size)
-        t.append(clock())
-        if state["completed_steps"] % 20 == 0:
-            train_loss = accelerator.reduce(torch.stack(state["losses"]).mean(), reduction="mean").item()
-            t.append(clock())
-            log_metrics(accelerator, script_args, {"step": state["completed_steps"], "train_loss": train_loss,
-                                                   "lr": lr, "samples_per_second": 20 * global_batch_size /
-                                                   (time.perf_counter() - state["t_log"])})
-            progress.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", refresh=False)
-            state.update(losses=[], t_log=time.perf_counter())
-            t.append(clock())
-        add(spent, t)
-
-    sampler.set_epoch(0)
-    loader.set_epoch(0)
-    raw_batches, our_batches = iter(raw_loader), iter(loader)
+    after_batch = {"logging": [0, 0.0], "other": [0, 0.0]}  # calls, seconds
+    raw_batches, our_batches = iter(raw_loader), loop.batches()
     steps = len(raw_loader)
-    for i in range(steps):
-        pair = [(raw_step, raw_batches, seconds["raw"]), (our_step, our_batches, seconds["ours"])]
-        for step, batches, spent in (pair if i % 2 == 0 else pair[::-1]):
-            step(batches, spent)
-    progress.close()
+    for i in range(steps):  # one epoch each: the loop's end-of-epoch evaluation is never reached
+        for name in turn_order(("raw", "ours"), i):
+            if name == "raw":
+                raw_step(raw_model, raw_optimizer, to_inputs, raw_batches, seconds["raw"])
+                continue
+            spent, logged = our_step(accelerator, model, optimizer, loop, to_inputs, our_batches, seconds["ours"])
+            calls = after_batch["logging" if logged else "other"]
+            calls[0], calls[1] = calls[0] + 1, calls[1] + spent
+    loop.progress.close()
     per_rank = gather_object([{"rank": accelerator.process_index, "steps": steps,
-                               "us_per_step": {loop: {phase: 1e6 * s / steps for phase, s in spent.items()}
-                                               for loop, spent in seconds.items()}}])
+                               "us_per_step": {name: {phase: 1e6 * s / steps for phase, s in spent.items()}
+                                               for name, spent in seconds.items()},
+                               "after_batch_us": {kind: [n, 1e6 * s / max(n, 1)]
+                                                  for kind, (n, s) in after_batch.items()}}])
     if accelerator.is_main_process:
-        print("RESULT " + json.dumps(per_rank), flush=True)
-    del model, optimizer, raw_model, raw_optimizer  # DDP reducers before the gloo group goes (see train/mnist.py)
-    accelerator.free_memory()
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+        print_result(per_rank)
+    del model, optimizer, raw_model, raw_optimizer  # DDP reducers before the gloo group goes (TrainingLoop.close)
+    loop.close()
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data_dir", default=FASHION_DIR)
     parser.add_argument("--tiny", action="store_true", help="2000 samples (20 steps): checks the bench runs")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--log_dir", default=None, help=argparse.SUPPRESS)
+    add_worker_flags(parser)
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
-    from bench.loop_overhead import run_workers
-
-    ranks = sorted(run_workers(__file__, ["--data_dir", args.data_dir, *["--tiny"] * args.tiny]),
+    ranks = sorted(run_workers(__file__, ["--data_dir", args.data_dir, *flag("tiny", args.tiny)]),
                    key=lambda r: r["rank"])
-    print(f"{ranks[0]['steps']} steps of each loop, alternating, world size {len(ranks)}, bf16, 50 samples per "
-          f"process{' (tiny)' if args.tiny else ''}; µs per step, mean")
+    print(f"{ranks[0]['steps']} steps of each loop, alternating, world size {len(ranks)}, bf16, {MNIST_BATCH} samples "
+          f"per process{' (tiny)' if args.tiny else ''}; µs per step, mean")
     columns = [(f"{loop} rank {r['rank']}", r["us_per_step"][loop]) for r in ranks for loop in ("raw", "ours")]
     print("| phase | " + " | ".join(name for name, _ in columns) + " | ours - raw, rank 0 |")
     print("|---" * (len(columns) + 2) + "|")
     for phase in PHASES + ["total"]:
         values = [sum(us.values()) if phase == "total" else us[phase] for _, us in columns]
         print(f"| {phase} | " + " | ".join(f"{v:.1f}" for v in values) + f" | {values[1] - values[0]:+.1f} |")
+    print("after_batch of ours, µs per call: " + "; ".join(
+        f"rank {r['rank']}: " + ", ".join(f"{kind} steps {n} x {us:.1f}" for kind, (n, us) in r["after_batch_us"].items())
+        for r in ranks))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.harness import REPO, child_env
 
 
 def main(argv=None):
@@ -33,7 +34,7 @@ def main(argv=None):
     if args.tiny:
         args.repeats = 1
         make_vars += ["EPOCHS=1", "EXTRA=--max_train_samples 1280 --max_eval_samples 500"]
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = child_env()
     env["PYTHON"] = sys.executable
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -55,7 +56,6 @@ def main(argv=None):
             print(f"run {repeat + 1}: {wall:.1f} s from launch, test accuracy per epoch "
                   f"{' '.join(f'{a:.4f}' for a in accuracies)}", flush=True)
     met = sum(r["accuracy"] >= args.target_accuracy and r["wall"] <= args.target_seconds for r in runs)
-    sys.path.insert(0, REPO)
     from train.core.accelerator import cpu_has_native_bf16
 
     native, what = cpu_has_native_bf16()

@@ -19,6 +19,7 @@ One path for the end of an epoch and the end of the run (nanochat's `last_step`)
 records and, when due, saves after the evaluation. A run resumed from its final checkpoint trains
 no batch and goes down the same path, so it evaluates once and writes the same outputs.
 """
+import gc
 import math
 import time
 
@@ -271,19 +272,27 @@ class TrainingLoop:
         self.accelerator.print(f"final {_format(headline)} wall_seconds={results['wall_seconds']:.1f} "
                                f"(training {self.train_seconds:.1f}) samples_per_second="
                                f"{results['train_samples_per_second']:.0f} -> {self.output_dir}")
-        self._close()
+        self.accelerator.wait_for_everyone()
+        self.metrics.finish()
+        self._release()
+        accelerator = self.accelerator
+        on_teardown(lambda: (accelerator.wait_for_everyone(), accelerator.state.destroy_process_group()))
         return results
 
-    def _close(self):
+    def _release(self):
         """DDP's reducer holds gloo state: left for interpreter exit, it can abort a finished run
         (SIGABRT, "terminate called without an active exception"), so every reference to the prepared
         model must go before the process group does. The loop drops its own and the accelerator's
-        here; the script's go with its main(); run() then collects them and ends the group."""
-        self.accelerator.wait_for_everyone()
-        self.metrics.finish()
+        here; a script's go with its main(), and run() then collects them and ends the group."""
         self.losses.close()
         self.model = self.optimizer = self.lr_scheduler = self.evaluate = None
         self.accelerator.free_memory()
         release_output_dir(self.output_dir)
-        accelerator = self.accelerator
-        on_teardown(lambda: (accelerator.wait_for_everyone(), accelerator.state.destroy_process_group()))
+
+    def close(self):
+        """For code that drives the loop without finish() and run() (the benches): once it has deleted
+        its own references to the prepared model, end here, the process group included."""
+        self._release()
+        gc.collect()
+        self.accelerator.wait_for_everyone()
+        self.accelerator.end_training()
