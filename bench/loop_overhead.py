@@ -50,7 +50,7 @@ def worker(args):
     from torch.utils.data.distributed import DistributedSampler
     from tqdm.auto import tqdm
 
-    from data import collate_batch, load_mnist, normalize_images
+    from data import identity_collate, load_mnist, normalize_images
     from train import mnist
     from train.accelerator import make_accelerator
     from train.loop import TrainingLoop
@@ -96,7 +96,7 @@ def worker(args):
     raw_model = DDP(raw_model, broadcast_buffers=False)
     sampler = DistributedSampler(train_set, shuffle=True, seed=42, drop_last=True)
     raw_batches = Batches(DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True,
-                                     collate_fn=collate_batch), sampler.set_epoch)
+                                     collate_fn=identity_collate), sampler.set_epoch)
     raw_state = {"step": 0}
 
     def raw_steps(n):
@@ -117,7 +117,7 @@ def worker(args):
     logged_model = DDP(logged_model, broadcast_buffers=False)
     logged_sampler = DistributedSampler(train_set, shuffle=True, seed=42, drop_last=True)
     logged_batches = Batches(DataLoader(train_set, batch_size=batch_size, sampler=logged_sampler, drop_last=True,
-                                        collate_fn=collate_batch), logged_sampler.set_epoch)
+                                        collate_fn=identity_collate), logged_sampler.set_epoch)
     logged_scheduler = make_scheduler(logged_optimizer, "constant", 0, 10**9)
     logged_progress = tqdm(total=10**9, unit="samples", unit_scale=True, disable=dist.get_rank() != 0, mininterval=0.5)
     logged_state = {"step": 0, "losses": [], "t_log": time.perf_counter()}
@@ -152,7 +152,7 @@ def worker(args):
 
     # ------------------------------------------------ ours: train/mnist.py's step inside train/loop.py's TrainingLoop
     model, optimizer = model_and_optimizer()
-    loader = DataLoader(train_set, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=collate_batch)
+    loader = DataLoader(train_set, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=identity_collate)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     lr_scheduler = accelerator.prepare(make_scheduler(optimizer, "constant", 0, 10**9))
     loop = TrainingLoop(accelerator, script_args, "loop_overhead", model, optimizer, lr_scheduler, loader,

@@ -40,7 +40,7 @@ def worker(args):
     from torch.utils.data.distributed import DistributedSampler
     from tqdm.auto import tqdm
 
-    from data import collate_batch, load_mnist, normalize_images
+    from data import identity_collate, load_mnist, normalize_images
     from train import mnist
     from train.accelerator import make_accelerator
     from train.schedule import make_scheduler
@@ -64,9 +64,9 @@ def worker(args):
     raw_model, raw_optimizer = model_and_optimizer()
     raw_model = DDP(raw_model, broadcast_buffers=False)
     sampler = DistributedSampler(train_set, shuffle=True, seed=42, drop_last=True)
-    raw_loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True, collate_fn=collate_batch)
+    raw_loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler, drop_last=True, collate_fn=identity_collate)
     model, optimizer = model_and_optimizer()
-    loader = DataLoader(train_set, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=collate_batch)
+    loader = DataLoader(train_set, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=identity_collate)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     lr_scheduler = accelerator.prepare(make_scheduler(optimizer, "constant", 0, 10**9))
     progress = tqdm(total=10**9, unit="samples", unit_scale=True, disable=not accelerator.is_local_main_process,

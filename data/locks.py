@@ -13,10 +13,12 @@ import socket
 import sys
 import time
 
+from data.errors import UserError
+
 LOCK_NAME = ".lock"
 
 
-class FolderBusy(Exception):
+class FolderBusy(UserError):
     """Another process holds the folder's lock; str() is the one line for the user."""
 
 

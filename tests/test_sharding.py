@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from data.prepare import write_shards
-from data.sharding import (BatchPlan, DatasetsSource, ParquetSource, PlanError, ShardedIterableDataset, TensorSource,
-                           check_same_plan, shards_in)
+from data.errors import PlanError
+from data.shards import shards_in, write_shards
+from data.sharding import BatchPlan, ShardedIterableDataset, check_same_plan
+from data.sources import DatasetsSource, ParquetSource, TensorSource
 
 WORLD_SIZES = range(1, 9)
 WORKERS = range(0, 5)

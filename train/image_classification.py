@@ -19,13 +19,13 @@ from torch.utils.data import DataLoader
 
 from data.images import (ImageFileSource, ImageFolderDataset, decode_for_prediction, image_transforms, list_images,
                          normalize, scan_image_folder)
-from data.mnist import DataError
-from data.sharding import PlanError
+from data.errors import DataError, PlanError
+from data.loader import sharded_loader
 from train.accelerator import announce, main_process_first, make_accelerator
 from train.output_dir import check_output_dir, claim_output_dir
 from train.cli import add_optimizer_args, make_parser, positive_float, positive_int, run
 from train.evaluation import evaluate_classifier
-from train.loop import TrainingLoop, sharded_loader
+from train.loop import TrainingLoop
 from train.models import build_classifier, check_model_args, load_pretrained, load_trained_classifier
 from train.schedule import make_scheduler, plan_steps
 from train.tracking import write_json
@@ -87,10 +87,14 @@ def main(args):
     train_set = ImageFolderDataset(train_files, image_transforms(args.image_size, True), args.seed, random=True)
     eval_set = ImageFolderDataset(eval_files, image_transforms(args.image_size, False))
     if args.streaming:
-        train_loader = sharded_loader(accelerator, ImageFileSource(train_set), args.per_device_train_batch_size,
-                                      args.seed, True, args.dataloader_num_workers)
-        eval_loader = sharded_loader(accelerator, ImageFileSource(eval_set), args.per_device_eval_batch_size,
-                                     args.seed, False, args.dataloader_num_workers)
+        train_loader = sharded_loader(ImageFileSource(train_set), args.per_device_train_batch_size,
+                                      rank=accelerator.process_index, world_size=accelerator.num_processes,
+                                      device=accelerator.device, seed=args.seed, train=True,
+                                      num_workers=args.dataloader_num_workers)
+        eval_loader = sharded_loader(ImageFileSource(eval_set), args.per_device_eval_batch_size,
+                                     rank=accelerator.process_index, world_size=accelerator.num_processes,
+                                     device=accelerator.device, seed=args.seed, train=False,
+                                     num_workers=args.dataloader_num_workers)
     else:
         train_loader = DataLoader(train_set, args.per_device_train_batch_size, shuffle=True, drop_last=True,
                                   num_workers=args.dataloader_num_workers)

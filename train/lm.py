@@ -20,16 +20,17 @@ if __package__ in (None, ""):  # run as a file: Python put train/ on sys.path, n
 import torch
 from accelerate.utils import set_seed
 
-from data.mnist import DataError
-from data.prepare import prepare_gcide, prepare_text, read_manifest
-from data.sharding import ParquetSource, PlanError, shards_in
-from data.text import ByteTokenizer, decode_windows, load_tokenizer
+from data.errors import DataError, PlanError
+from data.loader import sharded_loader
+from data.shards import read_manifest, shards_in
+from data.sources import ParquetSource
+from data.text import ByteTokenizer, decode_windows, load_tokenizer, prepare_gcide, prepare_text
 from train.accelerator import announce, main_process_first, make_accelerator
 from train.output_dir import check_output_dir, claim_output_dir
 from train.cli import add_optimizer_args, fail, make_parser, positive_float, positive_int, run
 from train.evaluation import evaluate_language_model
 from train.gpt import GPT, GPTConfig, next_token_loss
-from train.loop import TrainingLoop, sharded_loader
+from train.loop import TrainingLoop
 from train.schedule import make_scheduler, plan_steps
 from train.tracking import matmul_peak, peak_memory_mb
 
@@ -118,10 +119,14 @@ def main(args):
     # ---------------------------------------------------------------- data: tokenized once, then streamed
     manifest = main_process_first(accelerator, lambda: prepare_data(args), USER_ERRORS, share=True)
     decode = decode_windows(manifest["token_dtype"])
-    train_loader = sharded_loader(accelerator, ParquetSource(shards_in(args.dataset_dir, "train"), decode=decode),
-                                  args.per_device_train_batch_size, args.seed, True, args.dataloader_num_workers)
-    eval_loader = sharded_loader(accelerator, ParquetSource(shards_in(args.dataset_dir, "validation"), decode=decode),
-                                 args.per_device_eval_batch_size, args.seed, False, args.dataloader_num_workers)
+    train_loader = sharded_loader(ParquetSource(shards_in(args.dataset_dir, "train"), decode=decode),
+                                  args.per_device_train_batch_size, rank=accelerator.process_index,
+                                  world_size=accelerator.num_processes, device=accelerator.device, seed=args.seed,
+                                  train=True, num_workers=args.dataloader_num_workers)
+    eval_loader = sharded_loader(ParquetSource(shards_in(args.dataset_dir, "validation"), decode=decode),
+                                 args.per_device_eval_batch_size, rank=accelerator.process_index,
+                                 world_size=accelerator.num_processes, device=accelerator.device, seed=args.seed,
+                                 train=False, num_workers=args.dataloader_num_workers)
     accelerator.print(f"data: {args.dataset_dir} ({manifest['tokenizer']}, vocab {manifest['vocab_size']}): "
                       f"{manifest['text']['train']['windows']} train windows, {manifest['text']['validation']['scored_tokens']}"
                       f" validation tokens")

@@ -20,14 +20,17 @@ import torch.nn.functional as F
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
-from data import DATASETS, DataError, augment_images, check_data_dir, collate_batch, load_mnist, normalize_images
-from data.prepare import prepare
-from data.sharding import ParquetSource, PlanError, shards_in
+from data import DATASETS, DataError, augment_images, check_data_dir, identity_collate, load_mnist, normalize_images
+from data.errors import PlanError
+from data.loader import sharded_loader
+from data.mnist import prepare_mnist_shards
+from data.shards import shards_in
+from data.sources import ParquetSource
 from train.accelerator import announce, main_process_first, make_accelerator
 from train.output_dir import check_output_dir, claim_output_dir
 from train.cli import add_optimizer_args, make_parser, positive_int, run
 from train.evaluation import evaluate_classifier
-from train.loop import TrainingLoop, sharded_loader
+from train.loop import TrainingLoop
 from train.schedule import make_scheduler, plan_steps
 
 SCRIPT = "mnist"  # recorded in checkpoints, so another script's checkpoint is refused
@@ -109,17 +112,19 @@ def main(args):
         if not args.streaming:
             return load_mnist(args.dataset, args.data_dir)
         if not shards_in(parquet_dir, "train") and accelerator.is_main_process:
-            prepare(args.dataset, parquet_dir, data_dir=args.data_dir)
+            prepare_mnist_shards(args.dataset, parquet_dir, data_dir=args.data_dir)
 
     loaded = main_process_first(accelerator, load, USER_ERRORS)
     if args.streaming:
         source = f"{parquet_dir} (parquet shards, sharded iterable)"
-        train_loader = sharded_loader(accelerator, ParquetSource(shards_in(parquet_dir, "train"),
-                                                                 max_rows=args.max_train_samples),
-                                      args.per_device_train_batch_size, args.seed, True, args.dataloader_num_workers)
-        eval_loader = sharded_loader(accelerator, ParquetSource(shards_in(parquet_dir, "test"),
-                                                                max_rows=args.max_eval_samples),
-                                     args.per_device_eval_batch_size, args.seed, False, args.dataloader_num_workers)
+        train_loader = sharded_loader(ParquetSource(shards_in(parquet_dir, "train"), max_rows=args.max_train_samples),
+                                      args.per_device_train_batch_size, rank=accelerator.process_index,
+                                      world_size=accelerator.num_processes, device=accelerator.device, seed=args.seed,
+                                      train=True, num_workers=args.dataloader_num_workers)
+        eval_loader = sharded_loader(ParquetSource(shards_in(parquet_dir, "test"), max_rows=args.max_eval_samples),
+                                     args.per_device_eval_batch_size, rank=accelerator.process_index,
+                                     world_size=accelerator.num_processes, device=accelerator.device, seed=args.seed,
+                                     train=False, num_workers=args.dataloader_num_workers)
         num_train, num_eval = train_loader.dataset.plan.num_samples, eval_loader.dataset.plan.num_samples
     else:
         train_set, eval_set, source = loaded
@@ -127,8 +132,8 @@ def main(args):
         num_train, num_eval = len(train_set), len(eval_set)
         # drop_last: every optimizer step sees one full global batch; the dropped tail differs each epoch.
         train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True,
-                                  drop_last=True, collate_fn=collate_batch, num_workers=args.dataloader_num_workers)
-        eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, collate_fn=collate_batch,
+                                  drop_last=True, collate_fn=identity_collate, num_workers=args.dataloader_num_workers)
+        eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, collate_fn=identity_collate,
                                  num_workers=args.dataloader_num_workers)
     accelerator.print(f"dataset={args.dataset} train={num_train} test={num_eval} source={source}")
 
