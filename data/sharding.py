@@ -18,14 +18,23 @@ belongs to exactly one rank and one worker, so each rank reads only its 1/W of t
 shorter than the others (a shard's tail) go last so they do not shift every later unit off that
 alignment.
 
+Reading through accelerate's rank splitting (`accelerator.prepare` on a DataLoader over this
+dataset) would shard it a second time, or hand rank 0's share to every rank. data/loader.py's
+check_loader refuses such a loader before training (TrainingLoop calls it on the training loader).
+For scripts that do not, `__iter__` (only when W > 1) refuses to be read through it, from public
+state only: the DataLoader worker's `WorkerInfo.dataset` must be this dataset (not a wrapper such as
+accelerate's IterableDatasetShard), and the loader accelerate's GradientState says is being iterated
+(`active_dataloader`, which accelerate's prepared loaders register and a plain torch DataLoader never
+does) must not be a torch DataLoader reading this dataset, directly or through one wrapper. Our
+ShardedLoader registers there too, but is not a DataLoader. No class names or calling frames of
+accelerate are looked at.
 """
 import json
 import math
-import sys
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data.errors import PlanError
 from data.sources import as_source
@@ -153,21 +162,17 @@ class ShardedIterableDataset(IterableDataset):
 
 
 def _refuse_resharding(dataset, worker_info):
-    """The last line of defence for scripts that never call data.loader.check_loader: refuse to be
-    read through accelerate's rank sharding. accelerate has no public way to mark an iterable as
-    already sharded, so look at who is iterating: a wrapper dataset in a worker (public WorkerInfo),
-    or one of accelerate's two rank-splitting iterators among the calling frames (read, never changed)."""
+    """Raise PlanError if `dataset` is being read through accelerate's rank splitting (the module
+    docstring says how that is seen)."""
     if worker_info is not None and worker_info.dataset is not dataset:
         raise PlanError(PREPARED_SHARDED)
-    frame = sys._getframe(2)
-    for _ in range(8):
-        if frame is None:
-            break
-        caller = type(frame.f_locals.get("self")).__name__
-        if caller in ("IterableDatasetShard", "DataLoaderDispatcher") and \
-                frame.f_globals.get("__name__", "").startswith("accelerate."):
+    from accelerate.state import GradientState
+
+    reader = GradientState().active_dataloader
+    if isinstance(reader, DataLoader):
+        read = reader.dataset
+        if read is dataset or getattr(read, "dataset", None) is dataset:  # directly, or IterableDatasetShard
             raise PlanError(PREPARED_SHARDED)
-        frame = frame.f_back
 
 
 def check_same_plan(identity, gather_object):
