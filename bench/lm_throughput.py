@@ -49,13 +49,14 @@ def worker(args):
     from torch.utils.data import DataLoader, TensorDataset
     from torch.utils.data.distributed import DistributedSampler
 
-    from data.prepare import read_manifest
-    from data.sharding import ParquetSource, shards_in
+    from data.loader import sharded_loader
+    from data.shards import read_manifest, shards_in
+    from data.sources import ParquetSource
     from data.text import decode_windows
     from train import lm
     from train.core.accelerator import make_accelerator
     from train.models.gpt import GPT, GPTConfig, next_token_loss
-    from train.core.loop import TrainingLoop, sharded_loader
+    from train.core.loop import TrainingLoop
     from train.core.schedule import make_scheduler
     from train.core.tracking import matmul_peak
 
@@ -125,8 +126,9 @@ def worker(args):
     # ------------------------------------------------ lm.py: its objects, its step, TrainingLoop
     model, optimizer = model_and_optimizer()
     model, optimizer = accelerator.prepare(model, optimizer)
-    train_loader = sharded_loader(accelerator, ParquetSource(train_files, decode=decode), batch_size,
-                                  script_args.seed, True)
+    train_loader = sharded_loader(ParquetSource(train_files, decode=decode), batch_size,
+                                  rank=accelerator.process_index, world_size=accelerator.num_processes,
+                                  device=accelerator.device, seed=script_args.seed, train=True)
     loop = TrainingLoop(accelerator, script_args, "lm_throughput", model, optimizer, train_loader,
                         evaluate=dict)
     lm_batches = loop.batches()

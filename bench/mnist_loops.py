@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from bench.harness import MNIST_BATCH, Batches
-from data import collate_batch, load_mnist, normalize_images
+from data import identity_collate, load_mnist, normalize_images
 from train import mnist
 from train.core.accelerator import make_accelerator
 from train.core.loop import TrainingLoop
@@ -54,14 +54,14 @@ class MnistBench:
         model, optimizer = self.model_and_optimizer()
         sampler = DistributedSampler(self.train_set, shuffle=True, seed=42, drop_last=True)
         loader = DataLoader(self.train_set, batch_size=MNIST_BATCH, sampler=sampler, drop_last=True,
-                            collate_fn=collate_batch)
+                            collate_fn=identity_collate)
         return DDP(model, broadcast_buffers=False), optimizer, loader, Batches(loader, sampler.set_epoch)
 
     def ours(self, script):
         """train/mnist.py's prepared model and optimizer, and the TrainingLoop that runs them."""
         model, optimizer = self.model_and_optimizer()
         loader = DataLoader(self.train_set, batch_size=MNIST_BATCH, shuffle=True, drop_last=True,
-                            collate_fn=collate_batch)
+                            collate_fn=identity_collate)
         model, optimizer, loader = self.accelerator.prepare(model, optimizer, loader)
         loop = TrainingLoop(self.accelerator, self.script_args, script, model, optimizer, loader,
                             evaluate=dict)  # no evaluation at the epoch ends: the raw loops have none either

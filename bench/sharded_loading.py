@@ -31,7 +31,9 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
 
-from data.sharding import DatasetsSource, ParquetSource, ShardedIterableDataset, shards_in
+from data.sharding import ShardedIterableDataset
+from data.shards import shards_in
+from data.sources import DatasetsSource, ParquetSource
 
 
 def read_chars():

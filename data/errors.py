@@ -1,11 +1,34 @@
-"""The user's errors: bad input, bad paths, runs that cannot go on. Each is one line for the user
-(str() of the exception), never a traceback: `train/core/run.py:run()` prints it once per launch and
-exits 1. Everything in data/ and train/ that refuses something raises one of these, through fail()
-or its own subclass."""
+"""The user errors of data/: what a user did (or a file holds) that cannot be right, each with a
+message of one line that names the thing and the fix. Every refusal in data/ raises one of these,
+so a script catches `UserError` (or the two kinds) and prints it as it is, never a traceback.
+
+This module imports nothing from the project: every other module of data/ may use it.
+"""
+
+ORIGINAL_TRACEBACK = "Original Traceback"
 
 
 class UserError(Exception):
-    """A refusal with a one-line message that says what is wrong and what to do."""
+    """Base of the user errors; str() is one line.
+
+    Raised in a DataLoader worker, torch re-raises the error in the main process as the same type
+    with the worker's whole traceback as its message; the user's line is then the traceback's last
+    line, after the exception's name."""
+
+    def __str__(self):
+        text = super().__str__()
+        if ORIGINAL_TRACEBACK in text:
+            last = text.strip().splitlines()[-1]
+            return last.split(": ", 1)[-1]
+        return " ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+class DataError(UserError, RuntimeError):
+    """Missing or unreadable data, or a folder that is not ours to write: what was looked for and the fix."""
+
+
+class PlanError(UserError, ValueError):
+    """A batch plan, data state or source that cannot be right: the problem and the fix."""
 
 
 def fail(message):

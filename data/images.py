@@ -9,7 +9,8 @@ read as RGB and resized or cropped to one square size by torchvision v2 transfor
 
 Images are decoded when a batch needs them (in DataLoader workers when there are any), never held in
 memory, so the map-style dataset already reads only its own rank's share of a large folder. The
-streaming source puts the same files behind the exactly-once sharded plan of data/sharding.py.
+streaming source puts the same files behind the exactly-once sharded plan of data/sharding.py, and
+prepare_image_folder writes a folder as parquet shards of the files' bytes (data.prepare --train_dir).
 
 Random augmentation is seeded by (seed, epoch, sample), not by a global generator: a resumed run,
 a different worker count, or the streaming path draws the same crops and flips for the same sample.
@@ -22,7 +23,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from data.mnist import DataError
+from data.atomic_folder import atomic_folder, report, up_to_date
+from data.errors import DataError
+from data.shards import hash_files, read_manifest, write_manifest, write_table_shards
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # what torchvision's weights expect
@@ -241,3 +244,34 @@ class ImageFileSource:
                 h.update(f"{os.path.basename(path)}:{label}\n".encode())
             self._fingerprint = h.hexdigest()
         return self._fingerprint
+
+
+def prepare_image_folder(train_dir, output_dir, validation_dir=None, validation_split_percentage=None, num_shards=8,
+                         rows_per_group=32, seed=0, force=False):
+    """An image folder → parquet shards of (image: the file's bytes, label, file) + manifest with the
+    class names, in output_dir (atomically, unless already up to date)."""
+    import pyarrow as pa
+
+    train = scan_image_folder(train_dir, "--train_dir")
+    validation = scan_image_folder(validation_dir, "--validation_dir", train.classes) if validation_dir else None
+    if validation_split_percentage is not None:
+        train, validation = train.split(validation_split_percentage / 100, seed)
+    inputs = hash_files(train.files + (validation.files if validation else []))
+    for entry, label in zip(inputs, train.labels + (validation.labels if validation else [])):
+        entry["class"] = train.classes[label]  # a file moved to another class is other data
+    arguments = {"validation_split_percentage": validation_split_percentage, "num_shards": num_shards,
+                 "rows_per_group": rows_per_group, "seed": seed, "kind": "image_folder", "classes": train.classes}
+    if up_to_date(output_dir, inputs, arguments, force):
+        return read_manifest(output_dir)
+    with atomic_folder(output_dir, force) as tmp:
+        for split, images in (("train", train), ("validation", validation)):
+            if images is None:
+                continue
+            root = train_dir if split == "train" or validation_dir is None else validation_dir
+            table = pa.table({"image": pa.array([open(f, "rb").read() for f in images.files], pa.binary()),
+                              "label": pa.array(images.labels, pa.int64()),
+                              "file": pa.array([os.path.relpath(f, root) for f in images.files])})
+            write_table_shards(table, tmp, split, num_shards, rows_per_group)
+        manifest = write_manifest(tmp, inputs, arguments, {"class_names": train.classes})
+    report(output_dir, manifest)
+    return manifest

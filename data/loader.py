@@ -17,10 +17,23 @@ import threading
 from accelerate.data_loader import (BatchSamplerShard, DataLoaderDispatcher, DataLoaderShard, DataLoaderStateMixin,
                                     IterableDatasetShard)
 from accelerate.state import GradientState
-from accelerate.utils import send_to_device
+from accelerate.utils import gather_object, send_to_device
 from torch.utils.data import DataLoader, DistributedSampler
 
-from data.sharding import PREPARED_SHARDED, PlanError, ShardedIterableDataset
+from data.errors import PlanError
+from data.sharding import PREPARED_SHARDED, ShardedIterableDataset, check_same_plan
+
+
+def sharded_loader(source, per_device_batch_size, *, rank, world_size, device, seed, train, num_workers=0,
+                   gather=gather_object):
+    """This rank's batches of `source` (see data/sources.py): shuffled and `drop` for training, in
+    order and `pad` (masked by `valid`) for evaluation. `gather` is the one collective that checks
+    every rank built the same plan (accelerate's gather_object). Never pass the result to
+    accelerator.prepare, which would shard it a second time."""
+    dataset = ShardedIterableDataset(source, per_device_batch_size * world_size, rank=rank, world_size=world_size,
+                                     seed=seed, shuffle=train, policy="drop" if train else "pad")
+    check_same_plan(dataset.identity(), gather)
+    return ShardedLoader(dataset, device, num_workers=num_workers)
 
 
 class ShardedLoader(DataLoaderStateMixin):
@@ -91,13 +104,11 @@ def settle_loader_threads(timeout=1.0):
     """Wait for the queue threads of DataLoader iterators that just finished to exit, before the next
     iterator forks its workers.
 
-    CPython 3.11's fork() hangs the child forever when another thread is exiting at that instant: the
-    exiting thread holds the lock on the list of thread states, and the child takes that lock again
-    (in _PyThreadState_DeleteExcept, before it re-initialises it; gdb on a stuck worker, 2026-11-24).
-    A finished iterator closes its queues, whose feeder threads exit a moment later, which is when
-    the next epoch or evaluation forks: a worker stuck in os.fork, its rank waiting for a batch, the
-    other ranks in the next collective. Seen in 2 of 3 full test runs here. Joining a thread that is
-    not exiting costs `timeout`; python >= 3.12 re-initialises the lock first."""
+    CPython 3.11's fork() can hang the child forever when another thread is exiting at that instant
+    (the exiting thread holds the lock on the list of thread states, which the child takes again
+    before re-initialising it). A finished iterator's queue feeder threads exit a moment after it
+    closes them, which is when the next epoch or evaluation forks; docs/data.md has the evidence.
+    Joining a thread that is not exiting costs `timeout`; python >= 3.12 re-initialises the lock first."""
     if sys.version_info >= (3, 12):
         return
     for thread in threading.enumerate():

@@ -1,4 +1,5 @@
-"""MNIST and Fashion-MNIST held in memory as uint8 tensors.
+"""MNIST and Fashion-MNIST held in memory as uint8 tensors, and written as parquet shards or as
+folders of PNGs (python -m data.prepare --dataset).
 
 The idx files are parsed by torchvision's own readers; batches are sliced from the in-memory tensors
 (`__getitems__`) and normalised on the batch, on the training device, so the hot loop has no
@@ -12,6 +13,7 @@ Where the files come from, in order:
   3. torchvision's download into `download_root` (needs the network).
 """
 import gzip
+import hashlib
 import math
 import os
 import struct
@@ -20,7 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset
 
-from data.errors import UserError
+from data.atomic_folder import atomic_folder, claim, up_to_date
+from data.errors import DataError
+from data.shards import WRITTEN_BY, file_entries, save_manifest, write_manifest, write_shards
 
 SPLIT_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -53,10 +57,6 @@ DATASETS = {
 }
 
 
-class DataError(UserError):
-    """Missing or unreadable data; the message is one line that says what was looked for and the fix."""
-
-
 class ImageClassificationTensors(Dataset):
     """uint8 images [N, H, W] and int64 labels [N] in memory; indexing with a list returns a batch."""
 
@@ -84,8 +84,9 @@ class ImageClassificationTensors(Dataset):
         return ImageClassificationTensors(self.images[:max_samples], self.labels[:max_samples], self.mean, self.std)
 
 
-def collate_batch(batch):
-    """`collate_fn` for ImageClassificationTensors: `__getitems__` already returns a batch."""
+def identity_collate(batch):
+    """`collate_fn` for ImageClassificationTensors, handing on unchanged the batch `__getitems__`
+    already built (torch's default collate would try to index the dict as a list of samples)."""
     return batch
 
 
@@ -235,3 +236,59 @@ def load_mnist(name, data_dir=None, download_root=DEFAULT_DOWNLOAD_ROOT):
                         f"{spec.how_to_get}")
     train, test = _load_folder(folder, spec)
     return train, test, f"{folder} (torchvision download cache)"
+
+
+# ---------------------------------------------------------------------------------------- written out
+
+CLASS_NAMES = {"mnist": [str(d) for d in range(10)],
+               "fashion_mnist": ["T-shirt_top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker",
+                                 "Bag", "Ankle_boot"]}
+
+
+def prepare_mnist_shards(dataset, output_dir, num_shards=8, rows_per_group=32, data_dir=None, force=False):
+    """Write train and test shards of MNIST or Fashion-MNIST into output_dir (atomically, unless
+    already up to date); return output_dir."""
+    train, test, source = load_mnist(dataset, data_dir)
+    arguments = {"dataset": dataset, "num_shards": num_shards, "rows_per_group": rows_per_group}
+    inputs = [{"dataset": dataset, "blake2b": _hash_tensors(train.images, train.labels, test.images, test.labels)}]
+    if up_to_date(output_dir, inputs, arguments, force):
+        return output_dir
+    with atomic_folder(output_dir, force) as tmp:
+        for split, ds in (("train", train), ("test", test)):
+            write_shards({"image": ds.images, "label": ds.labels}, tmp, split, num_shards, rows_per_group)
+        write_manifest(tmp, inputs, arguments, {"class_names": CLASS_NAMES[dataset]})
+    print(f"wrote {num_shards} train + {num_shards} test shards of {dataset} ({source}) to {output_dir}")
+    return output_dir
+
+
+def _hash_tensors(*tensors):
+    h = hashlib.blake2b(digest_size=16)
+    for t in tensors:
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def write_image_folders(dataset, output_dir, data_dir=None, max_per_class=None, force=False):
+    """Write train and validation (the test split) as folders of grayscale PNGs, one per class
+    (atomically), and a manifest.json listing them; return output_dir."""
+    from PIL import Image
+
+    claim(output_dir, force)  # a folder of someone else's images: refused before the dataset is read
+    train, test, source = load_mnist(dataset, data_dir)
+    counts = {}
+    with atomic_folder(output_dir, force) as tmp:
+        for split, ds in (("train", train), ("validation", test)):
+            written = [0] * 10
+            for name in CLASS_NAMES[dataset]:
+                os.makedirs(os.path.join(tmp, split, name))
+            for i, (image, label) in enumerate(zip(ds.images.numpy(), ds.labels.tolist())):
+                if max_per_class is None or written[label] < max_per_class:
+                    Image.fromarray(image, mode="L").save(os.path.join(tmp, split, CLASS_NAMES[dataset][label],
+                                                                       f"{i:05d}.png"))
+                    written[label] += 1
+            counts[split] = sum(written)
+        save_manifest(tmp, {"written_by": WRITTEN_BY, "kind": "image_folders", "dataset": dataset,
+                            "max_per_class": max_per_class, "files": file_entries(tmp, hashed=False)}, indent=None)
+    print(f"wrote {counts['train']} train + {counts['validation']} validation PNGs of {dataset} ({source}) "
+          f"to {output_dir}/{{train,validation}}/CLASS_NAME/")
+    return output_dir

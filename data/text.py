@@ -24,7 +24,11 @@ import os
 
 import numpy as np
 
-from data.mnist import DataError
+from data.atomic_folder import atomic_folder, claim, report, up_to_date
+from data.errors import DataError
+from data.local_files import file_kind, load_files, text_column
+from data.shards import hash_files, read_manifest, write_manifest, write_shards
+from data.sources import table_to_tensors
 
 EOT = "<|endoftext|>"
 GCIDE_FOLDERS = ("/usr/share/dictd", os.path.join("runs", "corpora", "gcide", "usr", "share", "dictd"))
@@ -177,8 +181,6 @@ def write_token_shards(documents, tokenizer, folder, split, num_shards, rows_per
     """Encode `documents` into `num_shards` parquet files of windows; return the split's counts."""
     import torch
 
-    from data.prepare import write_shards
-
     if not documents or not any(documents):
         raise DataError(f"the {split} split has no text; pass files with at least one non-empty document")
     tokens, num_bytes = encode_documents(documents, tokenizer)
@@ -198,8 +200,6 @@ def decode_windows(token_dtype_name):
     past a window's `targets` set to -100 (ignored by cross_entropy)."""
     import torch
 
-    from data.sharding import table_to_tensors
-
     dtype = np.dtype(token_dtype_name)
 
     def decode(table):
@@ -210,3 +210,55 @@ def decode_windows(token_dtype_name):
         return {"input_ids": ids[:, :-1].contiguous(), "labels": labels}
 
     return decode
+
+
+# ---------------------------------------------------------------------------------------- prepare
+
+def prepare_tokens(documents, output_dir, tokenizer_spec, vocab_size, num_shards, rows_per_group, inputs,
+                   arguments, block_size, force=False):
+    """{split: [text, ...]} → token shards (data/text.py) + tokenizer.json (unless `bytes`) + manifest,
+    atomically, unless already up to date. `documents` may be a function, called only when needed."""
+    arguments = {**arguments, "tokenizer": tokenizer_spec, "vocab_size": vocab_size if tokenizer_spec == "bpe" else None,
+                 "num_shards": num_shards, "rows_per_group": rows_per_group, "block_size": block_size}
+    if tokenizer_spec not in ("bytes", "bpe"):
+        tokenizer = load_tokenizer(tokenizer_spec)  # a bad file fails before any work
+        inputs = inputs + hash_files([tokenizer_spec])
+    if up_to_date(output_dir, inputs, arguments, force):
+        return read_manifest(output_dir)
+    claim(output_dir, force)  # someone else's folder: refused before the text is read and tokenized
+    documents = documents() if callable(documents) else documents
+    with atomic_folder(output_dir, force) as tmp:
+        if tokenizer_spec == "bpe":
+            tokenizer = train_bpe(documents["train"], vocab_size)
+        elif tokenizer_spec == "bytes":
+            tokenizer = load_tokenizer("bytes")
+        if hasattr(tokenizer, "save"):
+            tokenizer.save(os.path.join(tmp, "tokenizer.json"))
+        counts = {split: write_token_shards(docs, tokenizer, tmp, split, num_shards, rows_per_group, block_size)
+                  for split, docs in documents.items() if docs is not None}
+        manifest = write_manifest(tmp, inputs, arguments, {
+            "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
+            "block_size": block_size, "token_dtype": np.dtype(token_dtype(tokenizer.vocab_size)).name, "text": counts})
+    report(output_dir, manifest)
+    return manifest
+
+
+def prepare_text(train_files, output_dir, tokenizer, block_size, validation_files=None, validation_split_percentage=None,
+                 text_column_name="text", vocab_size=8192, num_shards=8, rows_per_group=8, seed=0, force=False):
+    """Local text files (txt, or csv/json/jsonl/parquet with a text column) → window shards."""
+    file_kind(train_files, validation_files)  # bad input fails before the inputs are hashed
+    inputs = hash_files(list(train_files) + list(validation_files or []))
+    documents = lambda: text_column(load_files(list(train_files), list(validation_files or []) or None,  # noqa: E731
+                                               validation_split_percentage, seed), text_column_name)
+    return prepare_tokens(documents, output_dir, tokenizer, vocab_size, num_shards, rows_per_group, inputs,
+                          {"kind": "text", "text_column": text_column_name, "seed": seed,
+                           "validation_split_percentage": validation_split_percentage}, block_size, force)
+
+
+def prepare_gcide(output_dir, tokenizer, block_size, vocab_size=8192, num_shards=8, rows_per_group=8, folder=None,
+                  force=False):
+    """The GCIDE dictionary (data/text.py) → window shards."""
+    folder = find_gcide(folder)
+    inputs = hash_files([os.path.join(folder, "gcide.index"), os.path.join(folder, "gcide.dict.dz")])
+    return prepare_tokens(lambda: dict(zip(("train", "validation"), gcide_documents(folder))), output_dir, tokenizer,
+                          vocab_size, num_shards, rows_per_group, inputs, {"kind": "gcide"}, block_size, force)

@@ -17,7 +17,9 @@ from accelerate.utils import gather_object
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from data.loader import ShardedLoader, check_loader
-from data.sharding import PlanError, ShardedIterableDataset, TensorSource
+from data.errors import PlanError
+from data.sharding import ShardedIterableDataset
+from data.sources import TensorSource
 
 
 def verdict(loader):

@@ -17,7 +17,9 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 
 from data.loader import ShardedLoader
-from data.sharding import ParquetSource, ShardedIterableDataset, check_same_plan, shards_in
+from data.shards import shards_in
+from data.sharding import ShardedIterableDataset, check_same_plan
+from data.sources import ParquetSource
 
 PER_RANK_BATCH, ACCUMULATION, EPOCHS, CUT = 4, 4, 2, 5
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from conftest import REPO, clean_env, run_as_script
-from data.mnist import DataError
+from data.errors import DataError, PlanError
 from data.prepare import main as prepare_main_
-from data.prepare import write_manifest, write_shards
-from data.sharding import ParquetSource, PlanError, shards_in
+from data.shards import shards_in, write_manifest, write_shards
+from data.sources import ParquetSource
 
 N = 120
 
@@ -57,7 +57,8 @@ def prepare_command(*args):
 
 PAUSED_PREPARE = """
 import os, sys, time
-import data.prepare as p
+import data.local_files as p  # where prepare_files (--train_file) calls write_manifest
+from data.prepare import main
 real = p.write_manifest
 def paused(*a, **k):  # every shard written into the temporary folder, the manifest not yet
     open(sys.argv[1], "w").close()
@@ -65,7 +66,7 @@ def paused(*a, **k):  # every shard written into the temporary folder, the manif
         time.sleep(0.02)
     return real(*a, **k)
 p.write_manifest = paused
-p.main(sys.argv[3:])
+main(sys.argv[3:])
 """
 
 

@@ -12,7 +12,7 @@ from PIL import Image
 
 from conftest import launch, output_of, reset_accelerate_state, run_as_script, run_script
 from data.images import ImageFileSource, ImageFolderDataset, image_transforms, scan_image_folder
-from data.prepare import CLASS_NAMES, write_image_folders
+from data.mnist import CLASS_NAMES, write_image_folders
 from data.sharding import ShardedIterableDataset
 from test_checkpointing import identical, kill_launch, weights
 from train import image_classification

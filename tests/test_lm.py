@@ -10,7 +10,9 @@ import torch
 
 from conftest import launch, output_of, run_as_script, run_script
 from data.prepare import main as prepare_main
-from data.sharding import ParquetSource, ShardedIterableDataset, shards_in
+from data.shards import shards_in
+from data.sharding import ShardedIterableDataset
+from data.sources import ParquetSource
 from data.text import decode_windows
 from test_checkpointing import identical, kill_launch, resume_copy, weights
 

@@ -47,7 +47,9 @@ def test_streaming_path_under_two_processes_matches_map_style(map_style_run, tmp
                   "--output_dir", tmp_path / "out")
     assert proc.returncode == 0, output_of(proc)
     assert "world_size=2 " in proc.stdout and "sharded iterable" in proc.stdout
-    assert len(os.listdir(tmp_path / "parquet")) == 17  # the prepare step wrote 8 train + 8 test shards + manifest
+    # the prepare step wrote 8 train + 8 test shards + manifest, and left its (released) lock file
+    assert sorted(set(os.listdir(tmp_path / "parquet")) - {".lock"}) == sorted(
+        [f"{split}-{i:05d}-of-00008.parquet" for split in ("test", "train") for i in range(8)] + ["manifest.json"])
     streaming = json.load(open(tmp_path / "out" / "all_results.json"))
     map_style = json.load(open(map_style_run[1] / "all_results.json"))
     assert streaming["eval_samples"] == EVAL_SAMPLES  # padding excluded through the valid mask

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from data.prepare import main as prepare_main
-from data.sharding import ParquetSource, ShardedIterableDataset, shards_in, table_to_columns
+from data.shards import shards_in
+from data.sharding import ShardedIterableDataset
+from data.sources import ParquetSource, table_to_columns
 
 N = 203
 

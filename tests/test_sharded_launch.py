@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import CONFIGS, REPO, clean_env, output_of
-from data.prepare import write_shards
+from data.shards import write_shards
 
 SIZES = [37, 5, 100, 21]  # shards of very different sizes, row groups of 8 with short tails
 N = sum(SIZES)

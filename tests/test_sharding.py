@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from data.prepare import write_shards
-from data.sharding import (BatchPlan, DatasetsSource, ParquetSource, PlanError, ShardedIterableDataset, TensorSource,
-                           check_same_plan, shards_in)
+from data.errors import PlanError
+from data.shards import shards_in, write_shards
+from data.sharding import BatchPlan, ShardedIterableDataset, check_same_plan
+from data.sources import DatasetsSource, ParquetSource, TensorSource
 
 WORLD_SIZES = range(1, 9)
 WORKERS = range(0, 5)
@@ -468,14 +469,20 @@ def test_a_streaming_iterable_that_is_not_plain_parquet_is_refused_with_what_to_
 @pytest.mark.parametrize("workers", [0, 2])
 def test_reading_through_accelerates_rank_splitting_is_refused(workers):
     """What accelerator.prepare makes of a DataLoader over our dataset, built by hand in one process:
-    the first batch raises instead of yielding a share of a share (or rank 0's share to everyone)."""
-    from accelerate.data_loader import DataLoaderDispatcher, IterableDatasetShard
+    the first batch raises instead of yielding a share of a share (or rank 0's share to everyone).
+    prepare wraps IterableDatasetShard in a DataLoaderShard, which registers with accelerate's
+    GradientState: that is what the dataset sees in the main process. A bare torch DataLoader over
+    IterableDatasetShard (which prepare never builds) is seen only in a worker, through WorkerInfo."""
+    from accelerate.data_loader import DataLoaderDispatcher, DataLoaderShard, IterableDatasetShard
 
     ours = ShardedIterableDataset(source(64), 16, rank=0, world_size=2)
     assert len(list(DataLoader(ours, batch_size=None, num_workers=workers))) == 4  # unwrapped: fine
     wrapped = IterableDatasetShard(ours, batch_size=1, num_processes=2, process_index=0)
     with pytest.raises(PlanError, match="went through accelerator.prepare"):
-        next(iter(DataLoader(wrapped, batch_size=None, num_workers=workers)))
+        next(iter(DataLoaderShard(wrapped, batch_size=None, num_workers=workers)))
+    if workers:
+        with pytest.raises(PlanError, match="went through accelerator.prepare"):
+            next(iter(DataLoader(wrapped, batch_size=None, num_workers=workers)))
     if workers == 0:  # the dispatcher reads in the main process
         with pytest.raises(PlanError, match="went through accelerator.prepare"):
             next(iter(DataLoaderDispatcher(ours, batch_size=None)))

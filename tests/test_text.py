@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from data.prepare import main as prepare_main
-from data.sharding import ParquetSource, shards_in
+from data.shards import shards_in
+from data.sources import ParquetSource
 from data.text import (ByteTokenizer, _dictd_number, decode_windows, encode_documents, gcide_documents,
                        load_tokenizer, token_dtype, windows)
 

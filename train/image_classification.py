@@ -18,13 +18,14 @@ from torch.utils.data import DataLoader
 
 from data.images import (ImageFileSource, ImageFolderDataset, decode_for_prediction, image_transforms, list_images,
                          normalize, scan_image_folder)
+from data.loader import sharded_loader
 from train.core.accelerator import main_process_first
 from train.core.cli import add_optimizer_args, make_parser, positive_float, positive_int
-from train.core.run import run, start_run
 from train.core.evaluation import evaluate_classifier
-from train.core.loop import TrainingLoop, sharded_loader
-from train.models.vision import build_classifier, check_model_args, load_pretrained, load_trained_classifier
+from train.core.loop import TrainingLoop
+from train.core.run import run, start_run
 from train.core.tracking import write_json
+from train.models.vision import build_classifier, check_model_args, load_pretrained, load_trained_classifier
 
 TASK = "image_classification"  # the run's name in its checkpoints: another task's checkpoint is refused
 
@@ -60,6 +61,7 @@ def parse_args(argv=None):
 
 
 def main(args):
+    # One task top to bottom; a line over 60 because it holds both data paths (map-style and --streaming).
     check_model_args(args.model, args.pretrained_weights)  # before a scan of the folders that can take minutes
     accelerator = start_run(args, TASK)
 
@@ -78,10 +80,14 @@ def main(args):
     train_set = ImageFolderDataset(train_files, image_transforms(args.image_size, True), args.seed, random=True)
     eval_set = ImageFolderDataset(eval_files, image_transforms(args.image_size, False))
     if args.streaming:
-        train_loader = sharded_loader(accelerator, ImageFileSource(train_set), args.per_device_train_batch_size,
-                                      args.seed, True, args.dataloader_num_workers)
-        eval_loader = sharded_loader(accelerator, ImageFileSource(eval_set), args.per_device_eval_batch_size,
-                                     args.seed, False, args.dataloader_num_workers)
+        train_loader = sharded_loader(ImageFileSource(train_set), args.per_device_train_batch_size,
+                                      rank=accelerator.process_index, world_size=accelerator.num_processes,
+                                      device=accelerator.device, seed=args.seed, train=True,
+                                      num_workers=args.dataloader_num_workers)
+        eval_loader = sharded_loader(ImageFileSource(eval_set), args.per_device_eval_batch_size,
+                                     rank=accelerator.process_index, world_size=accelerator.num_processes,
+                                     device=accelerator.device, seed=args.seed, train=False,
+                                     num_workers=args.dataloader_num_workers)
     else:
         train_loader = DataLoader(train_set, args.per_device_train_batch_size, shuffle=True, drop_last=True,
                                   num_workers=args.dataloader_num_workers)

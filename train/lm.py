@@ -19,18 +19,18 @@ if __package__ in (None, ""):  # run as a file: Python put train/ on sys.path, n
 
 import torch
 
-from data.mnist import DataError
-from data.prepare import prepare_gcide, prepare_text, read_manifest
-from data.sharding import ParquetSource, shards_in
-from data.text import ByteTokenizer, decode_windows, load_tokenizer
+from data.errors import DataError, fail
+from data.loader import sharded_loader
+from data.shards import read_manifest, shards_in
+from data.sources import ParquetSource
+from data.text import ByteTokenizer, decode_windows, load_tokenizer, prepare_gcide, prepare_text
 from train.core.accelerator import main_process_first
-from data.errors import fail
 from train.core.cli import add_optimizer_args, make_parser, positive_float, positive_int
-from train.core.run import run, start_run
 from train.core.evaluation import evaluate_language_model
-from train.models.gpt import GPT, GPTConfig, next_token_loss
-from train.core.loop import TrainingLoop, sharded_loader
+from train.core.loop import TrainingLoop
+from train.core.run import run, start_run
 from train.core.tracking import matmul_peak, peak_memory_mb
+from train.models.gpt import GPT, GPTConfig, next_token_loss
 
 TASK = "lm"  # the run's name in its checkpoints: another task's checkpoint is refused
 
@@ -111,10 +111,14 @@ def main(args):
     # ---------------------------------------------------------------- data: tokenized once, then streamed
     manifest = main_process_first(accelerator, lambda: prepare_data(args), share=True)
     decode = decode_windows(manifest["token_dtype"])
-    train_loader = sharded_loader(accelerator, ParquetSource(shards_in(args.dataset_dir, "train"), decode=decode),
-                                  args.per_device_train_batch_size, args.seed, True, args.dataloader_num_workers)
-    eval_loader = sharded_loader(accelerator, ParquetSource(shards_in(args.dataset_dir, "validation"), decode=decode),
-                                 args.per_device_eval_batch_size, args.seed, False, args.dataloader_num_workers)
+    train_loader = sharded_loader(ParquetSource(shards_in(args.dataset_dir, "train"), decode=decode),
+                                  args.per_device_train_batch_size, rank=accelerator.process_index,
+                                  world_size=accelerator.num_processes, device=accelerator.device, seed=args.seed,
+                                  train=True, num_workers=args.dataloader_num_workers)
+    eval_loader = sharded_loader(ParquetSource(shards_in(args.dataset_dir, "validation"), decode=decode),
+                                 args.per_device_eval_batch_size, rank=accelerator.process_index,
+                                 world_size=accelerator.num_processes, device=accelerator.device, seed=args.seed,
+                                 train=False, num_workers=args.dataloader_num_workers)
     accelerator.print(f"data: {args.dataset_dir} ({manifest['tokenizer']}, vocab {manifest['vocab_size']}): "
                       f"{manifest['text']['train']['windows']} train windows, {manifest['text']['validation']['scored_tokens']}"
                       f" validation tokens")

@@ -19,14 +19,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from data import DATASETS, augment_images, check_data_dir, collate_batch, load_mnist, normalize_images
-from data.prepare import prepare
-from data.sharding import ParquetSource, shards_in
+from data import DATASETS, augment_images, check_data_dir, identity_collate, load_mnist, normalize_images
+from data.loader import sharded_loader
+from data.mnist import prepare_mnist_shards
+from data.shards import shards_in
+from data.sources import ParquetSource
 from train.core.accelerator import main_process_first
 from train.core.cli import add_optimizer_args, make_parser, positive_int
-from train.core.run import run, start_run
 from train.core.evaluation import evaluate_classifier
-from train.core.loop import TrainingLoop, sharded_loader
+from train.core.loop import TrainingLoop
+from train.core.run import run, start_run
 
 TASK = "mnist"  # the run's name in its checkpoints: another task's checkpoint is refused
 MODELS = {"convnet": {"channels": (16, 32), "kernel_sizes": (5, 5)},  # the seed notes' model: 2.8 M multiply-adds
@@ -104,17 +106,19 @@ def main(args):
         if not args.streaming:
             return load_mnist(args.dataset, args.data_dir)
         if not shards_in(parquet_dir, "train") and accelerator.is_main_process:
-            prepare(args.dataset, parquet_dir, data_dir=args.data_dir)
+            prepare_mnist_shards(args.dataset, parquet_dir, data_dir=args.data_dir)
 
     loaded = main_process_first(accelerator, load)
     if args.streaming:
         source = f"{parquet_dir} (parquet shards, sharded iterable)"
-        train_loader = sharded_loader(accelerator, ParquetSource(shards_in(parquet_dir, "train"),
-                                                                 max_rows=args.max_train_samples),
-                                      args.per_device_train_batch_size, args.seed, True, args.dataloader_num_workers)
-        eval_loader = sharded_loader(accelerator, ParquetSource(shards_in(parquet_dir, "test"),
-                                                                max_rows=args.max_eval_samples),
-                                     args.per_device_eval_batch_size, args.seed, False, args.dataloader_num_workers)
+        train_loader = sharded_loader(ParquetSource(shards_in(parquet_dir, "train"), max_rows=args.max_train_samples),
+                                      args.per_device_train_batch_size, rank=accelerator.process_index,
+                                      world_size=accelerator.num_processes, device=accelerator.device, seed=args.seed,
+                                      train=True, num_workers=args.dataloader_num_workers)
+        eval_loader = sharded_loader(ParquetSource(shards_in(parquet_dir, "test"), max_rows=args.max_eval_samples),
+                                     args.per_device_eval_batch_size, rank=accelerator.process_index,
+                                     world_size=accelerator.num_processes, device=accelerator.device, seed=args.seed,
+                                     train=False, num_workers=args.dataloader_num_workers)
         num_train, num_eval = train_loader.dataset.plan.num_samples, eval_loader.dataset.plan.num_samples
     else:
         train_set, eval_set, source = loaded
@@ -122,8 +126,8 @@ def main(args):
         num_train, num_eval = len(train_set), len(eval_set)
         # drop_last: every optimizer step sees one full global batch; the dropped tail differs each epoch.
         train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True,
-                                  drop_last=True, collate_fn=collate_batch, num_workers=args.dataloader_num_workers)
-        eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, collate_fn=collate_batch,
+                                  drop_last=True, collate_fn=identity_collate, num_workers=args.dataloader_num_workers)
+        eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, collate_fn=identity_collate,
                                  num_workers=args.dataloader_num_workers)
     accelerator.print(f"dataset={args.dataset} train={num_train} test={num_eval} source={source}")
 

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from data import collate_batch, load_mnist, normalize_images
+from data import identity_collate, load_mnist, normalize_images
 from train.mnist import ConvNet
 
 parser = argparse.ArgumentParser()
@@ -42,9 +42,9 @@ train_set, eval_set, _ = load_mnist("fashion_mnist", args.data_dir)
 mean, std = train_set.mean, train_set.std
 sampler = DistributedSampler(train_set, shuffle=True, seed=42, drop_last=True)
 train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, sampler=sampler, drop_last=True,
-                          collate_fn=collate_batch)
+                          collate_fn=identity_collate)
 eval_loader = DataLoader(eval_set, batch_size=500, sampler=DistributedSampler(eval_set, shuffle=False),
-                         collate_fn=collate_batch)
+                         collate_fn=identity_collate)
 model = DDP(ConvNet().to(memory_format=torch.channels_last), broadcast_buffers=False)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0, fused=True)
 bf16 = args.mixed_precision == "bf16"

@@ -23,29 +23,16 @@ import gc
 import math
 import time
 
-from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 
-from data.loader import ShardedLoader, check_loader, settle_loader_threads
-from data.sharding import ShardedIterableDataset, check_same_plan
-from train.core.checkpoint import data_position, find_checkpoint, load_checkpoint, model_weights, save_checkpoint
 from data.errors import fail
+from data.loader import ShardedLoader, check_loader, settle_loader_threads
+from train.core.checkpoint import data_position, find_checkpoint, load_checkpoint, model_weights, save_checkpoint
 from train.core.loss_watch import LossWatch
 from train.core.output_dir import drop_replaced_run, release_output_dir
 from train.core.process import on_teardown
 from train.core.schedule import make_scheduler, plan_steps
 from train.core.tracking import MetricsLog, plot_metrics, save_final
-
-
-def sharded_loader(accelerator, source, per_device_batch_size, seed, train, num_workers=0):
-    """This rank's batches of `source` (a data.sharding source): shuffled and `drop` for training,
-    in order and `pad` (masked by `valid`) for evaluation. Never passed to prepare(), which would
-    shard it a second time."""
-    dataset = ShardedIterableDataset(source, per_device_batch_size * accelerator.num_processes,
-                                     rank=accelerator.process_index, world_size=accelerator.num_processes,
-                                     seed=seed, shuffle=train, policy="drop" if train else "pad")
-    check_same_plan(dataset.identity(), gather_object)
-    return ShardedLoader(dataset, accelerator.device, num_workers=num_workers)
 
 
 def _format(metrics):

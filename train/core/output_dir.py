@@ -16,8 +16,8 @@ import shutil
 import sys
 import time
 
-from data.locks import lock_folder
 from data.errors import UserError, fail
+from data.locks import lock_folder
 from train.core.process import first_local_process, on_failure
 
 MARKER = "run.json"
