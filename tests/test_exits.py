@@ -13,7 +13,7 @@ import types
 import pytest
 
 from conftest import CONFIGS, REPO, clean_env, launch, output_of
-from train import accelerator as accelerator_module
+from train.core import accelerator as accelerator_module
 from train.core.accelerator import check_writable, choose_mixed_precision
 from train.core.run import run
 

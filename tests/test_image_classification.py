@@ -205,8 +205,9 @@ def test_image_that_fails_to_decode_in_a_worker_is_one_line(tmp_path):
 
 
 def test_bad_folder_under_two_processes_is_one_line(tmp_path):
-    proc = launch("cpu_2proc", "image_classification", "--train_dir", tmp_path, "--output_dir", tmp_path / "out",
-                  timeout=120)
+    (tmp_path / "empty").mkdir()  # beside the output folder, which the run creates before it scans
+    proc = launch("cpu_2proc", "image_classification", "--train_dir", tmp_path / "empty", "--output_dir",
+                  tmp_path / "out", timeout=120)
     output = output_of(proc)
     assert proc.returncode != 0 and output.count("has no class subfolders (it is empty)") == 1, output
 

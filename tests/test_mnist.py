@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import CONFIGS, REPO, clean_env, launch, output_of
+from data.errors import UserError
 from train import mnist
 
 EVAL_SAMPLES = 1001  # odd: with 2 processes and eval batch 500 the last batch is padded, padding must not count
@@ -195,5 +196,5 @@ def test_resume_with_another_model_is_refused(fashion_dir, tmp_path):
             "--per_device_train_batch_size", "32", "--checkpointing_steps", "10", "--output_dir", str(tmp_path)]
     mnist.main(mnist.parse_args(args))
     os.remove(tmp_path / "all_results.json")  # unfinished, as a crash leaves it: a finished run is not resumed
-    with pytest.raises(SystemExit, match="does not fit this model"):
+    with pytest.raises(UserError, match="does not fit this model"):
         mnist.main(mnist.parse_args(args + ["--model", "convnet_wide", "--resume_from_checkpoint", "latest"]))

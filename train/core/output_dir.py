@@ -54,8 +54,9 @@ def check_output_dir(out, resume=None, overwrite=False):
         fail("--overwrite_output_dir and --resume_from_checkpoint contradict each other; pass one")
     present = _entries(out)
     checkpoints = list_checkpoints(out)
-    # resuming only adds to a run, so a run from before the marker existed may still be resumed
-    if present and not os.path.isfile(os.path.join(out, MARKER)) and not (resume and checkpoints):
+    # complete checkpoints (a meta.json each) are these scripts' own, so a run from before the marker
+    # existed is still recognised as one
+    if present and not os.path.isfile(os.path.join(out, MARKER)) and not checkpoints:
         # not written by these scripts: never written over
         fail(f"--output_dir {out} holds {', '.join(present)} but no {MARKER}, so it is not a run of these scripts "
              "and nothing in it will be written over or deleted; pass another --output_dir, or move those away")
