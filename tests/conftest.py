@@ -75,6 +75,19 @@ def run_together(commands, timeout=240):
     return [p.returncode for p in procs], outputs
 
 
+def checksums(folder):
+    """{relative path: sha256} of every file under folder: what "not one byte changed" compares."""
+    import hashlib
+
+    found = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
+    return found
+
+
 def output_of(proc):
     return proc.stdout + proc.stderr
 

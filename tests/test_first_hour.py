@@ -1,7 +1,6 @@
 """What a new user meets in the first hour: the precision chosen for the CPU, a finished run never
 replaced unasked, wizard configs that do what they say, one error line under `accelerate launch`,
 Ctrl-C that says how to resume, and honest figures after a resume."""
-import hashlib
 import json
 import os
 import shutil
@@ -12,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import CONFIGS, REPO, clean_env, launch, output_of, reset_accelerate_state
+from conftest import CONFIGS, REPO, checksums, clean_env, launch, output_of, reset_accelerate_state
 from wizard import run_wizard
 from train import mnist
 from train.core.accelerator import cpu_has_native_bf16
@@ -32,15 +31,6 @@ def launch_file(config_file, script_name, *args, launch_args=(), timeout=300):
     cmd += ["--config_file", str(config_file)] if config_file else []
     cmd += [os.path.join("train", script_name + ".py"), *map(str, args)]
     return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
-
-
-def checksums(folder):
-    found = {}
-    for root, _, files in os.walk(folder):
-        for name in files:
-            path = os.path.join(root, name)
-            found[os.path.relpath(path, folder)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
-    return found
 
 
 # ----------------------------------------------------------------------------- mixed precision auto

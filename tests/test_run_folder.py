@@ -2,7 +2,6 @@
 (and only once the new run has something to show), one writer at a time, every rank resumes from
 the same checkpoint, no final model from a run whose numbers went bad, no resume into another
 run's batches or data, strict JSON, and a first log after a resume that averages the same steps."""
-import hashlib
 import json
 import os
 import shutil
@@ -15,20 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, REPO, clean_env, output_of, reset_accelerate_state, run_script
+from conftest import CONFIGS, REPO, checksums, clean_env, output_of, reset_accelerate_state, run_script
 from train import regression
 
 QUICK = ["--max_train_steps", 6, "--checkpointing_steps", 3]
-
-
-def tree(folder):
-    """{relative path: sha256} of every file under folder."""
-    found = {}
-    for root, _, files in os.walk(folder):
-        for name in files:
-            path = os.path.join(root, name)
-            found[os.path.relpath(path, folder)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
-    return found
 
 
 def in_process(*args):
@@ -70,12 +59,12 @@ def test_a_folder_that_is_not_a_run_is_never_written_over(tmp_path, overwrite):
     (out / "tensorboard" / "events.mine").write_bytes(b"user events")
     (out / "labels.json").write_text('["cat", "dog"]')
     (out / "notes.txt").write_text("my notes")
-    before = tree(out)
+    before = checksums(out)
     proc = run_script("regression", *QUICK, "--output_dir", out, *(["--overwrite_output_dir"] if overwrite else []))
     assert proc.returncode == 1, output_of(proc)
     assert len(error_lines(proc)) == 1 and "checkpoints, tensorboard, labels.json but no run.json" in proc.stderr
     assert "Traceback" not in output_of(proc)
-    assert tree(out) == before  # every file kept, byte for byte, and nothing added
+    assert checksums(out) == before  # every file kept, byte for byte, and nothing added
 
 
 def test_a_users_other_files_beside_a_run_are_kept_through_runs_and_overwrites(tmp_path):
@@ -92,18 +81,18 @@ def test_a_users_other_files_beside_a_run_are_kept_through_runs_and_overwrites(t
 def test_overwrite_keeps_the_earlier_run_until_the_new_one_has_a_checkpoint(tmp_path):
     out = tmp_path / "run"
     in_process(*QUICK, "--output_dir", out)
-    finished = tree(out)
+    finished = checksums(out)
     # a replacement that fails before its first checkpoint (here: its loss diverges at once)
     proc = run_script("regression", "--learning_rate", 1e20, "--checkpointing_steps", 50, "--output_dir", out,
                       "--overwrite_output_dir")
     assert proc.returncode == 1 and "non-finite" in proc.stderr, output_of(proc)
     assert f"moved the earlier run to {out / 'replaced_run'}" in proc.stdout
-    kept = tree(out / "replaced_run")
+    kept = checksums(out / "replaced_run")
     assert kept == {k: v for k, v in finished.items() if k not in ("run.json", ".lock")}
     # a second attempt replaces the failed one, never the kept finished run
     proc = run_script("regression", "--learning_rate", 1e20, "--checkpointing_steps", 50, "--output_dir", out,
                       "--overwrite_output_dir")
-    assert proc.returncode == 1 and tree(out / "replaced_run") == kept
+    assert proc.returncode == 1 and checksums(out / "replaced_run") == kept
     # the one that works: once it has a checkpoint the replaced run goes
     in_process(*QUICK, "--seed", 3, "--output_dir", out, "--overwrite_output_dir")
     assert not (out / "replaced_run").exists() and strict_json(out / "args.json")["seed"] == 3
@@ -114,7 +103,7 @@ def test_a_save_killed_midway_is_cleaned_up_by_the_next_run(tmp_path):
     in_process("--max_train_steps", 3, "--checkpointing_steps", 3, "--output_dir", out)
     os.remove(out / "all_results.json")
     os.remove(out / "model.safetensors")
-    shutil.copytree(out / "checkpoints" / "step_00000003", out / "checkpoints" / ".tmp-step_00000006")
+    shutil.copychecksums(out / "checkpoints" / "step_00000003", out / "checkpoints" / ".tmp-step_00000006")
     in_process("--max_train_steps", 6, "--checkpointing_steps", 3, "--output_dir", out,
                "--resume_from_checkpoint", "latest")
     assert sorted(os.listdir(out / "checkpoints")) == ["step_00000003", "step_00000006"]
@@ -169,7 +158,7 @@ def test_every_rank_resumes_from_the_checkpoint_the_main_process_found(tmp_path)
     proc = probe("cpu_2proc", [], *args, "--output_dir", full)
     assert proc.returncode == 0, output_of(proc)
     os.makedirs(out / "checkpoints")
-    shutil.copytree(full / "checkpoints" / "step_00000040", out / "checkpoints" / "step_00000040")
+    shutil.copychecksums(full / "checkpoints" / "step_00000040", out / "checkpoints" / "step_00000040")
     shutil.copy(full / "run.json", out / "run.json")
     proc = probe("cpu_2proc", ["--stale_latest", "--rank", 1], *args, "--output_dir", out,
                  "--resume_from_checkpoint", "latest", timeout=120)
@@ -247,7 +236,7 @@ def test_the_first_log_after_a_resume_averages_the_same_steps(tmp_path):
     full, out = tmp_path / "full", tmp_path / "out"
     in_process(*args, "--output_dir", full)
     os.makedirs(out / "checkpoints")
-    shutil.copytree(full / "checkpoints" / "step_00000030", out / "checkpoints" / "step_00000030")
+    shutil.copychecksums(full / "checkpoints" / "step_00000030", out / "checkpoints" / "step_00000030")
     for name in ("run.json", "metrics.jsonl"):  # the log as a crash would leave it: the resume cuts it back
         shutil.copy(full / name, out / name)
     in_process(*args, "--output_dir", out, "--resume_from_checkpoint", "latest")
