@@ -103,7 +103,7 @@ def test_a_save_killed_midway_is_cleaned_up_by_the_next_run(tmp_path):
     in_process("--max_train_steps", 3, "--checkpointing_steps", 3, "--output_dir", out)
     os.remove(out / "all_results.json")
     os.remove(out / "model.safetensors")
-    shutil.copychecksums(out / "checkpoints" / "step_00000003", out / "checkpoints" / ".tmp-step_00000006")
+    shutil.copytree(out / "checkpoints" / "step_00000003", out / "checkpoints" / ".tmp-step_00000006")
     in_process("--max_train_steps", 6, "--checkpointing_steps", 3, "--output_dir", out,
                "--resume_from_checkpoint", "latest")
     assert sorted(os.listdir(out / "checkpoints")) == ["step_00000003", "step_00000006"]
@@ -158,7 +158,7 @@ def test_every_rank_resumes_from_the_checkpoint_the_main_process_found(tmp_path)
     proc = probe("cpu_2proc", [], *args, "--output_dir", full)
     assert proc.returncode == 0, output_of(proc)
     os.makedirs(out / "checkpoints")
-    shutil.copychecksums(full / "checkpoints" / "step_00000040", out / "checkpoints" / "step_00000040")
+    shutil.copytree(full / "checkpoints" / "step_00000040", out / "checkpoints" / "step_00000040")
     shutil.copy(full / "run.json", out / "run.json")
     proc = probe("cpu_2proc", ["--stale_latest", "--rank", 1], *args, "--output_dir", out,
                  "--resume_from_checkpoint", "latest", timeout=120)
@@ -236,7 +236,7 @@ def test_the_first_log_after_a_resume_averages_the_same_steps(tmp_path):
     full, out = tmp_path / "full", tmp_path / "out"
     in_process(*args, "--output_dir", full)
     os.makedirs(out / "checkpoints")
-    shutil.copychecksums(full / "checkpoints" / "step_00000030", out / "checkpoints" / "step_00000030")
+    shutil.copytree(full / "checkpoints" / "step_00000030", out / "checkpoints" / "step_00000030")
     for name in ("run.json", "metrics.jsonl"):  # the log as a crash would leave it: the resume cuts it back
         shutil.copy(full / name, out / name)
     in_process(*args, "--output_dir", out, "--resume_from_checkpoint", "latest")
