@@ -175,7 +175,8 @@ def _set_aside(out):
 def drop_replaced_run(output_dir):
     """On the main process, once this run has a checkpoint or its final outputs: the replaced run goes."""
     aside = os.path.join(output_dir, REPLACED)
-    if os.path.isdir(aside):
+    # only what _set_aside put there: a folder of that name holding anything else is not ours to delete
+    if os.path.isdir(aside) and set(os.listdir(aside)) <= set(RUN_ENTRIES):
         shutil.rmtree(aside)
 
 

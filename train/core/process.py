@@ -23,7 +23,7 @@ def exit_once(message, code):
     """Print `message` from the first local process and exit with `code`, at once (a process group
     left to interpreter exit can hang or abort; checkpoints are atomic, so nothing is half-written).
     The other processes wait first: torchrun stops every worker as soon as one exits with an error, so
-    one that left before the first had printed would take the only line with it . If one
+    one that left before the first had printed would take the only line with it. If one
     is still alive after the wait, the error was its own, and it prints it. Under torchrun's agent
     the line is written once the agent has exited, after its report (_say_after_launcher)."""
     if "LOCAL_RANK" not in os.environ:  # one process, no launcher: a plain exit, catchable in-process

@@ -53,11 +53,8 @@ def run(main, args):
     die_with_launcher()
     try:
         result = main(args)
-    except UserError as e:
-        text = str(e)
-        if "Original Traceback" in text:  # raised in a DataLoader worker: its own message is the last line
-            text = text.strip().splitlines()[-1].split(": ", 1)[-1]
-        message, code = f"error: {text}", 1
+    except UserError as e:  # its str() is one line, also when a DataLoader worker raised it
+        message, code = f"error: {e}", 1
     except BrokenPipeError:  # printing into a pipe that closed (`... | head`): nothing left to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
         sys.exit(141)
