@@ -17,6 +17,16 @@ FASHION_DIR = "/usr/share/datasets/fashion-mnist"
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
 
+def pytest_xdist_auto_num_workers(config):
+    """Workers for `-n auto` (pytest.ini): most tests here wait on launched runs of 2 to 4 processes,
+    and a file's tests on one another, so two workers keep a 2-core machine busy where one left it
+    a third idle (measured). More cores take more workers, at most 4: each launched run is 2-4
+    processes of about 600 MB, and the timing a few tests bound (a Ctrl-C answered within 10 s)
+    must hold under load."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(4, max(2, cores // 2))
+
+
 def clean_env(**extra):
     """The environment a user's shell would have: no PYTHONPATH help, no leftover launcher state."""
     env = {k: v for k, v in os.environ.items()
