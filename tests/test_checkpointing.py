@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, REPO, clean_env, launch, output_of, reset_accelerate_state, run_script
+from conftest import CONFIGS, REPO, clean_env, launch, output_of, reset_accelerate_state, run_as_script
 from train import mnist, regression
 from train.core.output_dir import list_checkpoints
 
@@ -186,8 +186,7 @@ def test_sigkill_during_save_leaves_latest_on_the_previous_checkpoint(tmp_path):
 @pytest.fixture(scope="module")
 def one_checkpoint(tmp_path_factory):
     out = tmp_path_factory.mktemp("one")
-    proc = launch("cpu", "regression", "--max_train_steps", 4, "--checkpointing_steps", 4, "--output_dir", out)
-    assert proc.returncode == 0, output_of(proc)
+    run_regression("cpu", "--max_train_steps", 4, "--checkpointing_steps", 4, "--output_dir", out)
     return out / "checkpoints" / "step_00000004"
 
 
@@ -202,46 +201,47 @@ class Payload:
 
 
 @pytest.mark.parametrize("victim", ["optimizer.pt", "rank_state_0.pt"])
-def test_planted_pickle_is_refused_not_executed(one_checkpoint, tmp_path, victim):
+def test_planted_pickle_is_refused_not_executed(one_checkpoint, tmp_path, victim, capsys):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(one_checkpoint, ckpt)
     proof = tmp_path / "pwned"
     torch.save({"state": Payload(str(proof))}, ckpt / victim)
-    proc = run_script("regression", "--resume_from_checkpoint", ckpt, "--output_dir", tmp_path / "out")
+    proc = run_as_script(capsys, "regression", "--resume_from_checkpoint", ckpt, "--output_dir", tmp_path / "out")
     assert proc.returncode != 0
     assert f"refused to load {ckpt / victim}" in proc.stderr, output_of(proc)
     assert not proof.exists()
 
 
-def test_resume_path_missing(tmp_path):
-    proc = run_script("regression", "--resume_from_checkpoint", tmp_path / "nope", "--output_dir", tmp_path / "out")
+def test_resume_path_missing(tmp_path, capsys):
+    proc = run_as_script(capsys, "regression", "--resume_from_checkpoint", tmp_path / "nope", "--output_dir", tmp_path / "out")
     assert proc.returncode != 0 and "is not a checkpoint (no meta.json there)" in proc.stderr
 
 
-def test_checkpoint_from_another_script(one_checkpoint, tmp_path):
-    proc = run_script("mnist", "--resume_from_checkpoint", one_checkpoint, "--max_train_samples", 64,
-                      "--output_dir", tmp_path / "out")
+def test_checkpoint_from_another_script(one_checkpoint, tmp_path, capsys):
+    proc = run_as_script(capsys, "mnist", "--resume_from_checkpoint", one_checkpoint, "--max_train_samples", 64,
+                         "--output_dir", tmp_path / "out")
     assert proc.returncode != 0
     assert "was written by train/regression.py" in proc.stderr and "not train/mnist.py" in proc.stderr
 
 
-def test_corrupt_safetensors(one_checkpoint, tmp_path):
+def test_corrupt_safetensors(one_checkpoint, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(one_checkpoint, ckpt)
     data = (ckpt / "model.safetensors").read_bytes()
     (ckpt / "model.safetensors").write_bytes(data[: len(data) // 2])
-    proc = run_script("regression", "--resume_from_checkpoint", ckpt, "--output_dir", tmp_path / "out")
+    proc = run_as_script(capsys, "regression", "--resume_from_checkpoint", ckpt, "--output_dir", tmp_path / "out")
     assert proc.returncode != 0 and "model.safetensors is corrupt or missing" in proc.stderr
 
 
-def test_existing_run_is_not_overwritten_unless_asked(tmp_path):
+def test_existing_run_is_not_overwritten_unless_asked(tmp_path, capsys):
     out = tmp_path / "run"
-    assert run_script("regression", "--max_train_steps", 3, "--output_dir", out).returncode == 0
+    assert run_as_script(capsys, "regression", "--max_train_steps", 3, "--output_dir", out).returncode == 0
     before = (out / "model.safetensors").read_bytes()
-    proc = run_script("regression", "--max_train_steps", 3, "--seed", 9, "--output_dir", out)
+    proc = run_as_script(capsys, "regression", "--max_train_steps", 3, "--seed", 9, "--output_dir", out)
     assert proc.returncode != 0 and "holds a finished run (step 3); pass --overwrite_output_dir" in proc.stderr
     assert (out / "model.safetensors").read_bytes() == before
-    proc = run_script("regression", "--max_train_steps", 3, "--seed", 9, "--overwrite_output_dir", "--output_dir", out)
+    proc = run_as_script(capsys, "regression", "--max_train_steps", 3, "--seed", 9, "--overwrite_output_dir",
+                         "--output_dir", out)
     assert proc.returncode == 0 and (out / "model.safetensors").read_bytes() != before
 
 

@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from conftest import CONFIGS, REPO, checksums, clean_env, launch, output_of, reset_accelerate_state
+from conftest import CONFIGS, REPO, checksums, clean_env, launch, output_of, reset_accelerate_state, run_as_script
 from wizard import run_wizard
-from train import mnist
+from train import mnist, regression
 from train.core.accelerator import cpu_has_native_bf16
 
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
@@ -73,49 +73,51 @@ def test_auto_obeys_a_config_that_asks_for_bf16(tmp_path):
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("finished") / "run"
-    proc = script("regression", "--output_dir", out, "--checkpointing_steps", 64)
-    assert proc.returncode == 0, output_of(proc)
+    try:
+        regression.main(regression.parse_args(["--output_dir", str(out), "--checkpointing_steps", "64"]))
+    finally:
+        reset_accelerate_state()
     assert os.path.isfile(out / "all_results.json") and os.listdir(out / "checkpoints")
     return out
 
 
 @pytest.mark.parametrize("resume", ["latest", "checkpoint_path"])
-def test_resuming_a_finished_run_says_so_and_changes_nothing(finished_run, resume):
+def test_resuming_a_finished_run_says_so_and_changes_nothing(finished_run, resume, capsys):
     before = checksums(finished_run)
     target = str(finished_run / "checkpoints" / "step_00000128") if resume == "checkpoint_path" else "latest"
-    proc = script("regression", "--output_dir", finished_run, "--checkpointing_steps", 64,
-                  "--resume_from_checkpoint", target)
+    proc = run_as_script(capsys, "regression", "--output_dir", finished_run, "--checkpointing_steps", 64,
+                         "--resume_from_checkpoint", target)
     assert proc.returncode == 0, output_of(proc)
     assert f"{finished_run} holds a finished run (step 128); nothing to resume, nothing changed" in proc.stdout
     assert "world_size" not in proc.stdout  # it stopped before building anything
     assert checksums(finished_run) == before
 
 
-def test_a_finished_run_is_not_replaced_unasked(finished_run):
+def test_a_finished_run_is_not_replaced_unasked(finished_run, capsys):
     before = checksums(finished_run)
-    proc = script("regression", "--output_dir", finished_run)
+    proc = run_as_script(capsys, "regression", "--output_dir", finished_run)
     assert proc.returncode == 1
     assert proc.stderr.strip() == (f"error: --output_dir {finished_run} holds a finished run (step 128); pass "
                                    "--overwrite_output_dir to replace it, or another --output_dir")
     assert checksums(finished_run) == before
 
 
-def test_weights_without_checkpoint_refuse_to_resume(tmp_path):
+def test_weights_without_checkpoint_refuse_to_resume(tmp_path, capsys):
     out = tmp_path / "run"
-    assert script("regression", "--output_dir", out).returncode == 0  # no --checkpointing_steps
+    assert run_as_script(capsys, "regression", "--output_dir", out).returncode == 0  # no --checkpointing_steps
     os.remove(out / "all_results.json")  # as a crash between the two final writes leaves it
     before = checksums(out)
-    proc = script("regression", "--output_dir", out, "--resume_from_checkpoint", "latest")
+    proc = run_as_script(capsys, "regression", "--output_dir", out, "--resume_from_checkpoint", "latest")
     assert proc.returncode == 1
     assert "holds a run's weights (model.safetensors) but no checkpoint, so it cannot be resumed" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert checksums(out) == before
 
 
-def test_unfinished_run_hint_names_the_resume(tmp_path, finished_run):
+def test_unfinished_run_hint_names_the_resume(tmp_path, finished_run, capsys):
     out = tmp_path / "run"
     shutil.copytree(finished_run / "checkpoints" / "step_00000064", out / "checkpoints" / "step_00000064")
-    proc = script("regression", "--output_dir", out)
+    proc = run_as_script(capsys, "regression", "--output_dir", out)
     assert proc.returncode == 1
     assert "holds an unfinished run with checkpoints up to step_00000064; pass --resume_from_checkpoint latest " \
            "to continue it" in proc.stderr

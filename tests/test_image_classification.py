@@ -57,15 +57,15 @@ def test_two_processes_learn_well_above_chance_and_count_every_image_once(traine
     assert (out / "curves.png").stat().st_size > 0 and (out / "metrics.jsonl").stat().st_size > 0
 
 
-def test_predict_agrees_with_the_evaluation(trained, folders):
+def test_predict_agrees_with_the_evaluation(trained, folders, capsys):
     _, out = trained
-    proc = run_script("image_classification", "--predict", folders[1], "--output_dir", out)
+    proc = run_as_script(capsys, "image_classification", "--predict", folders[1], "--output_dir", out)
     assert proc.returncode == 0, output_of(proc)
     lines = [line.split("\t") for line in proc.stdout.splitlines()]
     assert len(lines) == 299 and all(c in CLASSES and 0 < float(p) <= 1 for _, c, p in lines)
     correct = sum(os.path.basename(os.path.dirname(path)) == c for path, c, _ in lines)
     assert abs(correct - json.load(open(out / "all_results.json"))["eval_accuracy"] * 299) <= 1
-    one = run_script("image_classification", "--predict", lines[0][0], "--output_dir", out)
+    one = run_as_script(capsys, "image_classification", "--predict", lines[0][0], "--output_dir", out)
     assert one.returncode == 0 and one.stdout.count("\n") == 1
 
 
@@ -212,7 +212,7 @@ def test_bad_folder_under_two_processes_is_one_line(tmp_path):
     assert proc.returncode != 0 and output.count("has no class subfolders (it is empty)") == 1, output
 
 
-def test_predict_goes_on_past_an_undecodable_file(trained, folders, tmp_path):
+def test_predict_goes_on_past_an_undecodable_file(trained, folders, tmp_path, capsys):
     _, out = trained
     mixed = tmp_path / "mixed"
     mixed.mkdir()
@@ -221,7 +221,7 @@ def test_predict_goes_on_past_an_undecodable_file(trained, folders, tmp_path):
     Image.new("RGB", (300, 300), 5).save(mixed / "cut.png")
     data = (mixed / "cut.png").read_bytes()
     (mixed / "cut.png").write_bytes(data[:len(data) // 2])
-    proc = run_script("image_classification", "--predict", mixed, "--output_dir", out)
+    proc = run_as_script(capsys, "image_classification", "--predict", mixed, "--output_dir", out)
     assert proc.returncode == 0, output_of(proc)
     assert len(proc.stdout.splitlines()) == 2 and "cut.png" not in proc.stdout
     assert proc.stderr.count("warning: skipped ") == 1 and "cut.png cannot be decoded" in proc.stderr
@@ -238,10 +238,10 @@ def test_held_out_split_says_so_and_counts_skipped_files_once(tmp_path):
     assert not set(train.files) & set(held_out.files)
 
 
-def test_whole_pickled_model_as_pretrained_weights_is_one_line(tmp_path):
+def test_whole_pickled_model_as_pretrained_weights_is_one_line(tmp_path, capsys):
     good = _class_folders(tmp_path / "good", {"cat": 4, "dog": 4})
     torch.save(torch.nn.Linear(2, 2), tmp_path / "model.pth")  # the object, not its state_dict
     (tmp_path / "notes.pth").write_text("hello")
     for name, text in (("model.pth", "save model.state_dict() instead"), ("notes.pth", "is not a .safetensors")):
-        _fails_with(run_script("image_classification", "--train_dir", good, "--pretrained_weights", tmp_path / name,
-                               "--output_dir", tmp_path / "out", "--image_size", 16), text)
+        _fails_with(run_as_script(capsys, "image_classification", "--train_dir", good, "--pretrained_weights",
+                                  tmp_path / name, "--output_dir", tmp_path / "out", "--image_size", 16), text)

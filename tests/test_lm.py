@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import launch, output_of, run_as_script, run_script
+from conftest import launch, output_of, run_as_script
 from data.prepare import main as prepare_main
 from data.shards import shards_in
 from data.sharding import ShardedIterableDataset
@@ -70,7 +70,7 @@ def two_process_run(text, tmp_path_factory):
     return out, proc
 
 
-def test_two_processes_score_every_validation_token_once_and_report_the_run(text, two_process_run):
+def test_two_processes_score_every_validation_token_once_and_report_the_run(text, two_process_run, capsys):
     _, shards = text
     out, proc = two_process_run
     manifest, got = json.load(open(os.path.join(shards, "manifest.json"))), results(out)
@@ -82,7 +82,7 @@ def test_two_processes_score_every_validation_token_once_and_report_the_run(text
     assert events, "--with_tracking wrote no TensorBoard events"  # lm.py once took the flag and wrote none
     final = weights(out)  # the tied output layer saved under both names, as in checkpoints, without a warning
     assert torch.equal(final["lm_head.weight"], final["wte.weight"]) and "shared tensor" not in output_of(proc)
-    sampled = run_script("lm", "--output_dir", out, "--prompt", "the man", "--max_new_tokens", 40)
+    sampled = run_as_script(capsys, "lm", "--output_dir", out, "--prompt", "the man", "--max_new_tokens", 40)
     assert sampled.returncode == 0 and sampled.stdout.startswith("the man") and len(sampled.stdout) > len("the man")
 
 

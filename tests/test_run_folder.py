@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, REPO, checksums, clean_env, output_of, reset_accelerate_state, run_script
+from conftest import CONFIGS, REPO, checksums, clean_env, output_of, reset_accelerate_state, run_as_script, run_script
 from train import regression
 
 QUICK = ["--max_train_steps", 6, "--checkpointing_steps", 3]
@@ -51,7 +51,7 @@ def probe(config, fault, *args, timeout=240):
 # ----------------------------------------------------------------------------- only what the project wrote
 
 @pytest.mark.parametrize("overwrite", [False, True])
-def test_a_folder_that_is_not_a_run_is_never_written_over(tmp_path, overwrite):
+def test_a_folder_that_is_not_a_run_is_never_written_over(tmp_path, overwrite, capsys):
     out = tmp_path / "mine"
     (out / "checkpoints").mkdir(parents=True)
     (out / "checkpoints" / "my_model.pt").write_bytes(b"user weights")
@@ -60,7 +60,8 @@ def test_a_folder_that_is_not_a_run_is_never_written_over(tmp_path, overwrite):
     (out / "labels.json").write_text('["cat", "dog"]')
     (out / "notes.txt").write_text("my notes")
     before = checksums(out)
-    proc = run_script("regression", *QUICK, "--output_dir", out, *(["--overwrite_output_dir"] if overwrite else []))
+    proc = run_as_script(capsys, "regression", *QUICK, "--output_dir", out,
+                         *(["--overwrite_output_dir"] if overwrite else []))
     assert proc.returncode == 1, output_of(proc)
     assert len(error_lines(proc)) == 1 and "checkpoints, tensorboard, labels.json but no run.json" in proc.stderr
     assert "Traceback" not in output_of(proc)
@@ -78,20 +79,20 @@ def test_a_users_other_files_beside_a_run_are_kept_through_runs_and_overwrites(t
     assert strict_json(out / "all_results.json")["step"] == 6
 
 
-def test_overwrite_keeps_the_earlier_run_until_the_new_one_has_a_checkpoint(tmp_path):
+def test_overwrite_keeps_the_earlier_run_until_the_new_one_has_a_checkpoint(tmp_path, capsys):
     out = tmp_path / "run"
     in_process(*QUICK, "--output_dir", out)
     finished = checksums(out)
     # a replacement that fails before its first checkpoint (here: its loss diverges at once)
-    proc = run_script("regression", "--learning_rate", 1e20, "--checkpointing_steps", 50, "--output_dir", out,
-                      "--overwrite_output_dir")
+    proc = run_as_script(capsys, "regression", "--learning_rate", 1e20, "--checkpointing_steps", 50, "--output_dir", out,
+                         "--overwrite_output_dir")
     assert proc.returncode == 1 and "non-finite" in proc.stderr, output_of(proc)
     assert f"moved the earlier run to {out / 'replaced_run'}" in proc.stdout
     kept = checksums(out / "replaced_run")
     assert kept == {k: v for k, v in finished.items() if k not in ("run.json", ".lock")}
     # a second attempt replaces the failed one, never the kept finished run
-    proc = run_script("regression", "--learning_rate", 1e20, "--checkpointing_steps", 50, "--output_dir", out,
-                      "--overwrite_output_dir")
+    proc = run_as_script(capsys, "regression", "--learning_rate", 1e20, "--checkpointing_steps", 50, "--output_dir", out,
+                         "--overwrite_output_dir")
     assert proc.returncode == 1 and checksums(out / "replaced_run") == kept
     # the one that works: once it has a checkpoint the replaced run goes
     in_process(*QUICK, "--seed", 3, "--output_dir", out, "--overwrite_output_dir")
@@ -138,13 +139,13 @@ def test_a_second_run_on_a_folder_in_use_is_refused_and_the_first_finishes_intac
         r["step"] for r in map(json.loads, open(out / "metrics.jsonl")))  # one writer: one ordered log
 
 
-def test_a_lock_left_by_a_dead_process_is_taken_over_with_one_line(tmp_path):
+def test_a_lock_left_by_a_dead_process_is_taken_over_with_one_line(tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (out / ".lock").write_text(json.dumps({"host": "here", "pid": int(dead.stdout), "started": 0,
                                            "command": "train/regression.py"}))
-    proc = run_script("regression", *QUICK, "--output_dir", out)
+    proc = run_as_script(capsys, "regression", *QUICK, "--output_dir", out)
     assert proc.returncode == 0, output_of(proc)
     assert f"was locked by a process that is gone (pid {int(dead.stdout)}" in proc.stdout
     assert (out / ".lock").read_text() == ""  # released on purpose at the end
@@ -185,10 +186,10 @@ def test_a_diverging_loss_stops_every_rank_with_one_line_and_no_final_model(tmp_
                                                           "model.safetensors").values())
 
 
-def test_weights_that_overflow_stop_the_run_before_a_checkpoint_of_them(tmp_path):
+def test_weights_that_overflow_stop_the_run_before_a_checkpoint_of_them(tmp_path, capsys):
     # at this rate the first update takes the weights past float32's range
-    proc = run_script("regression", "--learning_rate", 1e38, "--checkpointing_steps", 1, "--output_dir",
-                      tmp_path / "run")
+    proc = run_as_script(capsys, "regression", "--learning_rate", 1e38, "--checkpointing_steps", 1, "--output_dir",
+                         tmp_path / "run")
     assert proc.returncode == 1 and len(error_lines(proc)) == 1, output_of(proc)
     assert "the model's weights are no longer finite at step 1" in proc.stderr
     assert "no checkpoint was saved" in proc.stderr
@@ -220,12 +221,12 @@ def test_nonfinite_loss_skip_drops_that_step_and_writes_strict_json(tmp_path):
     (["--gradient_accumulation_steps", 2], "this run has 16 per process x 1 processes x 2 accumulation steps"),
     (["--num_train_samples", 900], "saved training on 1024 samples per epoch; this run has 900"),
 ])
-def test_resume_with_another_batch_or_data_is_refused(tmp_path, change, what):
+def test_resume_with_another_batch_or_data_is_refused(tmp_path, change, what, capsys):
     out = tmp_path / "run"
     in_process("--max_train_steps", 6, "--checkpointing_steps", 3, "--output_dir", out)
     os.remove(out / "all_results.json")
-    proc = run_script("regression", "--max_train_steps", 9, *change, "--output_dir", out,
-                      "--resume_from_checkpoint", "latest")
+    proc = run_as_script(capsys, "regression", "--max_train_steps", 9, *change, "--output_dir", out,
+                         "--resume_from_checkpoint", "latest")
     assert proc.returncode == 1 and len(error_lines(proc)) == 1, output_of(proc)
     assert what in proc.stderr, proc.stderr
 
@@ -262,9 +263,9 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", str(folder)])
 
 
-def test_a_full_disk_at_a_checkpoint_is_one_line_and_leaves_every_published_checkpoint_whole(small_disk):
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_leaves_every_published_checkpoint_whole(small_disk, capsys):
     out = small_disk / "run"
-    proc = run_script("regression", "--max_train_steps", 60, "--checkpointing_steps", 2, "--output_dir", out)
+    proc = run_as_script(capsys, "regression", "--max_train_steps", 60, "--checkpointing_steps", 2, "--output_dir", out)
     assert proc.returncode == 1, output_of(proc)
     assert error_lines(proc) == [line for line in proc.stderr.splitlines() if line.strip() and "%|" not in line]
     assert len(error_lines(proc)) == 1 and "no space left on device" in proc.stderr.lower(), proc.stderr
