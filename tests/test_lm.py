@@ -86,12 +86,12 @@ def test_two_processes_score_every_validation_token_once_and_report_the_run(text
     assert sampled.returncode == 0 and sampled.stdout.startswith("the man") and len(sampled.stdout) > len("the man")
 
 
-def test_one_process_takes_the_same_steps_as_two_with_the_same_global_batch(text, two_process_run, tmp_path):
+def test_one_process_takes_the_same_steps_as_two_with_the_same_global_batch(text, two_process_run, tmp_path, capsys):
     _, shards = text
     out, _ = two_process_run
     args = [a if a != 4 else 8 for a in TINY]  # one process, twice the per-device batch
-    proc = launch("cpu", "lm", "--dataset_dir", shards, *args, "--max_train_steps", 12, "--eval_steps", 6,
-                  "--output_dir", tmp_path / "one")
+    proc = run_as_script(capsys, "lm", "--dataset_dir", shards, *args, "--max_train_steps", 12, "--eval_steps", 6,
+                         "--output_dir", tmp_path / "one")
     assert proc.returncode == 0, output_of(proc)
     one, two = results(tmp_path / "one"), results(out)
     assert one["eval_tokens"] == two["eval_tokens"]
@@ -99,7 +99,7 @@ def test_one_process_takes_the_same_steps_as_two_with_the_same_global_batch(text
         assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-5, abs=1e-6)
 
 
-def test_sigkill_and_resume_is_bit_identical_and_resumes_at_another_process_count(text, tmp_path):
+def test_sigkill_and_resume_is_bit_identical_and_resumes_at_another_process_count(text, tmp_path, capsys):
     _, shards = text
     args = ["--dataset_dir", shards, *TINY, "--max_train_steps", 10, "--checkpointing_steps", 4]
     full, crashed = tmp_path / "full", tmp_path / "crashed"
@@ -118,8 +118,8 @@ def test_sigkill_and_resume_is_bit_identical_and_resumes_at_another_process_coun
     # the same steps on the same windows: equal to float rounding (the 2-process run sums its
     # gradients in another order), where a wrong data position would be a different trajectory
     one = resume_copy(full, 4, str(tmp_path / "one"))
-    proc = launch("cpu", "lm", *args, "--per_device_train_batch_size", 8, "--output_dir", one,
-                  "--resume_from_checkpoint", "latest")
+    proc = run_as_script(capsys, "lm", *args, "--per_device_train_batch_size", 8, "--output_dir", one,
+                         "--resume_from_checkpoint", "latest")
     assert proc.returncode == 0, output_of(proc)
     assert "world_size=1 " in proc.stdout and f"resumed from {one}/checkpoints/step_00000004" in proc.stdout
     resumed, uninterrupted = weights(one), weights(full)
