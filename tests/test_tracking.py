@@ -1,4 +1,5 @@
-"""What users see while training: header, metrics.jsonl, tensorboard events, curves.png, summary line."""
+"""What users see while training: header, metrics.jsonl, tensorboard events, curves.png, summary line;
+after a resume, one history in both logs."""
 import json
 import os
 import shutil
@@ -31,6 +32,30 @@ def tensorboard_steps(folder, tag):
                 if tag in events.Tags()["scalars"]:
                     steps += [e.step for e in events.Scalars(tag)]
     return sorted(steps)
+
+
+def tensorboard_history(folder, tag):
+    """[(step, value)] of `tag` as TensorBoard shows the runs under `folder`: each folder's event files
+    in the order written, where a purge marker (SummaryWriter's purge_step, a SessionLog START at step
+    S) hides what the earlier files logged from step S on. Without one, every copy of a step stays."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.compat.proto.event_pb2 import SessionLog
+    from tensorboard.util.tensor_util import make_ndarray
+
+    history = []
+    for root, _, files in sorted(os.walk(folder)):
+        shown = []
+        for name in sorted(f for f in files if f.startswith("events.out.tfevents")):
+            for event in EventFileLoader(os.path.join(root, name)).Load():
+                if event.HasField("session_log") and event.session_log.status == SessionLog.START:
+                    shown = [(step, value) for step, value in shown if step < event.step]
+                for value in event.summary.value:
+                    if value.tag == tag:
+                        number = value.simple_value if value.WhichOneof("value") == "simple_value" else \
+                            float(make_ndarray(value.tensor))
+                        shown.append((event.step, number))
+        history += shown
+    return history
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +122,7 @@ def test_without_tracking_no_tensorboard_but_still_jsonl_and_png(fashion_dir, tm
 
 
 def test_resume_rewrites_the_log_without_repeating_or_losing_steps(fashion_dir, tmp_path):
-    args = [str(a) for a in RUN] + ["--checkpointing_steps", "30"]
+    args = [str(a) for a in RUN] + ["--checkpointing_steps", "30", "--with_tracking", "--report_to", "tensorboard"]
     full, crashed = tmp_path / "full", tmp_path / "crashed"
     mnist.main(mnist.parse_args(args + ["--output_dir", str(full)]))
     # as a crash at step 72 would leave it: every log line up to then, the checkpoint of step 60
@@ -113,3 +138,6 @@ def test_resume_rewrites_the_log_without_repeating_or_losing_steps(fashion_dir, 
         return [(r["step"], r.get("train_loss"), r.get("eval_accuracy")) for r in read_jsonl(folder / "metrics.jsonl")]
 
     assert losses(crashed) == losses(full)  # bit-identical resume: the same values at the same steps, once each
+    for tag in ("train_loss", "eval_accuracy"):  # and TensorBoard shows one history, not the steps after 60 twice
+        shown = tensorboard_history(crashed / "tensorboard", tag)
+        assert shown == tensorboard_history(full / "tensorboard", tag) and len({s for s, _ in shown}) == len(shown)

@@ -106,7 +106,10 @@ class MetricsLog:
         if self.with_tracking:
             # hparams must be scalars: tensorboard rejects None
             config = {k: v for k, v in hparams.items() if isinstance(v, (int, float, str, bool))}
-            self.accelerator.init_trackers(project_name, config=config)
+            # a resumed run logs the steps after its checkpoint again: TensorBoard hides the earlier
+            # copies of those steps from purge_step on, as metrics.jsonl is cut back below
+            purge = {"tensorboard": {"purge_step": completed_steps + 1}} if completed_steps else None
+            self.accelerator.init_trackers(project_name, config=config, init_kwargs=purge)
         if self.accelerator.is_main_process:
             os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
             records = _read_jsonl(self.path) if completed_steps else []
