@@ -2,10 +2,12 @@
 file remembers it happened, so a restarted run goes through). Used by tests/test_checkpointing.py
 to crash runs for real, at exact points, without test hooks in the training code.
 
-    kill_at_step.py SCRIPT --rank R --step K --marker FILE [--during_save] -- SCRIPT_ARGS...
+    kill_at_step.py SCRIPT --rank R --step K --marker FILE [--during_save] [--sigterm self|launcher] -- SCRIPT_ARGS...
 
 Without --during_save: right after optimizer step K on rank R (before that step's checkpoint).
 With --during_save: on rank R, when checkpoint step K is about to be renamed into place.
+With --sigterm: SIGTERM instead of SIGKILL, to rank R itself or to its launcher (which passes it on
+to every rank), as a cluster asks a run to stop. The script runs under run(), as from its own file.
 """
 import argparse
 import os
@@ -17,9 +19,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
-def die(marker):
+def die(marker, sigterm=None):
     open(marker, "w").close()
-    os.kill(os.getpid(), signal.SIGKILL)
+    if sigterm is None:
+        os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        os.kill(os.getppid() if sigterm == "launcher" else os.getpid(), signal.SIGTERM)
 
 
 def main():
@@ -30,6 +35,7 @@ def main():
     parser.add_argument("--step", type=int, required=True)
     parser.add_argument("--marker", required=True)
     parser.add_argument("--during_save", action="store_true")
+    parser.add_argument("--sigterm", choices=["self", "launcher"])
     args = parser.parse_args(sys.argv[1:split])
     armed = int(os.environ.get("RANK", 0)) == args.rank and not os.path.exists(args.marker)
 
@@ -50,12 +56,14 @@ def main():
                 return  # torch.distributed.checkpoint's state init for stateless SGD: a step at lr 0, not ours
             steps[0] += 1
             if steps[0] == args.step:
-                die(args.marker)
+                die(args.marker, args.sigterm)
 
         register_optimizer_step_post_hook(after_step)
 
+    from train.core.run import run
+
     module = __import__(f"train.{args.script}", fromlist=["main"])
-    module.main(module.parse_args(sys.argv[split + 1:]))
+    run(module.main, module.parse_args(sys.argv[split + 1:]))
 
 
 if __name__ == "__main__":

@@ -116,18 +116,54 @@ def test_mnist_resume_in_process_with_accumulation_is_bit_identical(tmp_path, fa
     assert [h["epoch"] for h in results["history"]] == [1, 2]  # history survives the resume
 
 
+@pytest.fixture(scope="module")
+def mnist_2proc_runs(fashion_dir, tmp_path_factory):
+    """Uninterrupted 2-process MNIST runs (batch 8 per process, a checkpoint at step 17), map-style and
+    streaming, with the arguments that runs resumed from their checkpoints must give again."""
+    runs = {}
+    for streaming in (False, True):
+        root = tmp_path_factory.mktemp("streaming" if streaming else "map_style")
+        args = [*MNIST, "--per_device_train_batch_size", 8,
+                *(["--streaming", "--parquet_dir", root / "parquet"] if streaming else [])]
+        proc = launch("cpu_2proc", "mnist", *args, "--checkpointing_steps", 17, "--output_dir", root / "full")
+        assert proc.returncode == 0, output_of(proc)
+        runs[streaming] = (str(root / "full"), args)
+    return runs
+
+
 @pytest.mark.parametrize("streaming", [False, True], ids=["map_style", "streaming"])
-def test_mnist_two_processes_resume_mid_epoch_is_bit_identical(tmp_path, fashion_dir, streaming):
-    extra = ["--streaming", "--parquet_dir", str(tmp_path / "parquet")] if streaming else []
-    full = str(tmp_path / "full")
-    proc = launch("cpu_2proc", "mnist", *MNIST, *extra, "--per_device_train_batch_size", 8,
-                  "--checkpointing_steps", 17, "--output_dir", full)
-    assert proc.returncode == 0, output_of(proc)
+def test_mnist_two_processes_resume_mid_epoch_is_bit_identical(mnist_2proc_runs, tmp_path, streaming):
+    full, args = mnist_2proc_runs[streaming]
     out = resume_copy(full, 17, str(tmp_path / "resumed"))
-    proc = launch("cpu_2proc", "mnist", *MNIST, *extra, "--per_device_train_batch_size", 8,
-                  "--resume_from_checkpoint", "latest", "--output_dir", out)
+    proc = launch("cpu_2proc", "mnist", *args, "--resume_from_checkpoint", "latest", "--output_dir", out)
     assert proc.returncode == 0, output_of(proc)
     assert "world_size=2 " in proc.stdout and "resumed from" in proc.stdout
+    assert identical(weights(out), weights(full))
+
+
+# SIGTERM to the launcher (map-style) and to rank 1 alone (streaming), after optimizer step 9 of 48
+@pytest.mark.parametrize("streaming, to", [(False, "launcher"), (True, "self")], ids=["map_style", "streaming"])
+def test_sigterm_saves_one_step_on_every_rank_and_the_resume_is_bit_identical(mnist_2proc_runs, tmp_path,
+                                                                              streaming, to):
+    full, args = mnist_2proc_runs[streaming]
+    out = tmp_path / "preempted"
+    proc = kill_launch("cpu_2proc", "mnist", ["--rank", 1, "--step", 9, "--marker", tmp_path / "signalled",
+                                              "--sigterm", to], *args, "--output_dir", out)
+    assert proc.returncode != 0 and (tmp_path / "signalled").exists(), output_of(proc)
+    said = [line for line in output_of(proc).splitlines() if line.startswith("stopped on SIGTERM at step ")]
+    assert len(said) == 1, output_of(proc)  # from the first process only
+    step = int(said[0].split()[5])
+    # rank 1 alone: the ranks agree one step later, at the same step; via the launcher: at some later step
+    assert step == 10 if to == "self" else 9 < step < 48, said[0]
+    checkpoint = out / "checkpoints" / f"step_{step:08d}"
+    assert f"saved {checkpoint}; resume with: accelerate launch --config_file " in said[0]
+    assert said[0].endswith(" --resume_from_checkpoint latest")
+    assert sorted(os.listdir(out / "checkpoints")) == [checkpoint.name]  # one step, saved by both ranks
+    assert {"rank_state_0.pt", "rank_state_1.pt", "meta.json"} <= set(os.listdir(checkpoint))
+    assert not (out / "model.safetensors").exists()
+    proc = launch("cpu_2proc", "mnist", *args, "--resume_from_checkpoint", "latest", "--output_dir", out)
+    assert proc.returncode == 0, output_of(proc)
+    assert f"resumed from {checkpoint}" in proc.stdout
     assert identical(weights(out), weights(full))
 
 

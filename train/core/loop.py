@@ -30,7 +30,8 @@ from data.loader import ShardedLoader, check_loader, settle_loader_threads
 from train.core.checkpoint import data_position, find_checkpoint, load_checkpoint, model_weights, save_checkpoint
 from train.core.loss_watch import LossWatch
 from train.core.output_dir import drop_replaced_run, release_output_dir
-from train.core.process import on_teardown
+from train.core.preemption import Preempted, Preemption
+from train.core.process import on_teardown, resume_command
 from train.core.schedule import make_scheduler, plan_steps
 from train.core.tracking import MetricsLog, plot_metrics, save_final
 
@@ -67,6 +68,7 @@ class TrainingLoop:
         self.step, self.epoch, self.batches_done, self.history, self.epoch_seconds = 0, 0, 0, [], []
         self.resumed_from, self._resumed_seconds = None, 0.0  # the interrupted epoch's training time before the save
         self.losses = LossWatch(accelerator, optimizer, args.nonfinite_loss, args.output_dir)
+        self.preemption, self._stop_at_epoch_end, self._saved_step = Preemption(accelerator), False, None
         if path := find_checkpoint(accelerator, args.resume_from_checkpoint, args.output_dir):
             meta = load_checkpoint(accelerator, path, task, model, optimizer, self.lr_scheduler)
             self._check_same_run(path, meta)
@@ -154,6 +156,10 @@ class TrainingLoop:
             self._t_epoch += time.perf_counter() - t_eval  # the epoch's seconds are training seconds
         if self._save_due() and self.batches_done < self.batches_per_epoch:  # at an epoch's end: after evaluating
             self.save()
+        if self.preemption.agreed() and self.step < self.max_train_steps:  # the last step just finishes the run
+            if self.batches_done < self.batches_per_epoch:
+                self._preempt()
+            self._stop_at_epoch_end = True  # the epoch's evaluation first, as an uninterrupted run has it
         return True
 
     # ------------------------------------------------------------------------------ evaluation, checkpoints
@@ -181,6 +187,8 @@ class TrainingLoop:
         if trained and (self.checkpointing_steps == "epoch" or
                         (self._save_due() and self.batches_done >= self.batches_per_epoch)):
             self.save()
+        if self._stop_at_epoch_end:
+            self._preempt()
 
     def position(self):
         """Where the data stands, as checkpoints store it: valid for any world size when sharded."""
@@ -195,8 +203,18 @@ class TrainingLoop:
         meta = {"script": self.task, "data": self.position(), "args": vars(self.args), "history": self.history,
                 "epoch_seconds": self.epoch_seconds, "epoch_elapsed": elapsed, "global_batch": self._global_batch(),
                 "train_samples": self._train_samples(), "losses": self.losses.state_dict()}
+        self._saved_step = self.step
         return save_checkpoint(self.accelerator, self.output_dir, self.step, self.model, self.optimizer,
                                self.lr_scheduler, meta, self.keep_last)
+
+    def _preempt(self):
+        """Every rank, at the same step: save here (unless this step was just saved), then stop."""
+        self.progress.close()
+        path = self.save() if self._saved_step != self.step else \
+            f"{self.output_dir}/checkpoints/step_{self.step:08d}"
+        self.preemption.close()  # from here a SIGTERM ends the process at once
+        raise Preempted(f"stopped on SIGTERM at step {self.step} of {self.max_train_steps}, saved {path}; resume "
+                        f"with: {resume_command()}")
 
     # ------------------------------------------------------------------------------ resume: the same run
     def _global_batch(self):
@@ -272,6 +290,7 @@ class TrainingLoop:
         model must go before the process group does. The loop drops its own and the accelerator's
         here; a script's go with its main(), and run() then collects them and ends the group."""
         self.losses.close()
+        self.preemption.close()
         self.model = self.optimizer = self.lr_scheduler = self.evaluate = None
         self.accelerator.free_memory()
         release_output_dir(self.output_dir)

@@ -19,17 +19,21 @@ def first_local_process():
     return os.environ.get("LOCAL_RANK", "0") == "0"
 
 
-def exit_once(message, code):
+def exit_once(message, code, quiet_others=False):
     """Print `message` from the first local process and exit with `code`, at once (a process group
     left to interpreter exit can hang or abort; checkpoints are atomic, so nothing is half-written).
     The other processes wait first: torchrun stops every worker as soon as one exits with an error, so
     one that left before the first had printed would take the only line with it. If one
     is still alive after the wait, the error was its own, and it prints it. Under torchrun's agent
-    the line is written once the agent has exited, after its report (_say_after_launcher)."""
+    the line is written once the agent has exited, after its report (_say_after_launcher). With
+    `quiet_others` every process met the same end at the same point (a preemption), so the others
+    leave at once, without a line."""
     if "LOCAL_RANK" not in os.environ:  # one process, no launcher: a plain exit, catchable in-process
         sys.stderr.write(message + "\n")
         sys.exit(code)
     if not first_local_process():
+        if quiet_others:
+            os._exit(code)
         time.sleep(5)
         message = f"[local rank {os.environ['LOCAL_RANK']}] {message}"
     sys.stdout.flush()

@@ -12,6 +12,7 @@ from accelerate.utils import set_seed
 from data.errors import UserError
 from train.core.accelerator import announce, make_accelerator
 from train.core.output_dir import check_output_dir, claim_output_dir, list_checkpoints
+from train.core.preemption import Preempted
 from train.core.process import (die_with_launcher, exit_once, first_local_process, resume_command, run_failure_hooks,
                                 run_teardown)
 
@@ -51,8 +52,11 @@ def run(main, args):
     resumes from it, and exit 130. Under a launcher that line comes after the launcher's own report,
     and this process dies with the launcher."""
     die_with_launcher()
+    quiet_others = False
     try:
         result = main(args)
+    except Preempted as e:  # every rank saved the same step and stops: one line, from the first process
+        message, code, quiet_others = str(e), e.exit_code, True
     except UserError as e:  # its str() is one line, also when a DataLoader worker raised it
         message, code = f"error: {e}", 1
     except BrokenPipeError:  # printing into a pipe that closed (`... | head`): nothing left to say
@@ -77,4 +81,4 @@ def run(main, args):
         run_teardown()
         return result
     run_failure_hooks()  # e.g. an output folder this run created and never wrote a result into
-    exit_once(message, code)
+    exit_once(message, code, quiet_others)
