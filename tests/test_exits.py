@@ -96,6 +96,9 @@ def test_workers_die_with_their_launcher(tmp_path, config, processes):
         while any(alive(pid) for pid in pids) and time.time() < deadline:
             time.sleep(0.1)
         assert not any(alive(pid) for pid in pids), (tmp_path / "log").read_text()[-3000:]
+        if processes == 1:  # accelerate's one-process launcher: its child got SIGTERM, so it saved first
+            stopped = re.findall(r"^stopped on SIGTERM at step (\d+) ", (tmp_path / "log").read_text(), re.M)
+            assert len(stopped) == 1 and (out / "checkpoints" / f"step_{int(stopped[0]):08d}").is_dir()
     finally:
         for pid in pids:
             if alive(pid):

@@ -83,8 +83,9 @@ def die_with_launcher():
     run in their own sessions, so a `kill -9` or the OOM killer on the launcher otherwise leaves them
     training and writing into --output_dir, unseen, while the user starts the resume: they get
     SIGKILL (their peers are gone with the agent). Under accelerate's one-process launcher the
-    child gets SIGINT instead, the Ctrl-C path: that launcher waits only 0.25 s for its child after
-    a Ctrl-C, and the child must still print its resume line (run() ignores a second SIGINT).
+    child gets SIGTERM instead, the preemption path (train/core/preemption.py): it ends its step,
+    saves a checkpoint and exits; after a Ctrl-C, which that launcher follows by exiting 0.25 s
+    later, the child is already on its way out with the resume line (run() then ignores SIGTERM).
     PR_SET_PDEATHSIG fires when the parent *thread* that forked us exits: the agent starts (and
     restarts) workers from its main thread (torch/distributed/elastic/multiprocessing/api.py
     SubprocessContext._start, called from LocalElasticAgent._start_workers in agent.run()), which
@@ -95,7 +96,7 @@ def die_with_launcher():
     if _under_elastic_agent():
         signal_number = signal.SIGKILL
     elif "ACCELERATE_MIXED_PRECISION" in os.environ and (launcher_argv() or [None])[0] == "accelerate":
-        signal_number = signal.SIGINT
+        signal_number = signal.SIGTERM
     else:  # python train/x.py: no launcher to outlive
         return
     import ctypes

@@ -68,6 +68,7 @@ def run(main, args):
         message, code = disk_fault(e, getattr(args, "output_dir", None)), 1
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher forwards a second SIGINT
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # and the one-process launcher's exit sends SIGTERM
         if not first_local_process():  # torchrun's agent got the SIGINT too and waits for every worker
             os._exit(130)
         found = list_checkpoints(args.output_dir) if args.output_dir else []
