@@ -156,7 +156,7 @@ class TrainingLoop:
             self._t_epoch += time.perf_counter() - t_eval  # the epoch's seconds are training seconds
         if self._save_due() and self.batches_done < self.batches_per_epoch:  # at an epoch's end: after evaluating
             self.save()
-        if self.preemption.agreed() and self.step < self.max_train_steps:  # the last step just finishes the run
+        if self.preemption.agreed(self.step) and self.step < self.max_train_steps:  # the last step just finishes the run
             if self.batches_done < self.batches_per_epoch:
                 self._preempt()
             self._stop_at_epoch_end = True  # the epoch's evaluation first, as an uninterrupted run has it
