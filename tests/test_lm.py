@@ -78,6 +78,10 @@ def test_two_processes_score_every_validation_token_once_and_report_the_run(text
     assert [h["step"] for h in got["history"]] == [6, 12] and got["history"][-1]["eval_loss"] < got["history"][0]["eval_loss"]
     assert 0 < got["eval_bpb"] < 8 and got["train_tokens_per_second"] > 0 and 0 < got["mfu"] < 1
     assert got["peak_memory_mb"] > 0 and "eval_bpb=" in proc.stdout
+    model_line = [line for line in proc.stdout.splitlines() if line.startswith("model: GPT, ")]  # once, by rank 0
+    assert len(model_line) == 1 and model_line[0].startswith(
+        f"model: GPT, {got['parameters'] / 1e6:.2f}M parameters, 2 layers, 2 heads, width 32, context 32, vocab "), \
+        proc.stdout[-2000:]
     events = [f for _, _, files in os.walk(out / "tensorboard") for f in files if f.startswith("events.out.tfevents")]
     assert events, "--with_tracking wrote no TensorBoard events"  # lm.py once took the flag and wrote none
     final = weights(out)  # the tied output layer saved under both names, as in checkpoints, without a warning

@@ -127,6 +127,11 @@ def main(args):
     config = GPTConfig(manifest["vocab_size"], args.block_size, args.n_layer, args.n_head, args.n_embd, args.dropout)
     model = GPT(config)
     model.gradient_checkpointing = args.gradient_checkpointing
+    # what a user comparing runs needs first; parameters() yields the tied embedding once
+    accelerator.print(f"model: GPT, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+                      f"{config.n_layer} layers, {config.n_head} heads, width {config.n_embd}, context "
+                      f"{config.block_size}, vocab {config.vocab_size}, {model.flops_per_token() / 1e6:.1f} MFLOPs "
+                      "per token (training)")
     optimizer = torch.optim.AdamW(model.param_groups(args.weight_decay), lr=args.learning_rate, betas=(0.9, 0.95))
     model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
 
