@@ -11,6 +11,7 @@ This wrapper does the three things prepare would have done for us, and nothing e
 - tracks the position (state_dict/load_state_dict): train/core/loop.py stores it in our checkpoints, and
   in a script that uses accelerate's save_state, `accelerator.register_for_checkpointing` carries it.
 """
+import os
 import sys
 import threading
 
@@ -22,6 +23,15 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from data.errors import PlanError
 from data.sharding import PREPARED_SHARDED, ShardedIterableDataset, check_same_plan
+
+
+def own_process_group(worker_id=None):
+    """worker_init_fn for the DataLoaders here: each worker in a process group of its own. On a
+    SIGTERM torch elastic's agent signals every rank's whole process group (os.killpg): a worker left
+    in it dies at once, and its rank fails ("DataLoader worker ... is killed by signal: Terminated")
+    instead of saving the checkpoint the signal asks for (train/core/preemption.py). A worker still
+    ends with its rank: torch's workers watch their parent."""
+    os.setpgid(0, 0)
 
 
 def sharded_loader(source, per_device_batch_size, *, rank, world_size, device, seed, train, num_workers=0,
@@ -40,7 +50,7 @@ class ShardedLoader(DataLoaderStateMixin):
     def __init__(self, dataset, device=None, num_workers=0, pin_memory=False):
         self.dataset, self.device = dataset, device
         self.loader = DataLoader(dataset, batch_size=None, num_workers=num_workers, pin_memory=pin_memory,
-                                 persistent_workers=False)
+                                 persistent_workers=False, worker_init_fn=own_process_group)
         self.gradient_state = GradientState()
         # begin() then leaves `remainder` at -1, so gather_for_metrics never trims: padded samples
         # are excluded through each batch's `valid` mask instead.

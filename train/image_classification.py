@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from data.images import (ImageFileSource, ImageFolderDataset, decode_for_prediction, image_transforms, list_images,
                          normalize, scan_image_folder)
-from data.loader import sharded_loader
+from data.loader import own_process_group, sharded_loader
 from train.core.accelerator import main_process_first
 from train.core.cli import add_optimizer_args, make_parser, positive_float, positive_int
 from train.core.evaluation import evaluate_classifier
@@ -90,8 +90,10 @@ def main(args):
                                      num_workers=args.dataloader_num_workers)
     else:
         train_loader = DataLoader(train_set, args.per_device_train_batch_size, shuffle=True, drop_last=True,
-                                  num_workers=args.dataloader_num_workers)
-        eval_loader = DataLoader(eval_set, args.per_device_eval_batch_size, num_workers=args.dataloader_num_workers)
+                                  num_workers=args.dataloader_num_workers,
+                                  worker_init_fn=own_process_group)  # a SIGTERM must reach the rank alone
+        eval_loader = DataLoader(eval_set, args.per_device_eval_batch_size, num_workers=args.dataloader_num_workers,
+                                 worker_init_fn=own_process_group)
 
     # ---------------------------------------------------------------- model, optimizer, schedule
     model = build_classifier(args.model, len(train_files.classes), args.image_size)

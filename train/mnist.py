@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from data import DATASETS, augment_images, check_data_dir, identity_collate, load_mnist, normalize_images
-from data.loader import sharded_loader
+from data.loader import own_process_group, sharded_loader
 from data.mnist import prepare_mnist_shards
 from data.shards import shards_in
 from data.sources import ParquetSource
@@ -126,9 +126,10 @@ def main(args):
         num_train, num_eval = len(train_set), len(eval_set)
         # drop_last: every optimizer step sees one full global batch; the dropped tail differs each epoch.
         train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True,
-                                  drop_last=True, collate_fn=identity_collate, num_workers=args.dataloader_num_workers)
+                                  drop_last=True, collate_fn=identity_collate, num_workers=args.dataloader_num_workers,
+                                  worker_init_fn=own_process_group)  # a SIGTERM must reach the rank alone
         eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, collate_fn=identity_collate,
-                                 num_workers=args.dataloader_num_workers)
+                                 num_workers=args.dataloader_num_workers, worker_init_fn=own_process_group)
     accelerator.print(f"dataset={args.dataset} train={num_train} test={num_eval} source={source}")
 
     # ---------------------------------------------------------------- model, optimizer, schedule

@@ -68,7 +68,7 @@ class TrainingLoop:
         self.step, self.epoch, self.batches_done, self.history, self.epoch_seconds = 0, 0, 0, [], []
         self.resumed_from, self._resumed_seconds = None, 0.0  # the interrupted epoch's training time before the save
         self.losses = LossWatch(accelerator, optimizer, args.nonfinite_loss, args.output_dir)
-        self.preemption, self._stop_at_epoch_end, self._saved_step = Preemption(accelerator), False, None
+        self._stop_at_epoch_end, self._saved_step = False, None
         if path := find_checkpoint(accelerator, args.resume_from_checkpoint, args.output_dir):
             meta = load_checkpoint(accelerator, path, task, model, optimizer, self.lr_scheduler)
             self._check_same_run(path, meta)
@@ -80,6 +80,7 @@ class TrainingLoop:
                 train_loader.load_state_dict(meta["data"])
         self.metrics = MetricsLog(accelerator, args.output_dir, args.with_tracking)
         self.metrics.start(task, vars(args), self.step)
+        self.preemption = Preemption(accelerator)  # last: a failed resume above leaves SIGTERM as it was
         accelerator.print(f"epochs={self.num_train_epochs} steps={self.max_train_steps} steps_per_epoch="
                           f"{math.ceil(self.batches_per_epoch / args.gradient_accumulation_steps)}"
                           + (f" resuming at step {self.step}" if self.resumed_from else ""))
@@ -213,7 +214,7 @@ class TrainingLoop:
         self.progress.close()
         path = self.save() if self._saved_step != self.step else \
             f"{self.output_dir}/checkpoints/step_{self.step:08d}"
-        self.preemption.close()  # from here a SIGTERM ends the process at once
+        self.preemption.stopping()
         raise Preempted(f"stopped on SIGTERM at step {self.step} of {self.max_train_steps}, saved {path}; resume "
                         f"with: {resume_command()}")
 

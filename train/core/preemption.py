@@ -6,9 +6,12 @@ and the first process prints the command that resumes it.
 The ranks agree through one small reduce: of each rank's flag and of its seconds per step since the
 last check. Every rank gets the same numbers back, so every rank computes the same next check,
 about half a second of training away and at most 10 steps (a reduce per step would cost 3.5% of a
-22 ms CPU step in bench/loop_overhead.py; this costs 0.3%). A stop therefore comes within
-max(0.5 s, one step) of training after the signal reaches a rank, plus one checkpoint; torch
-elastic's agent allows its workers 30 s after passing on a SIGTERM before it kills them.
+22 ms CPU step in bench/loop_overhead.py; these checks cost nothing it can measure). A stop therefore comes within
+max(0.5 s, one step) of training after the signal reaches a rank (up to 10 steps when steps slowed
+since the last check, and an evaluation that falls in between), plus one checkpoint; torch elastic's
+agent allows its workers 30 s after passing on a SIGTERM before it kills them. Its SIGTERM goes to
+each rank's whole process group: DataLoader workers need a group of their own to survive it
+(data.loader.own_process_group).
 """
 import signal
 import threading
@@ -54,6 +57,13 @@ class Preemption:
         self._last_check = step, now
         self._next_check = step + max(1, min(self.MAX_STEPS_BETWEEN, int(self.CHECK_SECONDS / max(slowest, 1e-9))))
         return flag > 0
+
+    def stopping(self):
+        """The checkpoint is saved and the process is on its way out: a further SIGTERM (the agent
+        ending the other ranks) must not cut off the line that says how to resume."""
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            self._previous = None
 
     def close(self):
         """The end of the run: SIGTERM does what it did before."""
