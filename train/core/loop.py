@@ -2,18 +2,9 @@
 a checkpoint, data position), the batches it has left, step counting, the learning-rate schedule,
 logging, evaluation at each epoch's end, checkpoints, and the run's outputs.
 
-A script keeps its own loop in view:
-
-    loop = TrainingLoop(accelerator, args, "my_task", model, optimizer, train_loader,
-                        evaluate=lambda: evaluate_classifier(accelerator, model, eval_loader, to_inputs))
-    for batch in loop.batches():          # the rest of the run, from a checkpoint's exact position
-        with accelerator.accumulate(model):
-            loss = loss_fn(model(batch["image"]), batch["label"])
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        loop.after_batch(loss)            # on an optimizer step: schedule, log, checkpoint when due
-    return loop.finish()                  # weights, all_results.json, curves.png; run() tears down
+A script keeps its own loop in view: `for batch in loop.batches()`, its own step, `loop.after_batch(loss)`,
+and `return loop.finish()` (the README's skeleton, which tests/test_readme_script.py runs; SIGTERM
+is the loop's too: train/core/preemption.py).
 
 One path for the end of an epoch and the end of the run (nanochat's `last_step`): each evaluates,
 records and, when due, saves after the evaluation. A run resumed from its final checkpoint trains
@@ -68,7 +59,7 @@ class TrainingLoop:
         self.step, self.epoch, self.batches_done, self.history, self.epoch_seconds = 0, 0, 0, [], []
         self.resumed_from, self._resumed_seconds = None, 0.0  # the interrupted epoch's training time before the save
         self.losses = LossWatch(accelerator, optimizer, args.nonfinite_loss, args.output_dir)
-        self._stop_at_epoch_end, self._saved_step = False, None
+        self._stop_at_epoch_end, self._last_save = False, (None, None)  # (step, path)
         if path := find_checkpoint(accelerator, args.resume_from_checkpoint, args.output_dir):
             meta = load_checkpoint(accelerator, path, task, model, optimizer, self.lr_scheduler)
             self._check_same_run(path, meta)
@@ -161,7 +152,7 @@ class TrainingLoop:
         if self.preemption.agreed(self.step) and self.step < self.max_train_steps:  # the last step just finishes the run
             if self.batches_done < self.batches_per_epoch:
                 self._preempt()
-            self._stop_at_epoch_end = True  # the epoch's evaluation first, as an uninterrupted run has it
+            self._stop_at_epoch_end = True  # after the epoch's evaluation, as an uninterrupted run has it
         return True
 
     # ------------------------------------------------------------------------------ evaluation, checkpoints
@@ -205,15 +196,15 @@ class TrainingLoop:
         meta = {"script": self.task, "data": self.position(), "args": vars(self.args), "history": self.history,
                 "epoch_seconds": self.epoch_seconds, "epoch_elapsed": elapsed, "global_batch": self._global_batch(),
                 "train_samples": self._train_samples(), "losses": self.losses.state_dict()}
-        self._saved_step = self.step
-        return save_checkpoint(self.accelerator, self.output_dir, self.step, self.model, self.optimizer,
+        path = save_checkpoint(self.accelerator, self.output_dir, self.step, self.model, self.optimizer,
                                self.lr_scheduler, meta, self.keep_last)
+        self._last_save = self.step, path
+        return path
 
     def _preempt(self):
         """Every rank, at the same step: save here (unless this step was just saved), then stop."""
         self.progress.close()
-        path = self.save() if self._saved_step != self.step else \
-            f"{self.output_dir}/checkpoints/step_{self.step:08d}"
+        path = self._last_save[1] if self._last_save[0] == self.step else self.save()
         self.preemption.stopping()
         raise Preempted(f"stopped on SIGTERM at step {self.step} of {self.max_train_steps}, saved {path}; resume "
                         f"with: {resume_command()}")
