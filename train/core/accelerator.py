@@ -1,6 +1,7 @@
 """The accelerator every script builds, and what runs on it before training: the process group
 (with its restart-safe rendezvous), the mixed precision chosen for the hardware, the header that
 shows what is really running, and the main-process-first data load."""
+import contextlib
 import functools
 import os
 import sys
@@ -9,12 +10,13 @@ import warnings
 from datetime import timedelta
 from urllib.parse import urlparse
 
+import accelerate
 import torch
 import yaml
-from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
 
 from data.errors import UserError, fail
+from train.core.fsdp import cpu_fsdp2_plugin, is_sharded, local_share, shard_model, swap_optimizer_params
 from train.core.process import launcher_argv
 from train.core.tracking import tracking_kwargs
 
@@ -149,6 +151,53 @@ def check_writable(output_dir):
         raise OSError(e.errno, e.strerror, output_dir) from None
 
 
+class Accelerator(accelerate.Accelerator):
+    """accelerate's Accelerator, plus FSDP2 for CPU processes launched with an FSDP2 config, which
+    accelerate 1.15 runs as plain DDP (train/core/fsdp.py). Only public methods are extended, and
+    they change nothing anywhere else (GPUs, DDP, one process)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cpu_fsdp2 = cpu_fsdp2_plugin(self)
+
+    def prepare(self, *args, device_placement=None):
+        """Under CPU FSDP2, shard the model and point the optimizer at the shards before accelerate
+        prepares them (it would wrap DDP around the model otherwise), as accelerate's GPU path does."""
+        models = [a for a in args if isinstance(a, torch.nn.Module) and not is_sharded(a)]
+        if self.cpu_fsdp2 is not None and models:
+            optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
+            if len(models) != 1 or not optimizers:
+                fail("under FSDP2 pass the model and its optimizer to accelerator.prepare together, one model a call")
+            names = {id(p): n for n, p in models[0].named_parameters()}
+            units = shard_model(self.cpu_fsdp2, models[0], self.num_processes)
+            for optimizer in optimizers:
+                swap_optimizer_params(optimizer, names, models[0])
+            self.print(f"fsdp2: fully_shard over {self.num_processes} CPU processes, units: {units}; each process "
+                       f"holds {local_share(models[0]):.1%} of the parameters (rank 0's share)")
+        return super().prepare(*args, device_placement=device_placement)
+
+    def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+        if self.cpu_fsdp2 is not None and is_sharded(model):
+            # sharded already: autocast and compile as accelerate applies them, without the DDP
+            # wrapper it puts around every MULTI_CPU model (evaluation_mode skips only that)
+            return super().prepare_model(model, device_placement=False, evaluation_mode=True)
+        return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    @contextlib.contextmanager
+    def no_sync(self, model):
+        """FSDP2's form of DDP's no_sync for the CPU-sharded model: accumulation micro-batches keep
+        their gradients unreduced until the last one, as accelerate does for FSDP2 on GPUs."""
+        if self.cpu_fsdp2 is None or not is_sharded(model):
+            with super().no_sync(model):
+                yield
+            return
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+
 def make_accelerator(args, **kwargs):
     """The one Accelerator a script builds.
 
@@ -223,13 +272,14 @@ def announce(accelerator, per_device_train_batch_size, gradient_accumulation_ste
     global_batch_size = per_device_train_batch_size * accelerator.num_processes * gradient_accumulation_steps
     why = choose_mixed_precision(mixed_precision, on_cpu)[1]
     accelerator.print(f"world_size={accelerator.num_processes} device={accelerator.device.type} "
-                      f"distributed_type={accelerator.distributed_type.value} "
+                      f"distributed_type={'FSDP2 on CPU' if getattr(accelerator, 'cpu_fsdp2', None) else accelerator.distributed_type.value} "
                       f"mixed_precision={accelerator.mixed_precision} ({why}) global_batch_size={global_batch_size} "
                       f"threads_per_process={torch.get_num_threads()}")
     if accelerator.mixed_precision == "bf16" and on_cpu and not cpu_has_native_bf16()[0]:
         accelerator.print(f"warning: bf16 on a CPU without native bf16 ({cpu_has_native_bf16()[1]}) is emulated, "
                           "7-10x slower than fp32; --mixed_precision auto (the default) picks fp32 here")
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type.value != "FSDP":
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type.value != "FSDP" \
+            and getattr(accelerator, "cpu_fsdp2", None) is None:
         # accelerate 1.15 turns an FSDP config into plain DDP when cpu=True, without a word
         accelerator.print("warning: the config asks for FSDP, but accelerate runs FSDP on GPUs only: this run is "
                           f"{accelerator.distributed_type.value} (plain data parallel, unsharded)")

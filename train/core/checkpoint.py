@@ -1,8 +1,10 @@
 """Checkpoints for every script in train/: atomic, exact to resume, and safe to load.
 
 Layout: OUTPUT_DIR/checkpoints/step_00000040/{model.safetensors, optimizer.pt, scheduler.pt,
-[scaler.pt], rank_state_{rank}.pt, meta.json}. A checkpoint is written under .tmp-step_N and renamed
-only when every rank has written its part, so a folder named step_N is always complete.
+[scaler.pt], rank_state_{rank}.pt, meta.json}; a sharded checkpoint (--checkpoint_format) holds
+state/ (train/core/sharded_checkpoint.py) in place of model.safetensors and optimizer.pt.
+A checkpoint is written under .tmp-step_N and renamed only when every rank has written its part,
+so a folder named step_N is always complete.
 accelerate's save_state/load_state is not used: it loads registered objects with
 weights_only=False, i.e. it would execute a pickle planted in a checkpoint.
 """
@@ -18,6 +20,7 @@ import torch
 from data.errors import fail
 
 from train.core.output_dir import drop_replaced_run, list_checkpoints
+from train.core.sharded_checkpoint import load_sharded, save_sharded
 from train.core.tracking import fsync_path, save_tensors, write_json
 
 CHECKPOINT_FORMAT = 1
@@ -75,17 +78,27 @@ def _full_state_options(**kwargs):
     return StateDictOptions(full_state_dict=True, **kwargs)
 
 
-def save_checkpoint(accelerator, output_dir, step, model, optimizer, lr_scheduler, meta, keep_last=None):
+def sharded_checkpoints(requested, accelerator):
+    """--checkpoint_format: whether checkpoints are sharded. auto: under FSDP (accelerate's on GPUs,
+    or FSDP2 on CPU processes) unless its config asks for FULL_STATE_DICT; otherwise full."""
+    if requested != "auto":
+        return requested == "sharded"
+    fsdp = accelerator.distributed_type.value == "FSDP" or getattr(accelerator, "cpu_fsdp2", None) is not None
+    return fsdp and os.environ.get("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT") != "FULL_STATE_DICT"
+
+
+def save_checkpoint(accelerator, output_dir, step, model, optimizer, lr_scheduler, meta, keep_last=None,
+                    sharded=False):
     """Write OUTPUT_DIR/checkpoints/step_N atomically, with `meta` (the script, the data position,
     the resolved arguments, ...) as its meta.json; keep the newest `keep_last`."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     root = os.path.join(output_dir, "checkpoints")
     final, tmp = os.path.join(root, f"step_{step:08d}"), os.path.join(root, f".tmp-step_{step:08d}")
-    # collectives under FSDP2: every rank calls them; cpu_offload leaves the full dicts on rank 0 only
-    weights = model_weights(model)
-    optimizer_state = get_optimizer_state_dict(model, optimizer.optimizer, options=_full_state_options(
-        cpu_offload=torch.distributed.is_initialized()))
+    if not sharded:  # collectives under FSDP2: every rank calls them; cpu_offload leaves the full dicts on rank 0
+        weights = model_weights(model)
+        optimizer_state = get_optimizer_state_dict(model, optimizer.optimizer, options=_full_state_options(
+            cpu_offload=torch.distributed.is_initialized()))
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
         os.makedirs(tmp)
@@ -101,15 +114,19 @@ def save_checkpoint(accelerator, output_dir, step, model, optimizer, lr_schedule
     buffers = {name: b.detach().cpu().clone() for name, b in accelerator.unwrap_model(model).named_buffers()}
     try:
         put(f"rank_state_{accelerator.process_index}.pt", {**_rng_state(), "buffers": buffers})
+        if sharded:  # every rank writes its part (a collective); DCP syncs its files to disk itself
+            save_sharded(tmp, model, optimizer.optimizer)
         if accelerator.is_main_process:
-            put("model.safetensors", weights, save_tensors)
-            put("optimizer.pt", optimizer_state)
+            if not sharded:
+                put("model.safetensors", weights, save_tensors)
+                put("optimizer.pt", optimizer_state)
             if lr_scheduler is not None:
                 put("scheduler.pt", lr_scheduler.state_dict())
             if accelerator.scaler is not None:
                 put("scaler.pt", accelerator.scaler.state_dict())
             put("meta.json", {"format": CHECKPOINT_FORMAT, "step": step, "world_size": accelerator.num_processes,
-                              **meta}, lambda obj, path: write_json(path, obj))
+                              "checkpoint_format": "sharded" if sharded else "full", **meta},
+                lambda obj, path: write_json(path, obj))
         for path in files:  # on disk before the rename publishes them
             fsync_path(path)
     except OSError:  # a full disk, say: the unpublished half goes, and with it the space it took
@@ -172,19 +189,11 @@ def _load_trusted(path):
              "from an earlier one")
 
 
-def load_checkpoint(accelerator, path, task, model, optimizer, lr_scheduler):
-    """Restore everything save_checkpoint wrote into the prepared objects; return its meta dict."""
+def _load_full(path, model, optimizer):
+    """The model and optimizer of a full checkpoint."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    try:
-        with open(os.path.join(path, "meta.json")) as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        fail(f"{path}/meta.json is unreadable ({e}); resume from another checkpoint")
-    if meta.get("script") != task or meta.get("format") != CHECKPOINT_FORMAT:
-        fail(f"{path} was written by train/{meta.get('script')}.py (format {meta.get('format')}), "
-             f"not train/{task}.py (format {CHECKPOINT_FORMAT}); pass a checkpoint of this script")
     try:
         weights = load_file(os.path.join(path, "model.safetensors"))
     except (SafetensorError, OSError, ValueError) as e:
@@ -204,6 +213,22 @@ def load_checkpoint(accelerator, path, task, model, optimizer, lr_scheduler):
         from torch.distributed.checkpoint.state_dict import StateDictOptions
         options = StateDictOptions()
     set_optimizer_state_dict(model, optimizer.optimizer, optimizer_state, options=options)
+
+
+def load_checkpoint(accelerator, path, task, model, optimizer, lr_scheduler):
+    """Restore everything save_checkpoint wrote into the prepared objects; return its meta dict."""
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        fail(f"{path}/meta.json is unreadable ({e}); resume from another checkpoint")
+    if meta.get("script") != task or meta.get("format") != CHECKPOINT_FORMAT:
+        fail(f"{path} was written by train/{meta.get('script')}.py (format {meta.get('format')}), "
+             f"not train/{task}.py (format {CHECKPOINT_FORMAT}); pass a checkpoint of this script")
+    if meta.get("checkpoint_format") == "sharded":
+        load_sharded(path, model, optimizer.optimizer)
+    else:
+        _load_full(path, model, optimizer)
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(_load_trusted(os.path.join(path, "scheduler.pt")))
     if accelerator.scaler is not None and os.path.isfile(os.path.join(path, "scaler.pt")):

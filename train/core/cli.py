@@ -101,6 +101,11 @@ def make_parser(doc):
                                        "complete one in --output_dir, or a fresh start if there is none yet.")
     g["checkpoints"].add_argument("--checkpoints_total_limit", type=positive_int, default=None,
                                   help="Keep only the newest N checkpoints.")
+    g["checkpoints"].add_argument("--checkpoint_format", choices=["auto", "sharded", "full"], default="auto",
+                                  help="sharded: each process writes its own part (torch.distributed.checkpoint), "
+                                       "no gather; full: whole state dicts from the main process. auto: sharded "
+                                       "under FSDP unless its config says FULL_STATE_DICT, else full. Either resumes "
+                                       "at any process count.")
     g["optimization"].add_argument("--nonfinite_loss", choices=["stop", "skip"], default="stop",
                                    help="A NaN or infinite training loss: stop the run (no final model; the last "
                                         "checkpoint stays good), or skip those optimizer steps (a sync per step).")

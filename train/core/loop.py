@@ -18,7 +18,8 @@ from tqdm.auto import tqdm
 
 from data.errors import fail
 from data.loader import ShardedLoader, check_loader, settle_loader_threads
-from train.core.checkpoint import data_position, find_checkpoint, load_checkpoint, model_weights, save_checkpoint
+from train.core.checkpoint import (data_position, find_checkpoint, load_checkpoint, model_weights, save_checkpoint,
+                                   sharded_checkpoints)
 from train.core.loss_watch import LossWatch
 from train.core.output_dir import drop_replaced_run, release_output_dir
 from train.core.preemption import Preempted, Preemption
@@ -45,6 +46,7 @@ class TrainingLoop:
         self.evaluate, self.headline = evaluate, headline
         self.output_dir, self.logging_steps, self.eval_steps = args.output_dir, args.logging_steps, args.eval_steps
         self.checkpointing_steps, self.keep_last = args.checkpointing_steps, args.checkpoints_total_limit
+        self.sharded_checkpoints = sharded_checkpoints(args.checkpoint_format, accelerator)
         check_loader(train_loader)
         self.sharded = isinstance(train_loader, ShardedLoader)  # keeps its own position; else set_epoch + skip
         self.global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * \
@@ -197,7 +199,7 @@ class TrainingLoop:
                 "epoch_seconds": self.epoch_seconds, "epoch_elapsed": elapsed, "global_batch": self._global_batch(),
                 "train_samples": self._train_samples(), "losses": self.losses.state_dict()}
         path = save_checkpoint(self.accelerator, self.output_dir, self.step, self.model, self.optimizer,
-                               self.lr_scheduler, meta, self.keep_last)
+                               self.lr_scheduler, meta, self.keep_last, self.sharded_checkpoints)
         self._last_save = self.step, path
         return path
 

@@ -49,6 +49,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    _no_split_modules = ["Block"]  # FSDP's unit (accelerate's TRANSFORMER_BASED_WRAP), as transformers models name theirs
+
     def __init__(self, config):
         super().__init__()
         self.config = config.check()

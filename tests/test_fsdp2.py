@@ -1,0 +1,139 @@
+"""FSDP2 on 2 real CPU processes (accelerate_configs/fsdp2_cpu_2proc.yaml) and sharded checkpoints:
+the same steps as DDP, really sharded, exact resume after SIGKILL, resume at another process count
+and across FSDP2 and DDP, and checkpoints that cannot run code or half-load."""
+import json
+import os
+import pickle
+import shutil
+
+import pytest
+import torch
+
+from conftest import launch, output_of, run_as_script
+from test_checkpointing import identical, kill_launch, resume_copy, weights
+from test_lm import TINY, text  # noqa: F401 (the module's text fixture)
+
+# accumulation and clipping (lm.py clips at 1.0 by default) on the GPT, whose output layer is tied
+ARGS = [*TINY, "--gradient_accumulation_steps", 2, "--max_train_steps", 10, "--checkpointing_steps", 4]
+
+
+def lm(config, shards, out, *extra):
+    proc = launch(config, "lm", "--dataset_dir", shards, *ARGS, "--output_dir", out, *extra)
+    assert proc.returncode == 0, output_of(proc)
+    return proc
+
+
+def closest(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def runs(text, tmp_path_factory):  # noqa: F811
+    """One uninterrupted run under FSDP2 and one under DDP, the same arguments."""
+    _, shards = text
+    root = tmp_path_factory.mktemp("fsdp2")
+    fsdp, ddp = root / "fsdp", root / "ddp"
+    return {"shards": shards, "fsdp": fsdp, "ddp": ddp,
+            "fsdp_proc": lm("fsdp2_cpu_2proc", shards, fsdp), "ddp_proc": lm("cpu_2proc", shards, ddp)}
+
+
+def test_fsdp2_shards_the_model_and_takes_the_steps_ddp_takes(runs):
+    out = runs["fsdp_proc"].stdout
+    assert "distributed_type=FSDP2 on CPU" in out and "world_size=2 " in out
+    # the GPT's blocks are units (its _no_split_modules), as accelerate wraps them on GPUs; each
+    # process holds half of every sharded tensor
+    line = next(line for line in out.splitlines() if line.startswith("fsdp2: "))
+    assert "units: 2 Block, 1 LayerNorm + the root GPT" in line, line
+    share = float(line.split("holds ")[1].split("%")[0])
+    assert 45 < share < 55, line
+    assert "warning: the config asks for FSDP" not in out
+    # the same global batch, accumulation and clipping: equal to float rounding (reduce-scatter
+    # sums in another order than all-reduce)
+    assert closest(weights(runs["fsdp"]), weights(runs["ddp"])) < 1e-5
+    f, d = (json.load(open(runs[k] / "all_results.json")) for k in ("fsdp", "ddp"))
+    assert f["eval_loss"] == pytest.approx(d["eval_loss"], rel=1e-5) and f["eval_tokens"] == d["eval_tokens"]
+    final = weights(runs["fsdp"])  # the final weights are one whole file, the tied layer under both names
+    assert torch.equal(final["lm_head.weight"], final["wte.weight"])
+
+
+def test_checkpoints_are_sharded_under_fsdp2_and_full_under_ddp(runs):
+    step = runs["fsdp"] / "checkpoints" / "step_00000004"
+    assert json.load(open(step / "meta.json"))["checkpoint_format"] == "sharded"
+    assert sorted(os.listdir(step / "state")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not (step / "model.safetensors").exists() and not (step / "optimizer.pt").exists()
+    full = runs["ddp"] / "checkpoints" / "step_00000004"
+    assert json.load(open(full / "meta.json"))["checkpoint_format"] == "full" and (full / "model.safetensors").exists()
+
+
+def test_sigkill_under_fsdp2_then_resume_is_bit_identical(runs, tmp_path):
+    crashed = tmp_path / "crashed"
+    kill = ["--rank", 1, "--step", 6, "--marker", tmp_path / "killed"]
+    proc = kill_launch("fsdp2_cpu_2proc", "lm", kill, "--dataset_dir", runs["shards"], *ARGS, "--output_dir", crashed)
+    assert proc.returncode != 0 and (tmp_path / "killed").exists(), output_of(proc)
+    proc = lm("fsdp2_cpu_2proc", runs["shards"], crashed, "--resume_from_checkpoint", "latest")
+    assert f"resumed from {crashed}/checkpoints/step_00000004 (step 4, saved with 2 processes)" in proc.stdout
+    assert identical(weights(crashed), weights(runs["fsdp"]))
+
+
+def test_a_sharded_checkpoint_resumes_in_one_process_and_under_ddp(runs, tmp_path, capsys):
+    # 1 process, twice the per-process batch: the same global batch, so the same steps
+    one = resume_copy(runs["fsdp"], 4, str(tmp_path / "one"))
+    proc = run_as_script(capsys, "lm", "--dataset_dir", runs["shards"], *ARGS, "--per_device_train_batch_size", 8,
+                         "--output_dir", one, "--resume_from_checkpoint", "latest")
+    assert proc.returncode == 0, output_of(proc)
+    assert "world_size=1 " in proc.stdout and "saved with 2 processes" in proc.stdout
+    assert closest(weights(one), weights(runs["fsdp"])) < 1e-5
+    # FSDP2's shards read by DDP, and DDP's full checkpoint read by FSDP2
+    ddp = resume_copy(runs["fsdp"], 4, str(tmp_path / "ddp"))
+    lm("cpu_2proc", runs["shards"], ddp, "--resume_from_checkpoint", "latest")
+    assert closest(weights(ddp), weights(runs["ddp"])) < 1e-5
+    fsdp = resume_copy(runs["ddp"], 4, str(tmp_path / "fsdp"))
+    lm("fsdp2_cpu_2proc", runs["shards"], fsdp, "--resume_from_checkpoint", "latest")
+    assert closest(weights(fsdp), weights(runs["fsdp"])) < 1e-5
+
+
+class _WritesAFile:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_sharded_checkpoints_run_no_code_and_bad_ones_are_one_line(runs, tmp_path, capsys):
+    def resume(folder):
+        return run_as_script(capsys, "lm", "--dataset_dir", runs["shards"], *ARGS, "--per_device_train_batch_size", 8,
+                             "--output_dir", folder, "--resume_from_checkpoint", "latest")
+
+    def broken(name, damage):
+        folder = resume_copy(runs["fsdp"], 4, str(tmp_path / name))
+        damage(os.path.join(folder, "checkpoints", "step_00000004", "state"))
+        proc = resume(folder)
+        assert proc.returncode != 0 and "Traceback" not in output_of(proc), output_of(proc)
+        return proc.stderr.strip().splitlines()[-1]
+
+    planted = tmp_path / "planted"
+
+    def plant(state):
+        with open(os.path.join(state, ".metadata"), "wb") as f:
+            pickle.dump(_WritesAFile(str(planted)), f)
+
+    line = broken("pickle", plant)
+    assert "refused to load" in line and "io.open is not part of a checkpoint's metadata" in line, line
+    assert not planted.exists()  # the payload never ran
+    line = broken("missing", lambda state: os.remove(os.path.join(state, "__1_0.distcp")))
+    assert "is missing the shard state/__1_0.distcp" in line, line
+
+    def cut(state):
+        with open(os.path.join(state, "__0_0.distcp"), "r+b") as f:
+            f.truncate(1000)
+
+    assert "is cut short" in broken("cut", cut)
+    assert "is not a complete sharded checkpoint" in broken("nometa", lambda state: os.remove(os.path.join(state, ".metadata")))
+    # another model's checkpoint: wider layers
+    other = resume_copy(runs["fsdp"], 4, str(tmp_path / "other"))
+    proc = run_as_script(capsys, "lm", "--dataset_dir", runs["shards"], *ARGS, "--per_device_train_batch_size", 8,
+                         "--n_embd", 64, "--output_dir", other, "--resume_from_checkpoint", "latest")
+    assert proc.returncode != 0 and "does not fit this model (shapes differ: model." in proc.stderr, output_of(proc)
+    shutil.rmtree(tmp_path)

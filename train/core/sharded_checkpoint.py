@@ -1,0 +1,147 @@
+"""The model and optimizer part of a sharded checkpoint: each process writes what it holds through
+torch.distributed.checkpoint (DCP), with no gather onto one process, and any process count reads it
+back (DCP reshards on load). Under FSDP2 a process writes its own shards; under DDP, where every
+process holds everything, DCP's planner still spreads the tensors so each is written once.
+
+Nothing in it is unpickled unchecked. DCP reads its `.metadata` with pickle.load and the non-tensor
+values (the optimizer's hyperparameters) with torch.load(weights_only=False); both would run code
+planted in a checkpoint. Through DCP's own extension points (a StorageReader and a LoadPlanner),
+the metadata is read by an unpickler that builds DCP's metadata classes and nothing else, and the
+values by torch.load(weights_only=True). The metadata is checked against the model before any
+tensor is read, so another model's checkpoint, a missing shard or a cut-short one is one line.
+"""
+import io
+import os
+import pickle
+import warnings
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from data.errors import fail
+
+# one process without a process group is the case DCP warns of on every save and load; it is meant
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+STATE = "state"  # the DCP folder inside a checkpoint
+
+# what DCP 2.15 pickles into .metadata (read from its own save), and nothing more
+_ALLOWED = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if name in _ALLOWED.get(module, ()) or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+class CheckedReader(FileSystemReader):
+    """DCP's file reader, reading `.metadata` through the allowlist above."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = os.path.join(self.path, ".metadata")
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except pickle.UnpicklingError as e:
+            fail(f"refused to load {path}: {e}; it was not written by these scripts; delete that checkpoint")
+        except Exception as e:  # a damaged file meets the unpickler as EOFError, ValueError, ...
+            fail(f"{path} is unreadable ({type(e).__name__}); delete that checkpoint and resume from an earlier one")
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id  # what FileSystemReader.read_metadata sets
+        return metadata
+
+
+class CheckedPlanner(DefaultLoadPlanner):
+    """DCP's planner, loading non-tensor values with torch.load(weights_only=True)."""
+
+    def load_bytes(self, read_item, value):
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            fail(f"refused a value of {read_item.dest_index.fqn} in a checkpoint: it holds pickled objects "
+                 f"({str(e).splitlines()[0]}); delete that checkpoint")
+        super().load_bytes(read_item, io.BytesIO(_as_bytes(loaded)))
+
+
+def _as_bytes(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return buffer.read()
+
+
+def _state(model, optimizer):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    # collectives under FSDP2; DTensor shards there, whole tensors under DDP or in one process
+    return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+
+
+def save_sharded(folder, model, optimizer):
+    """Every process writes its part of the model and optimizer into folder/state (a collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_state(model, optimizer), checkpoint_id=os.path.join(folder, STATE))
+
+
+def _tensors(tree, prefix=""):
+    """(DCP's key, tensor) for every tensor in nested dicts: DCP names them by their dotted path."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _tensors(value, f"{prefix}{key}.")
+        elif isinstance(value, torch.Tensor):
+            yield f"{prefix}{key}", value
+
+
+def _describe(checkpoint_path, metadata, state):
+    """A one-line reason the checkpoint cannot be read into `state`, or None."""
+    stored = metadata.state_dict_metadata
+    tensors = dict(_tensors(state))
+    missing = [k for k in tensors if k not in stored]
+    extra = [k for k in stored if k.startswith("model.") and k not in tensors]
+    wrong = [f"{k} {tuple(stored[k].size)} vs {tuple(v.shape)}" for k, v in tensors.items()
+             if k in stored and hasattr(stored[k], "size") and tuple(stored[k].size) != tuple(v.shape)]
+    if missing or extra or wrong:
+        detail = "; ".join(filter(None, [
+            f"this model has {len(missing)} tensors it lacks, e.g. {missing[0]}" if missing else "",
+            f"it holds {len(extra)} this model has not, e.g. {extra[0]}" if extra else "",
+            f"shapes differ: {wrong[0]}" if wrong else ""]))
+        return f"{checkpoint_path} does not fit this model ({detail}); resume with the model arguments it was saved with"
+    for info in {(i.relative_path, i.offset + i.length) for i in metadata.storage_data.values()}:
+        file = os.path.join(checkpoint_path, STATE, info[0])
+        if not os.path.isfile(file):
+            return f"{checkpoint_path} is missing the shard {STATE}/{info[0]}; delete that checkpoint and resume from an earlier one"
+        if os.path.getsize(file) < info[1]:
+            return (f"{checkpoint_path}: its shard {STATE}/{info[0]} is cut short ({os.path.getsize(file)} of at least "
+                    f"{info[1]} bytes); delete that checkpoint and resume from an earlier one")
+    return None
+
+
+def load_sharded(checkpoint_path, model, optimizer):
+    """Read checkpoint_path/state into the model and optimizer, whatever process count wrote it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    reader = CheckedReader(os.path.join(checkpoint_path, STATE))
+    if not os.path.isfile(os.path.join(checkpoint_path, STATE, ".metadata")):
+        fail(f"{checkpoint_path} has no {STATE}/.metadata: it is not a complete sharded checkpoint; delete it and "
+             "resume from an earlier one")
+    state = _state(model, optimizer)
+    problem = _describe(checkpoint_path, reader.read_metadata(), state)
+    if problem:
+        fail(problem)
+    dcp.load(state, storage_reader=reader, planner=CheckedPlanner())
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
