@@ -44,7 +44,7 @@ def test_fsdp2_shards_the_model_and_takes_the_steps_ddp_takes(runs):
     # the GPT's blocks are units (its _no_split_modules), as accelerate wraps them on GPUs; each
     # process holds half of every sharded tensor
     line = next(line for line in out.splitlines() if line.startswith("fsdp2: "))
-    assert "units: 2 Block, 1 LayerNorm + the root GPT" in line, line
+    assert "units: 2 Block, 1 LayerNorm, the root GPT" in line, line
     share = float(line.split("holds ")[1].split("%")[0])
     assert 45 < share < 55, line
     assert "warning: the config asks for FSDP" not in out
@@ -93,6 +93,33 @@ def test_a_sharded_checkpoint_resumes_in_one_process_and_under_ddp(runs, tmp_pat
     assert closest(weights(fsdp), weights(runs["fsdp"])) < 1e-5
 
 
+def test_gradient_checkpointing_and_bf16_under_fsdp2(runs, tmp_path):
+    # recomputing each block in backward changes nothing of the arithmetic
+    lm("fsdp2_cpu_2proc", runs["shards"], tmp_path / "recompute", "--gradient_checkpointing")
+    assert closest(weights(tmp_path / "recompute"), weights(runs["fsdp"])) < 1e-6
+    # bf16: FSDP2 computes in bf16 and keeps fp32 weights (and so fp32 checkpoints and final weights)
+    proc = lm("fsdp2_cpu_2proc", runs["shards"], tmp_path / "bf16", "--mixed_precision", "bf16")
+    assert "mixed_precision=bf16" in proc.stdout
+    final = weights(tmp_path / "bf16")
+    assert all(t.dtype == torch.float32 for t in final.values())
+    assert 0.0 < closest(final, weights(runs["fsdp"])) < 0.1  # bf16 rounding, yet the same training
+    assert json.load(open(tmp_path / "bf16" / "all_results.json"))["eval_loss"] == pytest.approx(
+        json.load(open(runs["fsdp"] / "all_results.json"))["eval_loss"], rel=0.02)
+
+
+@pytest.mark.parametrize("script", ["mnist", "regression"])
+def test_the_other_scripts_take_under_fsdp2_the_steps_they_take_under_ddp(fashion_dir, script, tmp_path):
+    args = {"mnist": ["--max_train_samples", 1000, "--max_eval_samples", 333, "--num_train_epochs", 1,
+                      "--per_device_train_batch_size", 32],
+            "regression": ["--max_train_steps", 30, "--per_device_train_batch_size", 16]}[script]
+    ddp_args = ["--no_channels_last"] if script == "mnist" else []  # FSDP keeps parameters contiguous
+    fsdp = launch("fsdp2_cpu_2proc", script, *args, "--output_dir", tmp_path / "fsdp")
+    ddp = launch("cpu_2proc", script, *args, *ddp_args, "--output_dir", tmp_path / "ddp")
+    assert fsdp.returncode == 0 and ddp.returncode == 0, output_of(fsdp) + output_of(ddp)
+    assert "distributed_type=FSDP2 on CPU" in fsdp.stdout and "fsdp2: fully_shard over 2 CPU processes" in fsdp.stdout
+    assert closest(weights(tmp_path / "fsdp"), weights(tmp_path / "ddp")) < 1e-6
+
+
 class _WritesAFile:
     def __init__(self, path):
         self.path = path
@@ -137,3 +164,25 @@ def test_sharded_checkpoints_run_no_code_and_bad_ones_are_one_line(runs, tmp_pat
                          "--n_embd", 64, "--output_dir", other, "--resume_from_checkpoint", "latest")
     assert proc.returncode != 0 and "does not fit this model (shapes differ: model." in proc.stderr, output_of(proc)
     shutil.rmtree(tmp_path)
+
+
+def test_a_parameter_without_gradient_yet_resumes_with_no_optimizer_state(tmp_path):
+    """A sharded checkpoint of an optimizer that has stepped some parameters only (a layer not used
+    yet) loads back exactly that: the fresh optimizer's placeholder state for the others is dropped."""
+    from train.core.sharded_checkpoint import load_sharded, save_sharded
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 2), "unused": torch.nn.Linear(3, 2)})
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    model, optimizer = make()
+    model["used"](torch.ones(4, 3)).sum().backward()
+    optimizer.step()
+    save_sharded(str(tmp_path), model, optimizer)
+    again, fresh = make()
+    load_sharded(str(tmp_path), again, fresh)
+    assert identical(again.state_dict(), model.state_dict())
+    assert len(fresh.state) == 2 and all(torch.equal(fresh.state[b]["exp_avg"], optimizer.state[a]["exp_avg"])
+                                         for a, b in zip(model["used"].parameters(), again["used"].parameters()))
+

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, REPO, clean_env, launch, output_of
+from conftest import CONFIGS, REPO, clean_env, launch, output_of, run_as_script
 from data.errors import UserError
 from train import mnist
 
@@ -151,10 +151,17 @@ def test_bf16_and_the_recipe_flags_on_cpu_through_accelerate_launch(fashion_dir,
     assert results["eval_samples"] == 257 and results["step"] == 20 and results["eval_accuracy"] > 0.4
 
 
-def test_fsdp_config_on_cpu_says_it_runs_plain_ddp(fashion_dir, tmp_path):
-    proc = launch("fsdp2_4gpu", "regression", "--max_train_steps", 3, "--output_dir", tmp_path, timeout=300)
-    assert proc.returncode == 0, output_of(proc)
-    assert "warning: the config asks for FSDP, but accelerate runs FSDP on GPUs only: this run is MULTI_CPU" in proc.stdout
+def test_an_fsdp1_config_on_cpu_processes_is_one_line(tmp_path, capsys, monkeypatch):
+    """FSDP2 configs shard on CPU processes too (tests/test_fsdp2.py); accelerate's FSDP1 needs a GPU
+    (its plugin raised 'no available devices' in the constructor). What accelerate launch exports
+    for an FSDP1 config, then the script as launched."""
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    proc = run_as_script(capsys, "regression", "--max_train_steps", 3, "--output_dir", tmp_path / "out")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, output_of(proc)
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "error: the accelerate config asks for FSDP version 1, which runs on GPUs only; for CPU processes set "
+        "fsdp_version: 2"), output_of(proc)
 
 
 @pytest.mark.parametrize("model", sorted(m for m, kw in mnist.MODELS.items() if not kw.get("norm_after_pool")))

@@ -22,6 +22,7 @@ from data.loader import own_process_group, sharded_loader
 from train.core.accelerator import main_process_first
 from train.core.cli import add_optimizer_args, make_parser, positive_float, positive_int
 from train.core.evaluation import evaluate_classifier
+from train.core.fsdp import fsdp_launch
 from train.core.loop import TrainingLoop
 from train.core.run import run, start_run
 from train.core.tracking import write_json
@@ -100,10 +101,12 @@ def main(args):
     if args.pretrained_weights:
         fresh = load_pretrained(model, args.pretrained_weights)
         accelerator.print(f"loaded {args.pretrained_weights}; fresh: {', '.join(fresh) or 'nothing'}")
-    model = model.to(memory_format=torch.channels_last)  # NHWC convolutions are faster on CPUs and GPUs
+    # NHWC convolutions are faster on CPUs and GPUs; FSDP shards contiguous parameters only
+    memory_format = torch.contiguous_format if fsdp_launch() else torch.channels_last
+    model = model.to(memory_format=memory_format)
 
     def to_inputs(images):
-        return normalize(images).contiguous(memory_format=torch.channels_last)
+        return normalize(images).contiguous(memory_format=memory_format)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
     if args.streaming:  # already sharded: prepare() would shard again

@@ -27,6 +27,7 @@ from data.sources import ParquetSource
 from train.core.accelerator import main_process_first
 from train.core.cli import add_optimizer_args, make_parser, positive_int
 from train.core.evaluation import evaluate_classifier
+from train.core.fsdp import fsdp_launch
 from train.core.loop import TrainingLoop
 from train.core.run import run, start_run
 
@@ -133,7 +134,8 @@ def main(args):
     accelerator.print(f"dataset={args.dataset} train={num_train} test={num_eval} source={source}")
 
     # ---------------------------------------------------------------- model, optimizer, schedule
-    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    # FSDP shards contiguous parameters only (torch 2.15 refuses channels_last ones, on GPUs too)
+    memory_format = torch.channels_last if args.channels_last and not fsdp_launch() else torch.contiguous_format
     model = ConvNet(**MODELS[args.model]).to(memory_format=memory_format)
 
     def to_inputs(images):

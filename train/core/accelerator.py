@@ -16,7 +16,8 @@ import yaml
 from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
 
 from data.errors import UserError, fail
-from train.core.fsdp import cpu_fsdp2_plugin, is_sharded, local_share, shard_model, swap_optimizer_params
+from train.core.fsdp import (cpu_fsdp2_plugin, fsdp_launch, is_sharded, local_share, mixed_precision_policy, shard_model,
+                             swap_optimizer_params)
 from train.core.process import launcher_argv
 from train.core.tracking import tracking_kwargs
 
@@ -169,7 +170,7 @@ class Accelerator(accelerate.Accelerator):
             if len(models) != 1 or not optimizers:
                 fail("under FSDP2 pass the model and its optimizer to accelerator.prepare together, one model a call")
             names = {id(p): n for n, p in models[0].named_parameters()}
-            units = shard_model(self.cpu_fsdp2, models[0], self.num_processes)
+            units = shard_model(self.cpu_fsdp2, models[0], self.num_processes, mixed_precision_policy(self))
             for optimizer in optimizers:
                 swap_optimizer_params(optimizer, names, models[0])
             self.print(f"fsdp2: fully_shard over {self.num_processes} CPU processes, units: {units}; each process "
@@ -178,8 +179,9 @@ class Accelerator(accelerate.Accelerator):
 
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
         if self.cpu_fsdp2 is not None and is_sharded(model):
-            # sharded already: autocast and compile as accelerate applies them, without the DDP
-            # wrapper it puts around every MULTI_CPU model (evaluation_mode skips only that)
+            # sharded already: accelerate's autocast (under bf16, on top of FSDP2's bf16 parameters:
+            # norms and softmax stay fp32; the losses take .float() of the bf16 outputs) and compile,
+            # without the DDP wrapper it puts around every MULTI_CPU model (evaluation_mode skips only that)
             return super().prepare_model(model, device_placement=False, evaluation_mode=True)
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
@@ -187,15 +189,16 @@ class Accelerator(accelerate.Accelerator):
     def no_sync(self, model):
         """FSDP2's form of DDP's no_sync for the CPU-sharded model: accumulation micro-batches keep
         their gradients unreduced until the last one, as accelerate does for FSDP2 on GPUs."""
-        if self.cpu_fsdp2 is None or not is_sharded(model):
+        if self.cpu_fsdp2 is None or not is_sharded(self.unwrap_model(model)):  # torch.compile wraps it
             with super().no_sync(model):
                 yield
             return
-        model.set_requires_gradient_sync(False)
+        sharded = self.unwrap_model(model)
+        sharded.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)
+            sharded.set_requires_gradient_sync(True)
 
 
 def make_accelerator(args, **kwargs):
@@ -217,6 +220,9 @@ def make_accelerator(args, **kwargs):
     warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
     check_writable(args.output_dir)
     cpu = args.cpu or not torch.accelerator.is_available()
+    if cpu and fsdp_launch() and os.environ.get("FSDP_VERSION", "1") != "2":  # accelerate's FSDP1 plugin needs a GPU
+        fail("the accelerate config asks for FSDP version 1, which runs on GPUs only; for CPU processes set "
+             "fsdp_version: 2 in its fsdp_config, as accelerate_configs/fsdp2_cpu_2proc.yaml does")
     return Accelerator(
         cpu=cpu,
         mixed_precision=choose_mixed_precision(args.mixed_precision, cpu)[0],
@@ -278,11 +284,9 @@ def announce(accelerator, per_device_train_batch_size, gradient_accumulation_ste
     if accelerator.mixed_precision == "bf16" and on_cpu and not cpu_has_native_bf16()[0]:
         accelerator.print(f"warning: bf16 on a CPU without native bf16 ({cpu_has_native_bf16()[1]}) is emulated, "
                           "7-10x slower than fp32; --mixed_precision auto (the default) picks fp32 here")
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and accelerator.distributed_type.value != "FSDP" \
-            and getattr(accelerator, "cpu_fsdp2", None) is None:
-        # accelerate 1.15 turns an FSDP config into plain DDP when cpu=True, without a word
-        accelerator.print("warning: the config asks for FSDP, but accelerate runs FSDP on GPUs only: this run is "
-                          f"{accelerator.distributed_type.value} (plain data parallel, unsharded)")
+    if fsdp_launch() and accelerator.distributed_type.value != "FSDP" and getattr(accelerator, "cpu_fsdp2", None) is None:
+        accelerator.print(f"warning: the config asks for FSDP, but this run is {accelerator.distributed_type.value} "
+                          f"with {accelerator.num_processes} process(es): nothing is sharded")
     # accelerate launch exports MASTER_ADDR only when asked for several processes; a MULTI_CPU config
     # or --cpu --num_processes N without an MPI hostfile then starts one plain process, and accelerate
     # exposes nothing else that tells it (no WORLD_SIZE, no requested count)

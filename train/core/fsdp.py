@@ -10,24 +10,42 @@ and this module does nothing, so a model is never wrapped twice.
 """
 import os
 
+import torch
 from accelerate.utils import DistributedType
 
 from data.errors import fail
 
 
+def fsdp_launch():
+    """Whether the launch's accelerate config asks for FSDP (run by accelerate on GPUs, here on CPUs)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
 def cpu_fsdp2_plugin(accelerator):
     """accelerate's FullyShardedDataParallelPlugin, read from the launch's config, when that config asks
     for FSDP2 and accelerate runs this launch as CPU processes (MULTI_CPU); else None."""
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true" or os.environ.get("FSDP_VERSION") != "2":
+    if not fsdp_launch() or os.environ.get("FSDP_VERSION") != "2":
         return None
     if accelerator.distributed_type != DistributedType.MULTI_CPU:
         return None
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     plugin = FullyShardedDataParallelPlugin()
-    if accelerator.mixed_precision != "no":  # bf16 compute, fp32 master weights and gradient reduction
-        plugin.set_mixed_precision(accelerator.mixed_precision)
+    if plugin.activation_checkpointing or plugin.ignored_modules is not None:
+        fail("fsdp_activation_checkpointing and fsdp_ignored_modules are applied by accelerate on GPUs only; on CPU "
+             "processes leave them out of the accelerate config (train/lm.py has --gradient_checkpointing)")
     return plugin
+
+
+def mixed_precision_policy(accelerator):
+    """bf16 compute over fp32 master weights, gradients reduced and accumulated in fp32, as under DDP
+    with autocast (torchtitan's default too; accelerate's GPU default reduces in bf16). fp16 is not
+    active on CPUs in accelerate (no autocast, no loss scaler), so it stays fp32 here as under DDP."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if accelerator.mixed_precision != "bf16":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def _final_norm(model):
@@ -37,12 +55,12 @@ def _final_norm(model):
     return norms[-1] if norms else None
 
 
-def shard_model(plugin, model, world_size):
+def shard_model(plugin, model, world_size, mp_policy):
     """Apply fully_shard to `model` in place, units first, on a CPU mesh of world_size processes;
     return a one-line description of the units."""
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     try:
         policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
@@ -50,8 +68,12 @@ def shard_model(plugin, model, world_size):
         fail(f"the accelerate config's FSDP settings do not fit {type(model).__name__}: {e} Its classes: "
              f"{', '.join(sorted({type(m).__name__ for m in model.modules()}))}; set fsdp_transformer_layer_cls_to_wrap "
              "to one of them, or leave it out to use the model's _no_split_modules")
+    if mp_policy.param_dtype is not None:  # fp32 master weights under bf16, as accelerate upcasts them
+        for p in model.parameters():
+            if p.requires_grad and p.dtype != torch.float32:
+                p.data = p.data.float()
     kwargs = {"mesh": init_device_mesh("cpu", (world_size,)), "reshard_after_forward": plugin.reshard_after_forward,
-              "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy()}
+              "mp_policy": mp_policy}
     units, root = [], type(model).__name__
     # reversed pre-order: every module comes after its descendants, so units nest from the inside out
     for module in list(model.modules())[:0:-1]:
@@ -64,7 +86,7 @@ def shard_model(plugin, model, world_size):
         fully_shard([norm], **{**kwargs, "reshard_after_forward": False})
     fully_shard(model, **{k: v for k, v in kwargs.items() if k != "reshard_after_forward"})
     counts = {name: units.count(name) for name in dict.fromkeys(units)}
-    return ", ".join(f"{n} {name}" for name, n in counts.items()) + f" + the root {root}"
+    return ", ".join([*(f"{n} {name}" for name, n in counts.items()), f"the root {root}"])
 
 
 def swap_optimizer_params(optimizer, old_names, model):

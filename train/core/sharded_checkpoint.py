@@ -10,6 +10,7 @@ the metadata is read by an unpickler that builds DCP's metadata classes and noth
 values by torch.load(weights_only=True). The metadata is checked against the model before any
 tensor is read, so another model's checkpoint, a missing shard or a cut-short one is one line.
 """
+import contextlib
 import io
 import os
 import pickle
@@ -19,10 +20,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from data.errors import fail
-
-# one process without a process group is the case DCP warns of on every save and load; it is meant
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+from data.errors import UserError, fail
 
 STATE = "state"  # the DCP folder inside a checkpoint
 
@@ -58,8 +56,10 @@ class CheckedReader(FileSystemReader):
             fail(f"refused to load {path}: {e}; it was not written by these scripts; delete that checkpoint")
         except Exception as e:  # a damaged file meets the unpickler as EOFError, ValueError, ...
             fail(f"{path} is unreadable ({type(e).__name__}); delete that checkpoint and resume from an earlier one")
-        if getattr(metadata, "storage_meta", None) is not None:
-            metadata.storage_meta.load_id = self.load_id  # what FileSystemReader.read_metadata sets
+        if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
+            from torch.distributed.checkpoint.metadata import StorageMeta
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
@@ -89,11 +89,51 @@ def _state(model, optimizer):
     return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
 
 
+@contextlib.contextmanager
+def _one_process_is_meant():
+    """DCP warns at every save and load in one process without a process group; that case is meant."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _cause(error):
+    """DCP gathers every rank's exception into a CheckpointException, a BaseException that no
+    `except Exception` sees: the first rank's own error (an OSError such as a full disk, or a
+    refusal), to raise instead, so the run reports it in one line and a failed save cleans up."""
+    first = next(iter(error.failures.values()), None)
+    cause = first[0] if isinstance(first, tuple) else first
+    return cause if isinstance(cause, Exception) else RuntimeError(" ".join(str(error).split())[:200])
+
+
 def save_sharded(folder, model, optimizer):
     """Every process writes its part of the model and optimizer into folder/state (a collective)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    dcp.save(_state(model, optimizer), checkpoint_id=os.path.join(folder, STATE))
+    try:
+        with _one_process_is_meant():
+            dcp.save(_state(model, optimizer), checkpoint_id=os.path.join(folder, STATE))
+    except CheckpointException as e:
+        cause = _cause(e)
+        if not isinstance(cause, OSError):
+            _check_space(folder)
+        raise cause from None
+
+
+def _check_space(folder):
+    """Raise the OSError (a full disk, say) behind a failed write whose errno torch.save lost: it
+    turns a failing write into RuntimeError 'unexpected pos'. A write the size of a small shard
+    part fails the same way on a full disk."""
+    import tempfile
+
+    try:
+        with tempfile.TemporaryFile(dir=folder) as f:
+            f.write(bytes(1 << 16))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, folder) from None
 
 
 def _tensors(tree, prefix=""):
@@ -120,6 +160,8 @@ def _describe(checkpoint_path, metadata, state):
             f"shapes differ: {wrong[0]}" if wrong else ""]))
         return f"{checkpoint_path} does not fit this model ({detail}); resume with the model arguments it was saved with"
     for info in {(i.relative_path, i.offset + i.length) for i in metadata.storage_data.values()}:
+        if os.path.basename(info[0]) != info[0] or info[0] in ("", ".", ".."):  # a crafted path out of state/
+            return f"refused to load {checkpoint_path}: its metadata names the file {info[0]!r} outside {STATE}/"
         file = os.path.join(checkpoint_path, STATE, info[0])
         if not os.path.isfile(file):
             return f"{checkpoint_path} is missing the shard {STATE}/{info[0]}; delete that checkpoint and resume from an earlier one"
@@ -132,16 +174,34 @@ def _describe(checkpoint_path, metadata, state):
 def load_sharded(checkpoint_path, model, optimizer):
     """Read checkpoint_path/state into the model and optimizer, whatever process count wrote it."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     reader = CheckedReader(os.path.join(checkpoint_path, STATE))
     if not os.path.isfile(os.path.join(checkpoint_path, STATE, ".metadata")):
         fail(f"{checkpoint_path} has no {STATE}/.metadata: it is not a complete sharded checkpoint; delete it and "
              "resume from an earlier one")
-    state = _state(model, optimizer)
-    problem = _describe(checkpoint_path, reader.read_metadata(), state)
+    state, metadata = _state(model, optimizer), reader.read_metadata()
+    # get_optimizer_state_dict gives a fresh optimizer state for every trainable parameter; a
+    # parameter that had no gradient before the save has none in the checkpoint, and keeps none
+    saved = metadata.state_dict_metadata
+    for name, values in list(state["optimizer"]["state"].items()):
+        for key in [k for k, v in values.items() if isinstance(v, torch.Tensor) and f"optimizer.state.{name}.{k}" not in saved]:
+            del values[key]
+        if not values:
+            del state["optimizer"]["state"][name]
+    problem = _describe(checkpoint_path, metadata, state)
     if problem:
         fail(problem)
-    dcp.load(state, storage_reader=reader, planner=CheckedPlanner())
+    try:
+        with _one_process_is_meant():
+            dcp.load(state, storage_reader=reader, planner=CheckedPlanner())
+    except CheckpointException as e:
+        cause = _cause(e)
+        if isinstance(cause, UserError):
+            raise cause from None
+        fail(f"{checkpoint_path} is unreadable ({type(cause).__name__}: {' '.join(str(cause).split())[:160]}); "
+             "delete that checkpoint and resume from an earlier one")
     set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    # not strict: the parameters left without state above (the model's own tensors were checked)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
