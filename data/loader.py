@@ -12,6 +12,7 @@ This wrapper does the three things prepare would have done for us, and nothing e
   in a script that uses accelerate's save_state, `accelerator.register_for_checkpointing` carries it.
 """
 import os
+import signal
 import sys
 import threading
 
@@ -26,12 +27,14 @@ from data.sharding import PREPARED_SHARDED, ShardedIterableDataset, check_same_p
 
 
 def own_process_group(worker_id=None):
-    """worker_init_fn for the DataLoaders here: each worker in a process group of its own. On a
-    SIGTERM torch elastic's agent signals every rank's whole process group (os.killpg): a worker left
-    in it dies at once, and its rank fails ("DataLoader worker ... is killed by signal: Terminated")
-    instead of saving the checkpoint the signal asks for (train/core/preemption.py). A worker still
-    ends with its rank: torch's workers watch their parent."""
+    """worker_init_fn for the DataLoaders here: each worker in a process group of its own, deaf to
+    SIGTERM. On a SIGTERM torch elastic's agent signals every rank's whole process group (os.killpg),
+    and SLURM's `scancel --signal` every process of a job step: a worker that dies of it makes its
+    rank fail ("DataLoader worker ... is killed by signal: Terminated") instead of saving the
+    checkpoint the signal asks for (train/core/preemption.py). A worker still ends with its rank:
+    torch's workers watch their parent, and SIGKILL reaches them."""
     os.setpgid(0, 0)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def sharded_loader(source, per_device_batch_size, *, rank, world_size, device, seed, train, num_workers=0,

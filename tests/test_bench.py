@@ -96,3 +96,16 @@ def test_lm_throughput_without_shards_says_how_to_make_them(tmp_path):
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
         f"error: {tmp_path} holds no token shards; run `make train-lm` once (it writes the demo's) or pass "
         "--dataset_dir with shards of python -m data.prepare --tokenizer ..."]
+
+
+def test_checkpoint_save_tiny_mode_measures_both_formats_under_ddp_and_fsdp2():
+    proc = subprocess.run([sys.executable, "bench/checkpoint_save.py", "--tiny"], cwd=REPO, env=clean_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith(("| MULTI_CPU", "| FSDP2"))]
+    assert [r[0] for r in rows] == ["| MULTI_CPU"] * 2 + ["| FSDP2"] * 2, proc.stdout
+    for row in rows:
+        full, sharded = ([float(x) for x in cell.strip(" |").split(" / ")] for cell in row[-2:])
+        # full: the main process writes the model and optimizer; sharded: each writes about half
+        assert full[0] > 1 and full[1] < 0.1 and min(sharded) > 0.3 * full[0], row
+    assert len(re.findall(r"RATIO (MULTI_CPU|FSDP2) (small|large) sharded/full save seconds = \d+\.\d+", proc.stdout)) == 4

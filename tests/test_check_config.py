@@ -44,10 +44,16 @@ def test_each_bad_config_gets_its_line(tmp_path, case):
     assert any(expected in line for line in found), found
 
 
-def test_more_processes_than_gpus():
+def test_more_processes_than_gpus(tmp_path):
     assert problems(f"{CONFIGS}/8gpu.yaml", gpu_count=4) == [
         "8 processes per machine but only 4 GPU(s) here; set num_processes to 4 (one per GPU on each machine)"]
-    assert "FSDP needs GPUs and this machine has none" in problems(f"{CONFIGS}/fsdp2_4gpu.yaml", gpu_count=0)[0]
+    # FSDP2 runs on CPU processes (train/core/fsdp.py); accelerate's FSDP1 needs GPUs
+    assert problems(f"{CONFIGS}/fsdp2_4gpu.yaml", gpu_count=0) == []
+    assert "4 CPU process(es) per machine (gloo), sharded with FSDP2" in summary(f"{CONFIGS}/fsdp2_4gpu.yaml", gpu_count=0)
+    assert "2 CPU process(es) per machine (gloo), sharded with FSDP2" in summary(f"{CONFIGS}/fsdp2_cpu_2proc.yaml")
+    fsdp1 = tmp_path / "fsdp1.yaml"
+    fsdp1.write_text("distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 1\n")
+    assert problems(str(fsdp1), gpu_count=0)[0].startswith("FSDP version 1 needs GPUs and this machine has none")
     # without GPUs the scripts run a GPU layout on the CPU: accepted, and said so
     assert problems(f"{CONFIGS}/1gpu.yaml", gpu_count=0) == []
     assert "no GPU used here: our scripts run it as 4 CPU process(es)" in summary(f"{CONFIGS}/4gpu.yaml", gpu_count=0)

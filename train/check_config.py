@@ -96,7 +96,10 @@ def problems(path, machine_rank=None, gpu_count=None):
         if gpu_count is None:
             import torch
             gpu_count = torch.cuda.device_count()
-        if gpu_count == 0 and dtype not in ("MULTI_GPU", "NO"):
+        if gpu_count == 0 and dtype == "FSDP" and (raw.get("fsdp_config") or {}).get("fsdp_version") != 2:
+            found.append("FSDP version 1 needs GPUs and this machine has none; set fsdp_version: 2 in fsdp_config "
+                         "(our scripts run FSDP2 on CPU processes), as accelerate_configs/fsdp2_cpu_2proc.yaml does")
+        elif gpu_count == 0 and dtype not in ("MULTI_GPU", "NO", "FSDP"):
             found.append(f"distributed_type {dtype} needs GPUs and this machine has none (accelerate would run it "
                          "as plain data parallel on the CPU); use accelerate_configs/cpu_2proc.yaml here")
         elif gpu_count and gpu_count < per_machine:
@@ -137,9 +140,9 @@ def summary(path, gpu_count=None):
     if gpu_count is None:
         import torch
         gpu_count = torch.cuda.device_count()
-    if dtype in ("MULTI_GPU", "NO") and (gpu_count == 0 or raw.get("use_cpu")):
+    if dtype in ("MULTI_GPU", "NO", "FSDP") and (gpu_count == 0 or raw.get("use_cpu")):
         text += (f"; no GPU used here: our scripts run it as {processes // machines} CPU process(es) per machine"
-                 + (" (gloo)" if processes > 1 else ""))
+                 + (" (gloo)" if processes > 1 else "") + (", sharded with FSDP2" if dtype == "FSDP" else ""))
         if processes // machines > (os.cpu_count() or 1):
             text += f"; warning: more processes than the {os.cpu_count()} CPU cores here"
         if raw.get("mixed_precision") == "bf16":

@@ -164,8 +164,9 @@ class Accelerator(accelerate.Accelerator):
     def prepare(self, *args, device_placement=None):
         """Under CPU FSDP2, shard the model and point the optimizer at the shards before accelerate
         prepares them (it would wrap DDP around the model otherwise), as accelerate's GPU path does."""
-        models = [a for a in args if isinstance(a, torch.nn.Module) and not is_sharded(a)]
-        if self.cpu_fsdp2 is not None and models:
+        models = [a for a in args if isinstance(a, torch.nn.Module)] if self.cpu_fsdp2 is not None else []
+        models = [m for m in models if not is_sharded(m)]
+        if models:
             optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
             if len(models) != 1 or not optimizers:
                 fail("under FSDP2 pass the model and its optimizer to accelerator.prepare together, one model a call")

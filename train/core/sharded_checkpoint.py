@@ -82,7 +82,8 @@ def _as_bytes(obj):
     return buffer.read()
 
 
-def _state(model, optimizer):
+def sharded_state(model, optimizer):
+    """What a sharded checkpoint holds: {"model": ..., "optimizer": ...} state dicts keyed by parameter name."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     # collectives under FSDP2; DTensor shards there, whole tensors under DDP or in one process
@@ -113,7 +114,7 @@ def save_sharded(folder, model, optimizer):
 
     try:
         with _one_process_is_meant():
-            dcp.save(_state(model, optimizer), checkpoint_id=os.path.join(folder, STATE))
+            dcp.save(sharded_state(model, optimizer), checkpoint_id=os.path.join(folder, STATE))
     except CheckpointException as e:
         cause = _cause(e)
         if not isinstance(cause, OSError):
@@ -181,7 +182,7 @@ def load_sharded(checkpoint_path, model, optimizer):
     if not os.path.isfile(os.path.join(checkpoint_path, STATE, ".metadata")):
         fail(f"{checkpoint_path} has no {STATE}/.metadata: it is not a complete sharded checkpoint; delete it and "
              "resume from an earlier one")
-    state, metadata = _state(model, optimizer), reader.read_metadata()
+    state, metadata = sharded_state(model, optimizer), reader.read_metadata()
     # get_optimizer_state_dict gives a fresh optimizer state for every trainable parameter; a
     # parameter that had no gradient before the save has none in the checkpoint, and keeps none
     saved = metadata.state_dict_metadata
