@@ -1,5 +1,5 @@
 """What a checkpoint costs: seconds to save and bytes each process writes, full against sharded, and
-the sharded save synchronous against asynchronous, for the GPT at two sizes on 2 CPU processes,
+the sharded save synchronous against asynchronous (--checkpoint_async), for the GPT at two sizes on 2 CPU processes,
 under DDP (cpu_2proc.yaml) and under FSDP2 (fsdp2_cpu_2proc.yaml).
 
     python bench/checkpoint_save.py            # ~2 minutes on 2 cores
@@ -9,8 +9,8 @@ Each save is the one TrainingLoop makes (train/core/checkpoint.py: gather or sha
 rename), of a model and an AdamW that has taken a step, so the optimizer state is there; the
 formats take turns (full, sharded, async) and each figure is the median over --repeats, the
 slowest rank's time. The asynchronous save is torch.distributed.checkpoint.async_save of the same
-state: `blocking` is what the training loop would wait for (the copy of the state), `total` until the
-files are written; the scripts save synchronously today.
+state (--checkpoint_async): `blocking` is what the training loop waits for (the copy of the state),
+`total` until every file is written and the checkpoint published.
 """
 import argparse
 import os
@@ -40,11 +40,9 @@ def folder_bytes(folder, rank):
 def worker(args):
     import torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
 
     from train.core.accelerator import Accelerator
     from train.core.checkpoint import save_checkpoint
-    from train.core.sharded_checkpoint import sharded_state
     from train.models.gpt import GPT, GPTConfig, next_token_loss
 
     accelerator = Accelerator(cpu=True)
@@ -63,23 +61,20 @@ def worker(args):
         out = os.path.join(args.log_dir, size)
         seconds = {"full": [], "sharded": [], "async_blocking": [], "async_total": []}
         written = {}
+        group = dist.new_group(backend="gloo") if dist.is_initialized() else None  # the background saves' own
         for repeat in range(args.repeats):
-            for form in ("full", "sharded"):
+            for k, form in enumerate(("full", "sharded", "async")):
                 accelerator.wait_for_everyone()
                 t = time.perf_counter()
-                path = save_checkpoint(accelerator, out, repeat + 1, model, optimizer, None, {"script": "bench"},
-                                       keep_last=1, sharded=form == "sharded")
-                seconds[form].append(time.perf_counter() - t)
-                written[form] = folder_bytes(path, rank)
-            accelerator.wait_for_everyone()
-            group = dist.new_group(backend="gloo") if dist.is_initialized() else None  # async's own, off the training one
-            t = time.perf_counter()
-            future = dcp.async_save(sharded_state(model, optimizer.optimizer),
-                                    checkpoint_id=os.path.join(args.log_dir, f"async_{size}_{repeat}"), process_group=group)
-            seconds["async_blocking"].append(time.perf_counter() - t)
-            future.result()
-            seconds["async_total"].append(time.perf_counter() - t)
-            written["async"] = folder_bytes(os.path.join(args.log_dir, f"async_{size}_{repeat}"), rank)
+                checkpoint = save_checkpoint(accelerator, out, 3 * repeat + k + 1, model, optimizer,
+                                             None, {"script": "bench"}, keep_last=1, sharded=form != "full",
+                                             background=form == "async", group=group)
+                if form == "async":
+                    seconds["async_blocking"].append(time.perf_counter() - t)
+                checkpoint.wait()
+                accelerator.wait_for_everyone()
+                seconds["async_total" if form == "async" else form].append(time.perf_counter() - t)
+                written[form] = folder_bytes(checkpoint.path, rank)
         # the slowest rank's time is the save's time
         medians = {k: statistics.median(v) for k, v in seconds.items()}
         slowest = torch.tensor(list(medians.values()), dtype=torch.float64)

@@ -76,6 +76,26 @@ def test_sigkill_under_fsdp2_then_resume_is_bit_identical(runs, tmp_path):
     assert identical(weights(crashed), weights(runs["fsdp"]))
 
 
+def test_background_saves_under_fsdp2_resume_bit_identically(runs, tmp_path, capsys):
+    """--checkpoint_async: training goes on while a thread writes; the state is copied first, so a
+    crash and resume end where the uninterrupted run ends."""
+    crashed = tmp_path / "crashed"
+    kill = ["--rank", 1, "--step", 9, "--marker", tmp_path / "killed"]
+    proc = kill_launch("fsdp2_cpu_2proc", "lm", kill, "--dataset_dir", runs["shards"], *ARGS, "--checkpoint_async",
+                       "--output_dir", crashed)
+    assert proc.returncode != 0 and (tmp_path / "killed").exists(), output_of(proc)
+    saved = sorted(os.listdir(crashed / "checkpoints"))
+    # step 8's save waited for step 4's; step 8's own may or may not have been published before the kill
+    assert "step_00000004" in saved and set(saved) <= {"step_00000004", "step_00000008", ".tmp-step_00000008"}
+    proc = lm("fsdp2_cpu_2proc", runs["shards"], crashed, "--checkpoint_async", "--resume_from_checkpoint", "latest")
+    assert f"resumed from {crashed}/checkpoints/step_0000000" in proc.stdout
+    assert identical(weights(crashed), weights(runs["fsdp"]))
+    # background saves are of sharded checkpoints only
+    proc = run_as_script(capsys, "lm", "--dataset_dir", runs["shards"], *ARGS, "--checkpoint_async",
+                         "--output_dir", tmp_path / "full")
+    assert proc.returncode == 1 and "--checkpoint_async writes sharded checkpoints only" in proc.stderr, output_of(proc)
+
+
 def test_a_sharded_checkpoint_resumes_in_one_process_and_under_ddp(runs, tmp_path, capsys):
     # 1 process, twice the per-process batch: the same global batch, so the same steps
     one = resume_copy(runs["fsdp"], 4, str(tmp_path / "one"))

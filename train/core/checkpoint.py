@@ -13,6 +13,7 @@ import os
 import pickle
 import random
 import shutil
+import threading
 
 import numpy as np
 import torch
@@ -20,7 +21,7 @@ import torch
 from data.errors import fail
 
 from train.core.output_dir import drop_replaced_run, list_checkpoints
-from train.core.sharded_checkpoint import load_sharded, save_sharded
+from train.core.sharded_checkpoint import load_sharded, save_sharded, wait_sharded
 from train.core.tracking import fsync_path, save_tensors, write_json
 
 CHECKPOINT_FORMAT = 1
@@ -87,10 +88,48 @@ def sharded_checkpoints(requested, accelerator):
     return fsdp and os.environ.get("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT") != "FULL_STATE_DICT"
 
 
+class Checkpoint:
+    """A checkpoint save_checkpoint wrote, or is writing in the background: its final `path`, and
+    wait(), which returns once its files are written and it is published (and raises what failed).
+    The main process publishes it (renames it to `path`) as soon as every rank's part is on disk:
+    DCP's coordinator completes its Future only after every rank reported its writes and the
+    metadata is written. The Future's callback publishes it then; wait() makes sure it did."""
+
+    def __init__(self, path, future=None, tmp=None, publish=None):
+        self.path, self.future, self.tmp = path, future, tmp
+        self._publish, self._lock, self._error = publish, threading.Lock(), None
+        if future is not None and publish is not None:
+            future.add_done_callback(lambda done: self.publish() if done.exception() is None else None)
+
+    def publish(self):
+        with self._lock:  # once, from DCP's thread or from wait(), whichever comes first
+            publish, self._publish = self._publish, None
+            if publish is not None:
+                try:
+                    publish()
+                except OSError as e:
+                    self._error = e
+
+    def wait(self):
+        future, self.future = self.future, None
+        if future is None:
+            return
+        try:
+            wait_sharded(future, self.tmp)
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+        self.publish()
+        if self._error is not None:
+            raise self._error
+
+
 def save_checkpoint(accelerator, output_dir, step, model, optimizer, lr_scheduler, meta, keep_last=None,
-                    sharded=False):
+                    sharded=False, background=False, group=None):
     """Write OUTPUT_DIR/checkpoints/step_N atomically, with `meta` (the script, the data position,
-    the resolved arguments, ...) as its meta.json; keep the newest `keep_last`."""
+    the resolved arguments, ...) as its meta.json; keep the newest `keep_last`. In the background
+    (sharded only; `group` a process group of its own) a thread writes the model and optimizer:
+    call the returned Checkpoint's wait() before the next save and before the run ends."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     root = os.path.join(output_dir, "checkpoints")
@@ -114,7 +153,7 @@ def save_checkpoint(accelerator, output_dir, step, model, optimizer, lr_schedule
     buffers = {name: b.detach().cpu().clone() for name, b in accelerator.unwrap_model(model).named_buffers()}
     try:
         put(f"rank_state_{accelerator.process_index}.pt", {**_rng_state(), "buffers": buffers})
-        if sharded:  # every rank writes its part (a collective); DCP syncs its files to disk itself
+        if sharded and not background:  # every rank writes its part (a collective); DCP fsyncs
             save_sharded(tmp, model, optimizer.optimizer)
         if accelerator.is_main_process:
             if not sharded:
@@ -129,11 +168,13 @@ def save_checkpoint(accelerator, output_dir, step, model, optimizer, lr_schedule
                 lambda obj, path: write_json(path, obj))
         for path in files:  # on disk before the rename publishes them
             fsync_path(path)
+        if background:  # after this rank's own files: the Future completes after all of them
+            future = save_sharded(tmp, model, optimizer.optimizer, True, group)
     except OSError:  # a full disk, say: the unpublished half goes, and with it the space it took
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+
+    def publish():
         if os.path.isdir(final):  # the same step saved again after a resume
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -142,8 +183,43 @@ def save_checkpoint(accelerator, output_dir, step, model, optimizer, lr_schedule
         if keep_last:
             for old in list_checkpoints(output_dir)[:-keep_last]:
                 shutil.rmtree(old)
+
+    if background:
+        return Checkpoint(final, future, tmp, publish if accelerator.is_main_process else None)
     accelerator.wait_for_everyone()
-    return final
+    if accelerator.is_main_process:
+        publish()
+    accelerator.wait_for_everyone()
+    return Checkpoint(final)
+
+
+class CheckpointWriter:
+    """The loop's saves, one at a time: in the background (--checkpoint_async, sharded checkpoints
+    only) each waits for the one before, on a process group of its own."""
+
+    def __init__(self, accelerator, sharded, background):
+        if background and not sharded:
+            fail("--checkpoint_async writes sharded checkpoints only; add --checkpoint_format sharded (the default "
+                 "under FSDP)")
+        self.accelerator, self.sharded, self.background, self.pending = accelerator, sharded, background, None
+        # every rank makes the group (a collective), here, at the same point of the run
+        self.group = torch.distributed.new_group(backend="gloo") if background and torch.distributed.is_initialized() \
+            else None
+
+    def save(self, output_dir, step, model, optimizer, lr_scheduler, meta, keep_last):
+        self.wait()
+        self.pending = save_checkpoint(self.accelerator, output_dir, step, model, optimizer, lr_scheduler, meta,
+                                       keep_last, self.sharded, self.background, self.group)
+        return self.pending.path
+
+    def wait(self):
+        """The checkpoint being written, on disk and published (on the main process) when this returns
+        on every rank."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.wait()
+            if self.background:
+                self.accelerator.wait_for_everyone()
 
 
 def torch_save(obj, path):

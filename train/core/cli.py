@@ -106,6 +106,9 @@ def make_parser(doc):
                                        "no gather; full: whole state dicts from the main process. auto: sharded "
                                        "under FSDP unless its config says FULL_STATE_DICT, else full. Either resumes "
                                        "at any process count.")
+    g["checkpoints"].add_argument("--checkpoint_async", action="store_true",
+                                  help="Sharded checkpoints: write them in the background while training goes on "
+                                       "(the state is copied first); one is `latest` once every part is written.")
     g["optimization"].add_argument("--nonfinite_loss", choices=["stop", "skip"], default="stop",
                                    help="A NaN or infinite training loss: stop the run (no final model; the last "
                                         "checkpoint stays good), or skip those optimizer steps (a sync per step).")

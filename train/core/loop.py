@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from data.errors import fail
 from data.loader import ShardedLoader, check_loader, settle_loader_threads
-from train.core.checkpoint import (data_position, find_checkpoint, load_checkpoint, model_weights, save_checkpoint,
+from train.core.checkpoint import (CheckpointWriter, data_position, find_checkpoint, load_checkpoint, model_weights,
                                    sharded_checkpoints)
 from train.core.loss_watch import LossWatch
 from train.core.output_dir import drop_replaced_run, release_output_dir
@@ -47,6 +47,7 @@ class TrainingLoop:
         self.output_dir, self.logging_steps, self.eval_steps = args.output_dir, args.logging_steps, args.eval_steps
         self.checkpointing_steps, self.keep_last = args.checkpointing_steps, args.checkpoints_total_limit
         self.sharded_checkpoints = sharded_checkpoints(args.checkpoint_format, accelerator)
+        self.writer = CheckpointWriter(accelerator, self.sharded_checkpoints, args.checkpoint_async)
         check_loader(train_loader)
         self.sharded = isinstance(train_loader, ShardedLoader)  # keeps its own position; else set_epoch + skip
         self.global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * \
@@ -198,8 +199,8 @@ class TrainingLoop:
         meta = {"script": self.task, "data": self.position(), "args": vars(self.args), "history": self.history,
                 "epoch_seconds": self.epoch_seconds, "epoch_elapsed": elapsed, "global_batch": self._global_batch(),
                 "train_samples": self._train_samples(), "losses": self.losses.state_dict()}
-        path = save_checkpoint(self.accelerator, self.output_dir, self.step, self.model, self.optimizer,
-                               self.lr_scheduler, meta, self.keep_last, self.sharded_checkpoints)
+        path = self.writer.save(self.output_dir, self.step, self.model, self.optimizer, self.lr_scheduler, meta,
+                                self.keep_last)
         self._last_save = self.step, path
         return path
 
@@ -207,6 +208,7 @@ class TrainingLoop:
         """Every rank, at the same step: save here (unless this step was just saved), then stop."""
         self.progress.close()
         path = self._last_save[1] if self._last_save[0] == self.step else self.save()
+        self.writer.wait()
         self.preemption.stopping()
         raise Preempted(f"stopped on SIGTERM at step {self.step} of {self.max_train_steps}, saved {path}; resume "
                         f"with: {resume_command()}")
@@ -254,6 +256,7 @@ class TrainingLoop:
         folder back; return the results. The process group goes in run(), once the script's objects
         are gone."""
         self.progress.close()
+        self.writer.wait()  # the last checkpoint written before the run counts as finished
         self.losses.check(self.model, self.step)  # no final model of a run whose numbers went bad
         # wall: since the loop was built, as printed below; train: from the first batch to the last
         # evaluation of this invocation; each epoch's training alone: epoch_seconds and history

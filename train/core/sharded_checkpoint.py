@@ -107,19 +107,39 @@ def _cause(error):
     return cause if isinstance(cause, Exception) else RuntimeError(" ".join(str(error).split())[:200])
 
 
-def save_sharded(folder, model, optimizer):
-    """Every process writes its part of the model and optimizer into folder/state (a collective)."""
+def save_sharded(folder, model, optimizer, background=False, group=None):
+    """Every process writes its part of the model and optimizer into folder/state (a collective).
+    background: torch.distributed.checkpoint.async_save on `group` (a process group of its own, so
+    its collectives never meet the training's): this call copies the state and returns a Future;
+    a thread writes the files while training changes the model (tests/test_fsdp2.py checks the copy)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         with _one_process_is_meant():
+            if background:
+                return dcp.async_save(sharded_state(model, optimizer), checkpoint_id=os.path.join(folder, STATE),
+                                      process_group=group)
             dcp.save(sharded_state(model, optimizer), checkpoint_id=os.path.join(folder, STATE))
     except CheckpointException as e:
-        cause = _cause(e)
-        if not isinstance(cause, OSError):
-            _check_space(folder)
-        raise cause from None
+        raise _failed(e, folder) from None
+
+
+def wait_sharded(future, folder):
+    """Wait for a background save; its failure raised as save_sharded raises it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        future.result()
+    except CheckpointException as e:
+        raise _failed(e, folder) from None
+
+
+def _failed(error, folder):
+    cause = _cause(error)
+    if not isinstance(cause, OSError):
+        _check_space(folder)
+    return cause
 
 
 def _check_space(folder):
