@@ -8,8 +8,8 @@ under DDP (cpu_2proc.yaml) and under FSDP2 (fsdp2_cpu_2proc.yaml).
 Each save is the one TrainingLoop makes (train/core/checkpoint.py: gather or shard, write, fsync,
 rename), of a model and an AdamW that has taken a step, so the optimizer state is there; the
 formats take turns (full, sharded, async) and each figure is the median over --repeats, the
-slowest rank's time. The asynchronous save is torch.distributed.checkpoint.async_save of the same
-state (--checkpoint_async): `blocking` is what the training loop waits for (the copy of the state),
+slowest rank's time. The asynchronous save is --checkpoint_async's: a copy of the state, written
+by a thread: `blocking` is what the training loop waits for (the copy of the state),
 `total` until every file is written and the checkpoint published.
 """
 import argparse
@@ -40,6 +40,7 @@ def folder_bytes(folder, rank):
 def worker(args):
     import torch
     import torch.distributed as dist
+    from concurrent.futures import ThreadPoolExecutor
 
     from train.core.accelerator import Accelerator
     from train.core.checkpoint import save_checkpoint
@@ -61,14 +62,15 @@ def worker(args):
         out = os.path.join(args.log_dir, size)
         seconds = {"full": [], "sharded": [], "async_blocking": [], "async_total": []}
         written = {}
-        group = dist.new_group(backend="gloo") if dist.is_initialized() else None  # the background saves' own
+        writer = ThreadPoolExecutor(1)  # --checkpoint_async's writer thread and process group
+        group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         for repeat in range(args.repeats):
             for k, form in enumerate(("full", "sharded", "async")):
                 accelerator.wait_for_everyone()
                 t = time.perf_counter()
                 checkpoint = save_checkpoint(accelerator, out, 3 * repeat + k + 1, model, optimizer,
                                              None, {"script": "bench"}, keep_last=1, sharded=form != "full",
-                                             background=form == "async", group=group)
+                                             writer=writer if form == "async" else None, group=group)
                 if form == "async":
                     seconds["async_blocking"].append(time.perf_counter() - t)
                 checkpoint.wait()
@@ -84,6 +86,7 @@ def worker(args):
         gathered = accelerator.gather(per_rank[None]).tolist()
         rows.append({"size": size, "parameters": parameters, "layers": layers, "width": width,
                      "seconds": dict(zip(medians, slowest.tolist())), "bytes": gathered})
+        writer.shutdown()
         del model, optimizer
         accelerator.free_memory()
     if accelerator.is_main_process:

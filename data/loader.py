@@ -27,14 +27,23 @@ from data.sharding import PREPARED_SHARDED, ShardedIterableDataset, check_same_p
 
 
 def own_process_group(worker_id=None):
-    """worker_init_fn for the DataLoaders here: each worker in a process group of its own, deaf to
-    SIGTERM. On a SIGTERM torch elastic's agent signals every rank's whole process group (os.killpg),
-    and SLURM's `scancel --signal` every process of a job step: a worker that dies of it makes its
-    rank fail ("DataLoader worker ... is killed by signal: Terminated") instead of saving the
-    checkpoint the signal asks for (train/core/preemption.py). A worker still ends with its rank:
-    torch's workers watch their parent, and SIGKILL reaches them."""
+    """worker_init_fn for the DataLoaders here: each worker in a process group of its own, and deaf
+    to a SIGTERM from anyone but its rank. On a SIGTERM torch elastic's agent signals every rank's
+    whole process group (os.killpg), and SLURM's `scancel --signal` every process of a job step: a
+    worker that dies of it makes its rank fail ("DataLoader worker ... is killed by signal:
+    Terminated") instead of saving the checkpoint the signal asks for (train/core/preemption.py).
+    Its rank's own SIGTERM (multiprocessing ends workers with one when the rank exits, torch a stuck
+    one) still ends it: ignoring that one too hung a rank exiting on an error (tests/test_image_classification.py)."""
     os.setpgid(0, 0)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # taken by the thread below, with its sender
+
+    def take_sigterm():
+        while True:
+            if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+                os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=take_sigterm, name="sigterm-from-rank", daemon=True).start()
 
 
 def sharded_loader(source, per_device_batch_size, *, rank, world_size, device, seed, train, num_workers=0,

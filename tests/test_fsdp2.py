@@ -87,23 +87,31 @@ def test_background_saves_under_fsdp2_resume_bit_identically(runs, tmp_path, cap
     saved = sorted(os.listdir(crashed / "checkpoints"))
     # step 8's save waited for step 4's; step 8's own may or may not have been published before the kill
     assert "step_00000004" in saved and set(saved) <= {"step_00000004", "step_00000008", ".tmp-step_00000008"}
-    proc = lm("fsdp2_cpu_2proc", runs["shards"], crashed, "--checkpoint_async", "--resume_from_checkpoint", "latest")
+    proc = lm("fsdp2_cpu_2proc", runs["shards"], crashed, "--checkpoint_async", "--resume_from_checkpoint", "latest",
+              "--checkpoints_total_limit", 1)
     assert f"resumed from {crashed}/checkpoints/step_0000000" in proc.stdout
     assert identical(weights(crashed), weights(runs["fsdp"]))
+    left = sorted(os.listdir(crashed / "checkpoints"))  # step 8 published before the end; no half-written one
+    assert left[-1] == "step_00000008" and not any(name.startswith(".tmp") for name in left), left
     # background saves are of sharded checkpoints only
     proc = run_as_script(capsys, "lm", "--dataset_dir", runs["shards"], *ARGS, "--checkpoint_async",
                          "--output_dir", tmp_path / "full")
     assert proc.returncode == 1 and "--checkpoint_async writes sharded checkpoints only" in proc.stderr, output_of(proc)
 
 
-def test_a_sharded_checkpoint_resumes_in_one_process_and_under_ddp(runs, tmp_path, capsys):
+def test_a_sharded_checkpoint_resumes_at_other_process_counts_and_under_ddp(runs, tmp_path, capsys):
     # 1 process, twice the per-process batch: the same global batch, so the same steps
     one = resume_copy(runs["fsdp"], 4, str(tmp_path / "one"))
     proc = run_as_script(capsys, "lm", "--dataset_dir", runs["shards"], *ARGS, "--per_device_train_batch_size", 8,
-                         "--output_dir", one, "--resume_from_checkpoint", "latest")
+                         "--checkpoint_format", "sharded", "--output_dir", one, "--resume_from_checkpoint", "latest")
     assert proc.returncode == 0, output_of(proc)
     assert "world_size=1 " in proc.stdout and "saved with 2 processes" in proc.stdout
     assert closest(weights(one), weights(runs["fsdp"])) < 1e-5
+    # and the sharded checkpoint that 1 process wrote at step 8, resumed by 2 FSDP2 processes
+    two = resume_copy(one, 8, str(tmp_path / "two"))
+    proc = lm("fsdp2_cpu_2proc", runs["shards"], two, "--resume_from_checkpoint", "latest")
+    assert "saved with 1 processes" in proc.stdout and "world_size=2 " in proc.stdout
+    assert closest(weights(two), weights(runs["fsdp"])) < 1e-5
     # FSDP2's shards read by DDP, and DDP's full checkpoint read by FSDP2
     ddp = resume_copy(runs["fsdp"], 4, str(tmp_path / "ddp"))
     lm("cpu_2proc", runs["shards"], ddp, "--resume_from_checkpoint", "latest")

@@ -13,7 +13,6 @@ import os
 import pickle
 import random
 import shutil
-import threading
 
 import numpy as np
 import torch
@@ -21,7 +20,7 @@ import torch
 from data.errors import fail
 
 from train.core.output_dir import drop_replaced_run, list_checkpoints
-from train.core.sharded_checkpoint import load_sharded, save_sharded, wait_sharded
+from train.core.sharded_checkpoint import Checkpoint, load_sharded, save_sharded
 from train.core.tracking import fsync_path, save_tensors, write_json
 
 CHECKPOINT_FORMAT = 1
@@ -88,48 +87,12 @@ def sharded_checkpoints(requested, accelerator):
     return fsdp and os.environ.get("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT") != "FULL_STATE_DICT"
 
 
-class Checkpoint:
-    """A checkpoint save_checkpoint wrote, or is writing in the background: its final `path`, and
-    wait(), which returns once its files are written and it is published (and raises what failed).
-    The main process publishes it (renames it to `path`) as soon as every rank's part is on disk:
-    DCP's coordinator completes its Future only after every rank reported its writes and the
-    metadata is written. The Future's callback publishes it then; wait() makes sure it did."""
-
-    def __init__(self, path, future=None, tmp=None, publish=None):
-        self.path, self.future, self.tmp = path, future, tmp
-        self._publish, self._lock, self._error = publish, threading.Lock(), None
-        if future is not None and publish is not None:
-            future.add_done_callback(lambda done: self.publish() if done.exception() is None else None)
-
-    def publish(self):
-        with self._lock:  # once, from DCP's thread or from wait(), whichever comes first
-            publish, self._publish = self._publish, None
-            if publish is not None:
-                try:
-                    publish()
-                except OSError as e:
-                    self._error = e
-
-    def wait(self):
-        future, self.future = self.future, None
-        if future is None:
-            return
-        try:
-            wait_sharded(future, self.tmp)
-        except BaseException:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            raise
-        self.publish()
-        if self._error is not None:
-            raise self._error
-
-
 def save_checkpoint(accelerator, output_dir, step, model, optimizer, lr_scheduler, meta, keep_last=None,
-                    sharded=False, background=False, group=None):
+                    sharded=False, writer=None, group=None):
     """Write OUTPUT_DIR/checkpoints/step_N atomically, with `meta` (the script, the data position,
-    the resolved arguments, ...) as its meta.json; keep the newest `keep_last`. In the background
-    (sharded only; `group` a process group of its own) a thread writes the model and optimizer:
-    call the returned Checkpoint's wait() before the next save and before the run ends."""
+    the resolved arguments, ...) as its meta.json; keep the newest `keep_last`. With a `writer`
+    thread (sharded only; `group` a process group of its own) the model and optimizer are written in
+    the background: call the returned Checkpoint's wait() before the next save and the run's end."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     root = os.path.join(output_dir, "checkpoints")
@@ -153,7 +116,7 @@ def save_checkpoint(accelerator, output_dir, step, model, optimizer, lr_schedule
     buffers = {name: b.detach().cpu().clone() for name, b in accelerator.unwrap_model(model).named_buffers()}
     try:
         put(f"rank_state_{accelerator.process_index}.pt", {**_rng_state(), "buffers": buffers})
-        if sharded and not background:  # every rank writes its part (a collective); DCP fsyncs
+        if sharded and writer is None:  # every rank writes its part (a collective); DCP fsyncs
             save_sharded(tmp, model, optimizer.optimizer)
         if accelerator.is_main_process:
             if not sharded:
@@ -168,8 +131,8 @@ def save_checkpoint(accelerator, output_dir, step, model, optimizer, lr_schedule
                 lambda obj, path: write_json(path, obj))
         for path in files:  # on disk before the rename publishes them
             fsync_path(path)
-        if background:  # after this rank's own files: the Future completes after all of them
-            future = save_sharded(tmp, model, optimizer.optimizer, True, group)
+        if writer is not None:  # after this rank's own files: the Future completes after all of them
+            future = save_sharded(tmp, model, optimizer.optimizer, writer, group)
     except OSError:  # a full disk, say: the unpublished half goes, and with it the space it took
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -184,7 +147,7 @@ def save_checkpoint(accelerator, output_dir, step, model, optimizer, lr_schedule
             for old in list_checkpoints(output_dir)[:-keep_last]:
                 shutil.rmtree(old)
 
-    if background:
+    if writer is not None:
         return Checkpoint(final, future, tmp, publish if accelerator.is_main_process else None)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
@@ -195,13 +158,17 @@ def save_checkpoint(accelerator, output_dir, step, model, optimizer, lr_schedule
 
 class CheckpointWriter:
     """The loop's saves, one at a time: in the background (--checkpoint_async, sharded checkpoints
-    only) each waits for the one before, on a process group of its own."""
+    only) on one writer thread and one process group of their own for the whole run, each save
+    waiting for the one before."""
 
     def __init__(self, accelerator, sharded, background):
+        from concurrent.futures import ThreadPoolExecutor
+
         if background and not sharded:
             fail("--checkpoint_async writes sharded checkpoints only; add --checkpoint_format sharded (the default "
                  "under FSDP)")
-        self.accelerator, self.sharded, self.background, self.pending = accelerator, sharded, background, None
+        self.accelerator, self.sharded, self.pending = accelerator, sharded, None
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer") if background else None
         # every rank makes the group (a collective), here, at the same point of the run
         self.group = torch.distributed.new_group(backend="gloo") if background and torch.distributed.is_initialized() \
             else None
@@ -209,7 +176,7 @@ class CheckpointWriter:
     def save(self, output_dir, step, model, optimizer, lr_scheduler, meta, keep_last):
         self.wait()
         self.pending = save_checkpoint(self.accelerator, output_dir, step, model, optimizer, lr_scheduler, meta,
-                                       keep_last, self.sharded, self.background, self.group)
+                                       keep_last, self.sharded, self.thread, self.group)
         return self.pending.path
 
     def wait(self):
@@ -218,8 +185,14 @@ class CheckpointWriter:
         if self.pending is not None:
             pending, self.pending = self.pending, None
             pending.wait()
-            if self.background:
+            if self.thread is not None:
                 self.accelerator.wait_for_everyone()
+
+    def close(self):
+        """Wait for the last save, then let the thread go (once nothing forks any more)."""
+        self.wait()
+        if self.thread is not None:
+            self.thread.shutdown()
 
 
 def torch_save(obj, path):

@@ -2,9 +2,8 @@
 a checkpoint, data position), the batches it has left, step counting, the learning-rate schedule,
 logging, evaluation at each epoch's end, checkpoints, and the run's outputs.
 
-A script keeps its own loop in view: `for batch in loop.batches()`, its own step, `loop.after_batch(loss)`,
-and `return loop.finish()` (the README's skeleton, which tests/test_readme_script.py runs; SIGTERM
-is the loop's too: train/core/preemption.py).
+A script keeps its own loop in view: `for batch in loop.batches()`, its step, `loop.after_batch(loss)`,
+`return loop.finish()` (the README's skeleton; SIGTERM is the loop's too: train/core/preemption.py).
 
 One path for the end of an epoch and the end of the run (nanochat's `last_step`): each evaluates,
 records and, when due, saves after the evaluation. A run resumed from its final checkpoint trains
@@ -46,8 +45,8 @@ class TrainingLoop:
         self.evaluate, self.headline = evaluate, headline
         self.output_dir, self.logging_steps, self.eval_steps = args.output_dir, args.logging_steps, args.eval_steps
         self.checkpointing_steps, self.keep_last = args.checkpointing_steps, args.checkpoints_total_limit
-        self.sharded_checkpoints = sharded_checkpoints(args.checkpoint_format, accelerator)
-        self.writer = CheckpointWriter(accelerator, self.sharded_checkpoints, args.checkpoint_async)
+        self.writer = CheckpointWriter(accelerator, sharded_checkpoints(args.checkpoint_format, accelerator),
+                                       args.checkpoint_async)
         check_loader(train_loader)
         self.sharded = isinstance(train_loader, ShardedLoader)  # keeps its own position; else set_epoch + skip
         self.global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * \
@@ -199,10 +198,9 @@ class TrainingLoop:
         meta = {"script": self.task, "data": self.position(), "args": vars(self.args), "history": self.history,
                 "epoch_seconds": self.epoch_seconds, "epoch_elapsed": elapsed, "global_batch": self._global_batch(),
                 "train_samples": self._train_samples(), "losses": self.losses.state_dict()}
-        path = self.writer.save(self.output_dir, self.step, self.model, self.optimizer, self.lr_scheduler, meta,
-                                self.keep_last)
-        self._last_save = self.step, path
-        return path
+        self._last_save = self.step, self.writer.save(self.output_dir, self.step, self.model, self.optimizer,
+                                                       self.lr_scheduler, meta, self.keep_last)
+        return self._last_save[1]
 
     def _preempt(self):
         """Every rank, at the same step: save here (unless this step was just saved), then stop."""
@@ -256,7 +254,7 @@ class TrainingLoop:
         folder back; return the results. The process group goes in run(), once the script's objects
         are gone."""
         self.progress.close()
-        self.writer.wait()  # the last checkpoint written before the run counts as finished
+        self.writer.close()  # the last checkpoint written before the run counts as finished
         self.losses.check(self.model, self.step)  # no final model of a run whose numbers went bad
         # wall: since the loop was built, as printed below; train: from the first batch to the last
         # evaluation of this invocation; each epoch's training alone: epoch_seconds and history

@@ -14,6 +14,8 @@ import contextlib
 import io
 import os
 import pickle
+import shutil
+import threading
 import warnings
 
 import torch
@@ -107,22 +109,36 @@ def _cause(error):
     return cause if isinstance(cause, Exception) else RuntimeError(" ".join(str(error).split())[:200])
 
 
-def save_sharded(folder, model, optimizer, background=False, group=None):
+def save_sharded(folder, model, optimizer, writer=None, group=None):
     """Every process writes its part of the model and optimizer into folder/state (a collective).
-    background: torch.distributed.checkpoint.async_save on `group` (a process group of its own, so
-    its collectives never meet the training's): this call copies the state and returns a Future;
-    a thread writes the files while training changes the model (tests/test_fsdp2.py checks the copy)."""
+    With `writer` (a one-thread executor that lives as long as the run) this call copies the state
+    and returns a Future: the writer thread saves the copy through DCP on `group`, a process group
+    of its own so its collectives never meet the training's, while training changes the model.
+    Not DCP's async_save: it starts a thread per save that exits at some moment after the write,
+    and CPython 3.11's fork() hangs a DataLoader worker forked as a thread exits (docs/data.md)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    try:
+    def write(state):
         with _one_process_is_meant():
-            if background:
-                return dcp.async_save(sharded_state(model, optimizer), checkpoint_id=os.path.join(folder, STATE),
-                                      process_group=group)
-            dcp.save(sharded_state(model, optimizer), checkpoint_id=os.path.join(folder, STATE))
+            dcp.save(state, checkpoint_id=os.path.join(folder, STATE), process_group=group)
+
+    state = sharded_state(model, optimizer)
+    if writer is not None:
+        return writer.submit(write, _copy(state))
+    try:
+        write(state)
     except CheckpointException as e:
         raise _failed(e, folder) from None
+
+
+def _copy(tree):
+    """The state as it is now: tensors cloned (a DTensor clones its local shard), the rest copied."""
+    import copy
+
+    if isinstance(tree, dict):
+        return {key: _copy(value) for key, value in tree.items()}
+    return tree.detach().clone() if isinstance(tree, torch.Tensor) else copy.deepcopy(tree)
 
 
 def wait_sharded(future, folder):
@@ -226,3 +242,39 @@ def load_sharded(checkpoint_path, model, optimizer):
     set_model_state_dict(model, state["model"])
     # not strict: the parameters left without state above (the model's own tensors were checked)
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
+
+
+class Checkpoint:
+    """A checkpoint save_checkpoint wrote, or is writing in the background: its final `path`, and
+    wait(), which returns once its files are written and it is published (and raises what failed).
+    The main process publishes it (renames it to `path`) as soon as every rank's part is on disk:
+    DCP's coordinator completes its Future only after every rank reported its writes and the
+    metadata is written. The Future's callback publishes it then; wait() makes sure it did."""
+
+    def __init__(self, path, future=None, tmp=None, publish=None):
+        self.path, self.future, self.tmp = path, future, tmp
+        self._publish, self._lock, self._error = publish, threading.Lock(), None
+        if future is not None and publish is not None:
+            future.add_done_callback(lambda done: self.publish() if done.exception() is None else None)
+
+    def publish(self):
+        with self._lock:  # once, from DCP's thread or from wait(), whichever comes first
+            publish, self._publish = self._publish, None
+            if publish is not None:
+                try:
+                    publish()
+                except Exception as e:  # raised by wait(); in DCP's thread it would only be logged
+                    self._error = e
+
+    def wait(self):
+        future, self.future = self.future, None
+        if future is None:
+            return
+        try:
+            wait_sharded(future, self.tmp)
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+        self.publish()
+        if self._error is not None:
+            raise self._error
