@@ -103,9 +103,9 @@ def test_checkpoint_save_tiny_mode_measures_both_formats_under_ddp_and_fsdp2():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith(("| MULTI_CPU", "| FSDP2"))]
-    assert [r[0] for r in rows] == ["| MULTI_CPU"] * 2 + ["| FSDP2"] * 2, proc.stdout
+    assert [r[0] for r in rows] == ["| MULTI_CPU", "| FSDP2"], proc.stdout
     for row in rows:
         full, sharded = ([float(x) for x in cell.strip(" |").split(" / ")] for cell in row[-2:])
         # full: the main process writes the model and optimizer; sharded: each writes about half
         assert full[0] > 1 and full[1] < 0.1 and min(sharded) > 0.3 * full[0], row
-    assert len(re.findall(r"RATIO (MULTI_CPU|FSDP2) (small|large) sharded/full save seconds = \d+\.\d+", proc.stdout)) == 4
+    assert len(re.findall(r"RATIO (MULTI_CPU|FSDP2) small sharded/full save seconds = \d+\.\d+", proc.stdout)) == 2

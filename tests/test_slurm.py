@@ -149,7 +149,7 @@ def test_time_limit_saves_requeues_and_the_requeued_job_resumes(fake_slurm_bin, 
     config.update(use_cpu=True, mixed_precision="no")
     (tmp_path / "cpu_2node.yaml").write_text(yaml.safe_dump(config))
     out = tmp_path / "run"
-    args = ["train/mnist.py", "--max_train_samples", 4000, "--max_eval_samples", 200, "--num_train_epochs", 2,
+    args = ["train/mnist.py", "--max_train_samples", 4000, "--max_eval_samples", 200, "--num_train_epochs", 1,
             "--per_device_train_batch_size", 8, "--dataloader_num_workers", 1, "--checkpointing_steps", 20,
             "--output_dir", out]
 
@@ -173,7 +173,7 @@ def test_time_limit_saves_requeues_and_the_requeued_job_resumes(fake_slurm_bin, 
     steps = {int(line.split("at step ")[1].split()[0]) for line in stopped}
     assert len(stopped) == 2 and len(steps) == 1 and "DataLoader worker" not in output, output[-3000:]
     step = steps.pop()
-    assert 20 < step < 250 and (out / "checkpoints" / f"step_{step:08d}").is_dir(), stopped
+    assert 20 < step < 125 and (out / "checkpoints" / f"step_{step:08d}").is_dir(), stopped
     assert calls.read_text().splitlines() == [f"scancel --signal=TERM {os.getpid()}", f"scontrol requeue {os.getpid()}"]
 
     job = sbatch(1)  # requeued: the same arguments, and the script adds --resume_from_checkpoint latest
@@ -181,4 +181,4 @@ def test_time_limit_saves_requeues_and_the_requeued_job_resumes(fake_slurm_bin, 
     assert job.returncode == 0, output[-3000:]
     assert f"resumed from {out}/checkpoints/step_{step:08d}" in output and "world_size=4 " in output
     results = __import__("json").load(open(out / "all_results.json"))
-    assert results["step"] == 250 and results["eval_samples"] == 200
+    assert results["step"] == 125 and results["eval_samples"] == 200
