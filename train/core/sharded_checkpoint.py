@@ -153,24 +153,11 @@ def wait_sharded(future, folder):
 
 def _failed(error, folder):
     cause = _cause(error)
-    if not isinstance(cause, OSError):
-        _check_space(folder)
+    if not isinstance(cause, OSError):  # torch.save inside DCP turns a failed write (ENOSPC) into RuntimeError
+        from train.core.accelerator import check_writable  # 'unexpected pos': the disk says which OSError it was
+
+        check_writable(folder)
     return cause
-
-
-def _check_space(folder):
-    """Raise the OSError (a full disk, say) behind a failed write whose errno torch.save lost: it
-    turns a failing write into RuntimeError 'unexpected pos'. A write the size of a small shard
-    part fails the same way on a full disk."""
-    import tempfile
-
-    try:
-        with tempfile.TemporaryFile(dir=folder) as f:
-            f.write(bytes(1 << 16))
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as e:
-        raise OSError(e.errno, e.strerror, folder) from None
 
 
 def _tensors(tree, prefix=""):
@@ -273,7 +260,8 @@ class Checkpoint:
         try:
             wait_sharded(future, self.tmp)
         except BaseException:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            if self._publish is not None:  # the main process, the one writer of the checkpoints folder
+                shutil.rmtree(self.tmp, ignore_errors=True)
             raise
         self.publish()
         if self._error is not None:
