@@ -33,6 +33,7 @@ from train.core.tracking import matmul_peak, peak_memory_mb
 from train.models.gpt import GPT, GPTConfig, next_token_loss
 
 TASK = "lm"  # the run's name in its checkpoints: another task's checkpoint is refused
+METRICS = ["eval_bpb", "eval_loss", "eval_perplexity"]  # its evaluation's metrics, the headline first
 
 
 def parse_args(argv=None):
@@ -65,6 +66,7 @@ def parse_args(argv=None):
     opt = parser.groups["optimization"]
     opt.add_argument("--max_grad_norm", type=float, default=1.0, help="Clip the gradient norm (0: no clipping).")
     parser.set_defaults(output_dir="runs/lm", num_train_epochs=1, num_warmup_steps=100)
+    parser.recorded.add("gcide")
     args = parser.parse_args(argv)
     if args.prompt is None:
         try:
@@ -74,7 +76,8 @@ def parse_args(argv=None):
         name = os.path.splitext(os.path.basename(args.train_file[0]))[0] if args.train_file else "gcide"
         # the vocabulary is in the name, so a run with another one prepares beside this cache, not over it
         tokenizer = {"bytes": "bytes", "bpe": f"bpe{args.vocab_size}"}.get(args.tokenizer, "file")
-        args.gcide = not args.train_file and args.dataset_dir is None  # the default corpus, prepared on first use
+        # the default corpus, prepared on first use; recorded, so a rerun from args.json prepares it too
+        args.gcide = getattr(args, "gcide", False) or (not args.train_file and args.dataset_dir is None)
         args.dataset_dir = args.dataset_dir or os.path.join("runs", "tokens", f"{name}-{tokenizer}-b{args.block_size}")
     return args
 
@@ -136,8 +139,8 @@ def main(args):
     model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
 
     # ---------------------------------------------------------------- train
-    loop = TrainingLoop(accelerator, args, TASK, model, optimizer, train_loader, headline="eval_bpb",
-                        evaluate=lambda: evaluate_language_model(accelerator, model, eval_loader,
+    loop = TrainingLoop(accelerator, args, TASK, model, optimizer, train_loader, headline=METRICS[0],
+                        metrics=METRICS, evaluate=lambda: evaluate_language_model(accelerator, model, eval_loader,
                                                                  manifest["text"]["validation"]))
     for batch in loop.batches():
         with accelerator.accumulate(model):

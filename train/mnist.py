@@ -32,6 +32,7 @@ from train.core.loop import TrainingLoop
 from train.core.run import run, start_run
 
 TASK = "mnist"  # the run's name in its checkpoints: another task's checkpoint is refused
+METRICS = ["eval_accuracy", "eval_loss"]  # its evaluation's metrics, the headline first
 MODELS = {"convnet": {"channels": (16, 32), "kernel_sizes": (5, 5)},  # the seed notes' model: 2.8 M multiply-adds
           "convnet_fast": {"channels": (16, 32), "kernel_sizes": (5, 3), "norm_after_pool": True},  # 1.2 M: the recipe
           "convnet_wide": {"channels": (32, 64), "kernel_sizes": (3, 3)}}  # 3.9 M: the >= 92% recipe (README)
@@ -152,7 +153,7 @@ def main(args):
     # ---------------------------------------------------------------- train
     loop = TrainingLoop(accelerator, args, TASK, model, optimizer, train_loader,
                         evaluate=lambda: evaluate_classifier(accelerator, model, eval_loader, to_inputs),
-                        headline="eval_accuracy")
+                        headline=METRICS[0], metrics=METRICS)
     for batch in loop.batches():
         with accelerator.accumulate(model):
             images = batch["image"]

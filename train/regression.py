@@ -26,6 +26,7 @@ from train.core.loop import TrainingLoop
 from train.core.run import run, start_run
 
 TASK = "regression"  # the run's name in its checkpoints: another task's checkpoint is refused
+METRICS = ["eval_mse"]  # its evaluation's metrics, the headline first
 NUM_FEATURES = 20
 
 
@@ -84,7 +85,7 @@ def main(args):
 
     # ---------------------------------------------------------------- train
     loop = TrainingLoop(accelerator, args, TASK, model, optimizer, train_loader, schedule=False,
-                        evaluate=lambda: evaluate(accelerator, model, eval_loader), headline="eval_mse")
+                        evaluate=lambda: evaluate(accelerator, model, eval_loader), headline=METRICS[0])
     for x, y in loop.batches():
         with accelerator.accumulate(model):
             loss = F.mse_loss(model(x), y)  # mean over this process's batch; DDP averages over processes

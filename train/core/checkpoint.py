@@ -88,9 +88,10 @@ def sharded_checkpoints(requested, accelerator):
 
 
 def save_checkpoint(accelerator, output_dir, step, model, optimizer, lr_scheduler, meta, keep_last=None,
-                    sharded=False, writer=None, group=None):
+                    sharded=False, writer=None, group=None, add_files=None):
     """Write OUTPUT_DIR/checkpoints/step_N atomically, with `meta` (the script, the data position,
-    the resolved arguments, ...) as its meta.json; keep the newest `keep_last`. With a `writer`
+    the resolved arguments, ...) as its meta.json; keep the newest `keep_last`. `add_files(folder)`
+    puts more files in, on the main process. With a `writer`
     thread (sharded only; `group` a process group of its own) the model and optimizer are written in
     the background: call the returned Checkpoint's wait() before the next save and the run's end."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -126,6 +127,8 @@ def save_checkpoint(accelerator, output_dir, step, model, optimizer, lr_schedule
                 put("scheduler.pt", lr_scheduler.state_dict())
             if accelerator.scaler is not None:
                 put("scaler.pt", accelerator.scaler.state_dict())
+            if add_files is not None:
+                add_files(tmp)
             put("meta.json", {"format": CHECKPOINT_FORMAT, "step": step, "world_size": accelerator.num_processes,
                               "checkpoint_format": "sharded" if sharded else "full", **meta},
                 lambda obj, path: write_json(path, obj))
@@ -173,10 +176,10 @@ class CheckpointWriter:
         self.group = torch.distributed.new_group(backend="gloo") if background and torch.distributed.is_initialized() \
             else None
 
-    def save(self, output_dir, step, model, optimizer, lr_scheduler, meta, keep_last):
+    def save(self, output_dir, step, model, optimizer, lr_scheduler, meta, keep_last, add_files=None):
         self.wait()
         self.pending = save_checkpoint(self.accelerator, output_dir, step, model, optimizer, lr_scheduler, meta,
-                                       keep_last, self.sharded, self.thread, self.group)
+                                       keep_last, self.sharded, self.thread, self.group, add_files)
         return self.pending.path
 
     def wait(self):

@@ -3,9 +3,11 @@ shared flags named as in transformers' run_*_no_trainer.py scripts, and argparse
 (with a did-you-mean) printed once per launch."""
 import argparse
 import difflib
+import json
 import math
+import sys
 
-from train.core.process import exit_once
+from train.core.process import exit_once, first_local_process
 
 GROUPS = (("data", "data"), ("model", "model"), ("optimization", "optimization"),
           ("checkpoints", "output and checkpoints"), ("tracking", "logging and tracking"),
@@ -33,6 +35,24 @@ def positive_float(text):
     return value
 
 
+def non_negative_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
+def true_or_false(text):
+    if str(text).lower() in ("true", "1", "yes"):
+        return True
+    if str(text).lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def steps_or_epoch(text):
     return "epoch" if text == "epoch" else positive_int(text)
 
@@ -54,26 +74,111 @@ class _HelpFormatter(argparse.HelpFormatter):
         return f"{action.help} (default: %(default)s)"
 
 
+# what a run records in args.json but a config file does not decide: where this invocation resumes
+# from, whether it replaces a run, and which file it read
+PER_INVOCATION = ("config", "resume_from_checkpoint", "overwrite_output_dir")
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with the flags grouped (`parser.groups["data"]`, ...), defaults in --help, no
-    abbreviations (`--lr` must not silently mean `--lr_scheduler_type`), and errors as one line."""
+    abbreviations (`--lr` must not silently mean `--lr_scheduler_type`), errors as one line, and
+    `--config FILE`: a YAML or JSON mapping of flag names to values, under the command line's own."""
 
     def __init__(self, doc):
         super().__init__(description=doc.split("\n")[0], allow_abbrev=False,
                          formatter_class=_HelpFormatter)
+        self.add_argument("--config", type=str, default=None,
+                          help="YAML or JSON file of flag values (keys are flag names without --); flags on the "
+                               "command line override it. A run's args.json reruns that run.")
         self.groups = {key: self.add_argument_group(title) for key, title in GROUPS}
+        self.recorded = set()  # values a script derives after parsing and records in args.json (not flags)
 
     def error(self, message):
         if message.startswith("unrecognized arguments:"):
-            known = [s for action in self._actions for s in action.option_strings if s not in ("-h", "--help")]
             for word in message.split(":", 1)[1].split():
-                flag = word.split("=")[0]
-                close = [ALIASES[flag]] if ALIASES.get(flag) in known else \
-                    difflib.get_close_matches(flag, known, n=1, cutoff=0.75) if word.startswith("--") else []
+                close = self._did_you_mean(word.split("=")[0]) if word.startswith("--") else ""
                 if close:
-                    message += f" (did you mean {close[0]}?)"
+                    message += close
                     break
         exit_once(f"error: {message}; see {self.prog} --help", 2)
+
+    def _did_you_mean(self, flag):
+        known = [s for action in self._actions for s in action.option_strings if s not in ("-h", "--help")]
+        close = [ALIASES[flag]] if ALIASES.get(flag) in known else difflib.get_close_matches(flag, known, n=1,
+                                                                                             cutoff=0.75)
+        return f" (did you mean {close[0]}?)" if close else ""
+
+    def parse_args(self, args=None, namespace=None):
+        argv = sys.argv[1:] if args is None else list(args)
+        path = next((argv[i + 1] if a == "--config" and i + 1 < len(argv) else a.split("=", 1)[1]
+                     for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")), None)
+        if path:
+            self.set_defaults(**self._read_config(path))
+        return super().parse_args(argv, namespace)
+
+    def _read_config(self, path):
+        """The file's values, each checked as its flag would check it on the command line."""
+        def bad(message):
+            exit_once(f"error: --config {path}: {message}", 2)
+
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError as e:
+            bad(f"cannot read it ({e.strerror}); pass a YAML or JSON file of flag values")
+        import yaml  # YAML 1.1 reads JSON too
+
+        try:
+            values = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+        except (ValueError, yaml.YAMLError) as e:  # both say where
+            bad(f"not valid {'JSON' if path.endswith('.json') else 'YAML'} ({' '.join(str(e).split())[:160]})")
+        if values is None:
+            return {}
+        if not isinstance(values, dict):
+            bad("expected a mapping of flag names to values, e.g. learning_rate: 0.001")
+        by_dest = {a.dest: a for a in self._actions if a.option_strings}
+        by_flag = {s[2:]: a for a in self._actions for s in a.option_strings if s.startswith("--")}
+        out, ignored = {}, []
+        for key, value in values.items():
+            key = str(key).lstrip("-").replace("-", "_")
+            if key in PER_INVOCATION or key in ("help",):
+                if value not in (None, False) and key != "config":
+                    ignored.append(key)
+                continue
+            if key in self.recorded:
+                out[key] = value
+                continue
+            action = by_dest.get(key) or by_flag.get(key)
+            if action is None:
+                bad(f"unknown key {key!r}{self._did_you_mean('--' + key)}; {self.prog} --help lists the flags")
+            out[action.dest] = self._config_value(action, key, value, bad)
+        if ignored and first_local_process():
+            print(f"note: --config {path} sets {', '.join(ignored)}; a config file does not resume or replace a "
+                  "run, pass those on the command line", flush=True)
+        return out
+
+    @staticmethod
+    def _config_value(action, key, value, bad):
+        if action.nargs == 0:  # a switch: store_true, or --no_X storing False into X
+            if not isinstance(value, bool):
+                bad(f"{key} takes true or false, got {value!r}")
+            return value if action.dest == key else (action.const if value else action.default)
+        if value is None:
+            if action.default is not None:
+                bad(f"{key} cannot be null; leave it out for its default ({action.default})")
+            return None
+        if isinstance(value, (dict, bool)) or (isinstance(value, list) and action.nargs in (None, "?")):
+            bad(f"{key} takes {'a list of values' if action.nargs else 'one value'}, got {value!r}")
+        items = value if isinstance(value, list) else [value]
+        try:
+            items = [action.type(str(v)) if action.type else str(v) for v in items]
+        except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
+            bad(f"{key}: {e}" if isinstance(e, argparse.ArgumentTypeError) else
+                f"{key} expects {getattr(action.type, '__name__', 'a value')}, got {value!r}")
+        for v in items:
+            if action.choices is not None and v not in action.choices:
+                bad(f"{key}: {v!r} is not one of {', '.join(map(str, action.choices))}")
+        return items if isinstance(value, list) else items[0]
 
 
 def make_parser(doc):
@@ -109,6 +214,18 @@ def make_parser(doc):
     g["checkpoints"].add_argument("--checkpoint_async", action="store_true",
                                   help="Sharded checkpoints: write them in the background while training goes on "
                                        "(the state is copied first); one is `latest` once every part is written.")
+    g["checkpoints"].add_argument("--metric_for_best_model", type=str, default=None,
+                                  help="The evaluation metric whose best value's weights become model.safetensors "
+                                       "(default: the script's headline metric; 'accuracy' means eval_accuracy); "
+                                       "none: the last step's weights.")
+    g["checkpoints"].add_argument("--greater_is_better", type=true_or_false, default=None,
+                                  help="Whether a higher --metric_for_best_model is better (default: lower for "
+                                       "loss, mse, perplexity, bpb, error; higher otherwise).")
+    g["checkpoints"].add_argument("--early_stopping_patience", type=positive_int, default=None,
+                                  help="End the run after N evaluations in a row without a better "
+                                       "--metric_for_best_model (every process at the same step).")
+    g["checkpoints"].add_argument("--early_stopping_threshold", type=non_negative_float, default=0.0,
+                                  help="How much better an evaluation must be to count as an improvement.")
     g["optimization"].add_argument("--nonfinite_loss", choices=["stop", "skip"], default="stop",
                                    help="A NaN or infinite training loss: stop the run (no final model; the last "
                                         "checkpoint stays good), or skip those optimizer steps (a sync per step).")

@@ -15,13 +15,14 @@ import time
 
 from tqdm.auto import tqdm
 
-from data.errors import fail
 from data.loader import ShardedLoader, check_loader, settle_loader_threads
+from train.core.best_model import BestModel, resolve_metric
 from train.core.checkpoint import (CheckpointWriter, data_position, find_checkpoint, load_checkpoint, model_weights,
                                    sharded_checkpoints)
 from train.core.loss_watch import LossWatch
 from train.core.output_dir import drop_replaced_run, release_output_dir
 from train.core.preemption import Preempted, Preemption
+from train.core.resume import check_same_run
 from train.core.process import on_teardown, resume_command
 from train.core.schedule import make_scheduler, plan_steps
 from train.core.tracking import MetricsLog, plot_metrics, save_final
@@ -36,10 +37,11 @@ class TrainingLoop:
 
     `args` is the script's parsed command line: the loop reads the shared flags (make_parser's) and,
     with schedule=True, add_optimizer_args' schedule flags; it records all of them in checkpoints
-    and args.json. Without a schedule the optimizer keeps its learning rate."""
+    and args.json. Without a schedule the optimizer keeps its learning rate. `metrics`: the names
+    evaluate() returns that --metric_for_best_model may pick (default: the headline alone)."""
 
     def __init__(self, accelerator, args, task, model, optimizer, train_loader, evaluate, headline="eval_loss",
-                 schedule=True):
+                 schedule=True, metrics=None):
         self.accelerator, self.args, self.task = accelerator, args, task
         self.model, self.optimizer, self.loader = model, optimizer, train_loader
         self.evaluate, self.headline = evaluate, headline
@@ -62,10 +64,15 @@ class TrainingLoop:
         self.resumed_from, self._resumed_seconds = None, 0.0  # the interrupted epoch's training time before the save
         self.losses = LossWatch(accelerator, optimizer, args.nonfinite_loss, args.output_dir)
         self._stop_at_epoch_end, self._last_save = False, (None, None)  # (step, path)
+        self.best = BestModel(accelerator, args.output_dir, resolve_metric(args.metric_for_best_model, headline,
+                                                                           metrics or [headline]),
+                              args.greater_is_better, args.early_stopping_patience, args.early_stopping_threshold)
+        self.stopped_early = False
         if path := find_checkpoint(accelerator, args.resume_from_checkpoint, args.output_dir):
             meta = load_checkpoint(accelerator, path, task, model, optimizer, self.lr_scheduler)
-            self._check_same_run(path, meta)
+            check_same_run(path, meta, self._global_batch(), self._train_samples())
             self.losses.load_state_dict(meta.get("losses"))
+            self.best.load(meta.get("best"), path)
             self.resumed_from, self.step, self.history = path, meta["step"], meta.get("history", [])
             self.epoch_seconds, self._resumed_seconds = meta.get("epoch_seconds", []), meta.get("epoch_elapsed", 0.0)
             self.epoch, self.batches_done = meta["data"]["epoch"], meta["data"]["next_batch"]
@@ -96,7 +103,7 @@ class TrainingLoop:
     def _batches(self):
         first_epoch, t_train = self.epoch, time.perf_counter()
         for epoch in range(first_epoch, self.num_train_epochs):
-            if self.step >= self.max_train_steps:
+            if self.step >= self.max_train_steps or self.stopped_early:
                 break
             self.loader.set_epoch(epoch)
             if not self.sharded and hasattr(self.loader.dataset, "set_epoch"):
@@ -115,11 +122,12 @@ class TrainingLoop:
             for batch in epoch_loader:
                 self.batches_done += 1
                 yield batch
-                if self.step >= self.max_train_steps:
+                if self.step >= self.max_train_steps or self.stopped_early:
                     break
             self.epoch_seconds.append(time.perf_counter() - self._t_epoch)
             settle_loader_threads()  # this epoch's loader, before the evaluation's forks its workers
-            self._evaluate_and_save(epoch + 1, self.epoch_seconds[-1])
+            if not self.stopped_early:  # else it stopped at a step's evaluation: nothing new to evaluate
+                self._evaluate_and_save(epoch + 1, self.epoch_seconds[-1])
         if not self.history or self.history[-1]["step"] != self.step:  # resumed from a checkpoint at the last step
             self._evaluate_and_save(self.num_train_epochs, 0.0)
         self.train_seconds = time.perf_counter() - t_train
@@ -168,8 +176,12 @@ class TrainingLoop:
         metrics = self.evaluate()
         self.history.append({**where, "step": self.step, **metrics})
         self.metrics.log({"step": self.step, "epoch": where["epoch"], **metrics})
+        self.stopped_early = self.best.update(metrics, self.step, lambda: model_weights(self.model))
         if self.accelerator.is_main_process:
-            self.progress.write(f"{label}: {_format(metrics)}{suffix}")
+            best = " (best so far)" if self.best.step == self.step and len(self.history) > 1 else ""
+            self.progress.write(f"{label}: {_format(metrics)}{suffix}{best}")
+            if self.stopped_early:
+                self.progress.write(self.best.stop_message())
         self._t_log = time.perf_counter()  # evaluation time is not training throughput
 
     def _evaluate_and_save(self, epoch, train_seconds):
@@ -197,9 +209,10 @@ class TrainingLoop:
         elapsed = time.perf_counter() - self._t_epoch if mid_epoch else 0.0
         meta = {"script": self.task, "data": self.position(), "args": vars(self.args), "history": self.history,
                 "epoch_seconds": self.epoch_seconds, "epoch_elapsed": elapsed, "global_batch": self._global_batch(),
-                "train_samples": self._train_samples(), "losses": self.losses.state_dict()}
+                "train_samples": self._train_samples(), "losses": self.losses.state_dict(),
+                "best": self.best.state_dict()}
         self._last_save = self.step, self.writer.save(self.output_dir, self.step, self.model, self.optimizer,
-                                                       self.lr_scheduler, meta, self.keep_last)
+                                                       self.lr_scheduler, meta, self.keep_last, self.best.save_into)
         return self._last_save[1]
 
     def _preempt(self):
@@ -223,26 +236,6 @@ class TrainingLoop:
         dataset = getattr(self.loader, "dataset", None)
         return len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None
 
-    def _check_same_run(self, path, meta):
-        """A resume must go on with the run that was saved: the same batches per step (any process count
-        whose per-process batch keeps the batch of one micro-step) and the same training data."""
-        saved, now = meta.get("global_batch"), self._global_batch()
-
-        def describe(b):
-            return (f"{b['per_device_train_batch_size']} per process x {b['num_processes']} processes x "
-                    f"{b['gradient_accumulation_steps']} accumulation steps")
-
-        if saved and (saved["per_device_train_batch_size"] * saved["num_processes"] !=
-                      now["per_device_train_batch_size"] * now["num_processes"] or
-                      saved["gradient_accumulation_steps"] != now["gradient_accumulation_steps"]):
-            fail(f"{path} was saved with a global batch of {describe(saved)}; this run has {describe(now)}, so its "
-                 "steps and data position would not be the saved run's. Resume with --per_device_train_batch_size "
-                 "x processes and --gradient_accumulation_steps as saved, or start a new run")
-        samples = meta.get("train_samples")
-        if samples is not None and self._train_samples() is not None and samples != self._train_samples():
-            fail(f"{path} was saved training on {samples} samples per epoch; this run has {self._train_samples()}: "
-                 "resume with the same data (and --max_train_samples), or start a new run")
-
     # ------------------------------------------------------------------------------ the end
     def samples_per_second(self):
         """Training samples per second of training time (evaluations and start-up left out)."""
@@ -264,13 +257,19 @@ class TrainingLoop:
                    "history": self.history, "resumed_from": self.resumed_from,
                    "train_samples_per_second": self.samples_per_second(),
                    **({"skipped_steps": self.losses.skipped_steps} if self.losses.skipped_steps else {}),
-                   **(extra or {})}
-        save_final(self.accelerator, model_weights(self.model), self.output_dir, results, vars(self.args))
+                   **({"stopped_early": True} if self.stopped_early else {}), **self.best.results(), **(extra or {})}
+        # the best evaluation's weights (already on disk) or the last step's (a collective under FSDP2)
+        weights = model_weights(self.model) if self.best.step is None else None
+        if self.accelerator.is_main_process and weights is None:
+            self.best.finish(self.output_dir)
+        save_final(self.accelerator, weights, self.output_dir, results, vars(self.args))
         if self.accelerator.is_main_process:
             drop_replaced_run(self.output_dir)
             plot_metrics(self.output_dir, self.headline)
         headline = {k: results[k] for k in (self.headline, "eval_samples") if k in results}
-        self.accelerator.print(f"final {_format(headline)} wall_seconds={results['wall_seconds']:.1f} "
+        best = results.get("best_model", {"step": self.step})
+        model = "" if best["step"] == self.step else f" model=step {best['step']}'s ({best['metric']}={best['value']:.4f})"
+        self.accelerator.print(f"final {_format(headline)}{model} wall_seconds={results['wall_seconds']:.1f} "
                                f"(training {self.train_seconds:.1f}) samples_per_second="
                                f"{results['train_samples_per_second']:.0f} -> {self.output_dir}")
         self.accelerator.wait_for_everyone()

@@ -24,7 +24,7 @@ MARKER = "run.json"
 REPLACED = "replaced_run"
 # every entry a run writes in its output folder (labels.json: image_classification.py's class names)
 RUN_ENTRIES = ("checkpoints", "tensorboard", "metrics.jsonl", "curves.png", "all_results.json",
-               "model.safetensors", "args.json", "labels.json")
+               "model.safetensors", "args.json", "labels.json", "best_model.safetensors")
 
 _held = {}  # folder -> FolderLock held by this process
 

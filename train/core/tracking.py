@@ -70,7 +70,7 @@ def save_tensors(tensors, path):
 
 
 def save_final(accelerator, weights, output_dir, results, hparams):
-    """The run's outputs: model.safetensors (`weights`, from train.core.checkpoint.model_weights),
+    """The run's outputs: model.safetensors (`weights`, from train.core.checkpoint.model_weights, or None),
     all_results.json and args.json (`hparams`, the resolved arguments) in output_dir, written by the
     main process."""
     def write_weights(tmp):
@@ -80,7 +80,8 @@ def save_final(accelerator, weights, output_dir, results, hparams):
         os.chmod(tmp, 0o666 & ~umask)  # safetensors creates its files readable by their owner alone
 
     if accelerator.is_main_process:  # the weights first: all_results.json marks a finished run
-        atomic_write(os.path.join(output_dir, "model.safetensors"), write_weights)
+        if weights is not None:  # None: already in place (the best evaluation's, train/core/best_model.py)
+            atomic_write(os.path.join(output_dir, "model.safetensors"), write_weights)
         write_json(os.path.join(output_dir, "all_results.json"), results)
         write_json(os.path.join(output_dir, "args.json"), hparams)
 

@@ -1,0 +1,164 @@
+"""Experiments beyond one command line: --config files (a run's args.json reruns it bit for bit), the
+best evaluation's weights as the run's model, and early stopping at the same step on every rank,
+resumed knowing the best so far."""
+import json
+import os
+import shutil
+
+import pytest
+
+from conftest import launch, output_of
+from data.errors import UserError
+from train import mnist, regression
+
+
+def parse_error(capsys, parse, *argv):
+    with pytest.raises(SystemExit) as e:
+        parse(list(map(str, argv)))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_config_file_sets_flags_and_the_command_line_wins(tmp_path):
+    config = tmp_path / "recipe.yaml"
+    config.write_text("learning_rate: 1e-3\nnum_train_epochs: 5\naugment: true\nno_channels_last: true\n"
+                      "--per_device_train_batch_size: 32\nlr_scheduler_type: linear\n")
+    args = mnist.parse_args(["--config", str(config), "--num_train_epochs", "2"])
+    assert (args.learning_rate, args.num_train_epochs, args.augment, args.channels_last) == (1e-3, 2, True, False)
+    assert (args.per_device_train_batch_size, args.lr_scheduler_type, args.config) == (32, "linear", str(config))
+    as_json = tmp_path / "recipe.json"
+    as_json.write_text(json.dumps({"learning_rate": 0.004, "channels_last": False, "max_train_steps": None}))
+    args = mnist.parse_args([f"--config={as_json}"])
+    assert (args.learning_rate, args.channels_last, args.max_train_steps) == (0.004, False, None)
+
+
+def test_a_runs_args_json_is_a_config_that_gives_the_same_arguments(tmp_path):
+    first = mnist.parse_args(["--learning_rate", "0.01", "--model", "convnet_wide", "--augment",
+                              "--resume_from_checkpoint", "latest", "--output_dir", str(tmp_path / "a")])
+    (tmp_path / "args.json").write_text(json.dumps(vars(first)))
+    again = mnist.parse_args(["--config", str(tmp_path / "args.json")])
+    # what resumes or replaces a run is the command line's alone
+    assert vars(again) == {**vars(first), "config": str(tmp_path / "args.json"), "resume_from_checkpoint": None}
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("learning_rat: 0.1\n", "unknown key 'learning_rat' (did you mean --learning_rate?)"),
+    ("learning_rate: fast\n", "learning_rate: expected a positive number, got 'fast'"),
+    ("num_train_epochs: 2.5\n", "num_train_epochs: expected a positive integer, got '2.5'"),
+    ("model: resnet\n", "model: 'resnet' is not one of convnet, convnet_fast, convnet_wide"),
+    ("augment: 1\n", "augment takes true or false, got 1"),
+    ("learning_rate: null\n", "learning_rate cannot be null"),
+    ("- learning_rate\n", "expected a mapping of flag names to values"),
+    ("learning_rate: [0.1\n", "not valid YAML"),
+])
+def test_a_bad_config_is_one_line_naming_the_key(capsys, tmp_path, text, expected):
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    err = parse_error(capsys, mnist.parse_args, "--config", config)
+    assert err.startswith(f"error: --config {config}: ") and expected in err, err
+
+
+def test_a_missing_config_file_is_one_line(capsys, tmp_path):
+    err = parse_error(capsys, mnist.parse_args, "--config", tmp_path / "nope.yaml")
+    assert "cannot read it" in err
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_metric_for_best_model_names_what_the_evaluation_reports(tmp_path):
+    with pytest.raises(UserError) as e:
+        regression.main(regression.parse_args(["--output_dir", str(tmp_path), "--metric_for_best_model", "eval_ms"]))
+    assert "--metric_for_best_model eval_ms: the evaluation reports eval_mse (did you mean eval_mse?)" in str(e.value)
+
+
+def read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def results_of(out):
+    with open(os.path.join(out, "all_results.json")) as f:
+        return json.load(f)
+
+
+EARLY = ["--max_train_steps", 60, "--eval_steps", 5, "--early_stopping_patience", 2, "--checkpointing_steps", 10,
+         "--learning_rate", 0.2, "--seed", 1]
+
+
+@pytest.fixture(scope="module")
+def stopped_early(tmp_path_factory):
+    out = tmp_path_factory.mktemp("early") / "run"
+    proc = launch("cpu_2proc", "regression", "--output_dir", out, *EARLY)
+    assert proc.returncode == 0, output_of(proc)
+    return out, proc
+
+
+def test_early_stopping_ends_every_rank_at_one_step_with_the_best_weights(stopped_early):
+    out, proc = stopped_early
+    results = results_of(out)
+    best, last = results["best_model"], results["step"]
+    assert results["stopped_early"] and last < 60
+    # patience 2: the two evaluations after the best, every 5 steps, then the run ended (on both ranks:
+    # a rank going on alone would hang the other's next collective, and the launch would time out)
+    assert last == best["step"] + 2 * 5, output_of(proc)
+    assert [h["step"] for h in results["history"]] == list(range(5, last + 1, 5))
+    assert f"early stopping: eval_mse has not improved (lower is better) for 2 evaluations; best " \
+           f"{best['value']:.4f} at step {best['step']}" in proc.stdout
+    assert results["eval_mse"] > best["value"] == min(h["eval_mse"] for h in results["history"])
+    # model.safetensors holds the best step's weights: the checkpoint at that step holds the same
+    saved = os.path.join(out, "checkpoints", f"step_{best['step']:08d}")
+    if os.path.isdir(saved):
+        assert read(os.path.join(out, "model.safetensors")) == read(os.path.join(saved, "model.safetensors"))
+    assert read(os.path.join(out, "model.safetensors")) == \
+        read(os.path.join(out, "checkpoints", f"step_{(last // 10) * 10:08d}", "best_model.safetensors"))
+    assert not os.path.exists(os.path.join(out, "best_model.safetensors"))
+
+
+def test_a_runs_args_json_reruns_it_bit_identically(stopped_early, tmp_path):
+    out, _ = stopped_early
+    proc = launch("cpu_2proc", "regression", "--config", out / "args.json", "--output_dir", tmp_path / "again")
+    assert proc.returncode == 0, output_of(proc)
+    assert read(out / "model.safetensors") == read(tmp_path / "again" / "model.safetensors")
+    first, again = results_of(out), results_of(tmp_path / "again")
+    assert (again["step"], again["best_model"]) == (first["step"], first["best_model"])
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_resumed_run_knows_the_best_so_far(tmp_path):
+    """A run killed after a checkpoint, with a later best already written by the killed run, resumes to
+    the uninterrupted run's best step, weights and stopping step."""
+    steps = ["--max_train_steps", 60, "--eval_steps", 4, "--early_stopping_patience", 3, "--checkpointing_steps", 4,
+             "--learning_rate", 0.3, "--per_device_train_batch_size", 8, "--seed", 5]
+    whole = tmp_path / "whole"
+    results = regression.main(regression.parse_args(["--output_dir", str(whole), *map(str, steps)]))
+    best = results["best_model"]["step"]
+    assert 4 < best < results["step"] and results["stopped_early"]
+    # the killed run: its checkpoint at step `best - 4` (best so far: earlier), and the best weights
+    # it wrote after that checkpoint, before it died
+    killed = tmp_path / "killed"
+    shutil.copytree(whole, killed)
+    for name in ("all_results.json", "model.safetensors", "args.json"):
+        os.remove(killed / name)
+    for path in (killed / "checkpoints").iterdir():
+        if int(path.name.split("_")[1]) > best - 4:
+            shutil.rmtree(path)
+    shutil.copyfile(whole / "model.safetensors", killed / "best_model.safetensors")
+    resumed = regression.main(regression.parse_args(["--output_dir", str(killed), "--resume_from_checkpoint",
+                                                     "latest", *map(str, steps)]))
+    assert resumed["resumed_from"].endswith(f"step_{best - 4:08d}")
+    assert (resumed["best_model"], resumed["step"]) == (results["best_model"], results["step"])
+    assert read(killed / "model.safetensors") == read(whole / "model.safetensors")
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_metric_none_keeps_the_last_steps_weights(tmp_path):
+    args = ["--max_train_steps", 30, "--eval_steps", 5, "--learning_rate", 0.2, "--seed", 1]
+    last = regression.main(regression.parse_args(["--output_dir", str(tmp_path / "last"), "--metric_for_best_model",
+                                                  "none", "--checkpointing_steps", "30", *map(str, args)]))
+    assert "best_model" not in last
+    assert read(tmp_path / "last" / "model.safetensors") == \
+        read(tmp_path / "last" / "checkpoints" / "step_00000030" / "model.safetensors")
+    with pytest.raises(UserError, match="--early_stopping_patience needs a metric"):
+        regression.main(regression.parse_args(["--output_dir", str(tmp_path / "x"), "--metric_for_best_model", "none",
+                                               "--early_stopping_patience", "2"]))
