@@ -1,0 +1,160 @@
+"""Sweeps (train/sweep.py): an Optuna study whose trials are real `accelerate launch` runs, pruned
+from their evaluations, resumed after a SIGKILL without running any trial twice, shared by two
+sweep processes, and bad sweep files refused in one line before any trial runs."""
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, clean_env
+from data.errors import UserError
+
+# one process per trial and a few seconds of training each: what is tested is the bookkeeping
+ARGS = {"num_train_epochs": 3, "num_train_samples": 2048, "per_device_train_batch_size": 16}
+ARGS_BUT_SAMPLES = {k: v for k, v in ARGS.items() if k != "num_train_samples"}
+
+
+def sweep_file(tmp_path, n_trials, space=None, **extra):
+    import yaml
+
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"script": "train/regression.py", "accelerate_config": "accelerate_configs/cpu.yaml",
+                                    "args": ARGS, "n_trials": n_trials, "seed": 0,
+                                    "space": space or {"learning_rate": {"low": 0.001, "high": 0.3, "log": True}},
+                                    **extra}))
+    return path
+
+
+def start(path, out, **kwargs):
+    return subprocess.Popen([sys.executable, "train/sweep.py", str(path), "--output_dir", str(out)], cwd=REPO,
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+
+def finish(proc, timeout=600):
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def study_of(out):
+    import optuna
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    return optuna.load_study(study_name="sweep", storage=JournalStorage(JournalFileBackend(str(out / "study.log"))))
+
+
+def enqueue(out, trials):
+    """Trials in a known order (a study made ahead of the sweep command, as a user may)."""
+    import optuna
+    from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+    out.mkdir(parents=True, exist_ok=True)
+    study = optuna.create_study(study_name="sweep", direction="minimize",
+                                storage=JournalStorage(JournalFileBackend(str(out / "study.log"))))
+    for params in trials:
+        study.enqueue_trial(params)
+
+
+def launches(out, trial):
+    with open(out / "logs" / f"trial_{trial:04d}.log") as f:
+        text = f.read()
+    return text.count("starting fresh"), text.count("resumed from ")
+
+
+def test_a_sigkilled_sweep_goes_on_with_every_trial_run_once(tmp_path):
+    out = tmp_path / "sweep"
+    # at the first evaluation trial 2 is far worse than trials 0 and 1 (eval_mse 15.9 against 3.7 and
+    # 0.10): the median pruner stops it; trial 3 (0.011, better than both) is the one the SIGKILL interrupts
+    # trial 3 trains 20 times longer, so the kill finds it between its first two evaluations
+    enqueue(out, [{"learning_rate": lr, "num_train_samples": 40960 if n == 3 else 2048}
+                  for n, lr in enumerate([0.003, 0.01, 0.0002, 0.03, 0.02, 0.005])])
+    path = sweep_file(tmp_path, 6, {"learning_rate": {"low": 0.0001, "high": 0.3, "log": True},
+                                    "num_train_samples": [2048, 40960]}, args=ARGS_BUT_SAMPLES)
+    first = start(path, out, start_new_session=True)
+    checkpoints = out / "trials" / "trial_0003" / "checkpoints"
+    deadline = time.monotonic() + 400
+    while not (checkpoints.is_dir() and any(p.name.startswith("step_") for p in checkpoints.iterdir())):
+        assert first.poll() is None and time.monotonic() < deadline, finish(first)[1]
+        time.sleep(0.1)
+    time.sleep(0.5)  # the sweep reads the first evaluation (it polls every 0.2 s); the trial trains on
+    assert not (out / "trials" / "trial_0003" / "all_results.json").exists()
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    code, text = finish(start(path, out))
+    assert code == 0, text
+    assert "trial 3: its sweep process is gone; queued to resume from its latest checkpoint" in text
+    study = study_of(out)
+    states = {t.number: t.state.name for t in study.get_trials()}
+    assert list(states.values()).count("FAIL") == 1 and states[3] == "FAIL"  # the interrupted attempt alone
+    assert sorted(t.user_attrs.get("folder", t.number) for t in study.get_trials() if t.state.name != "FAIL") == \
+        list(range(6))
+    assert states[2] == "PRUNED", text
+    for trial in range(6):  # each started from step 0 once; trial 3 once more, from its checkpoint
+        assert launches(out, trial) == ((1, 1) if trial == 3 else (1, 0)), trial
+    with open(out / "trials" / "trial_0003" / "all_results.json") as f:
+        assert "/checkpoints/step_" in json.load(f)["resumed_from"]
+    assert "| 3 | 0.03 | 40960 |" in text and "complete (resumed)" in text and "pruned at step 128" in text, text
+    assert (out / "optimization_history.png").is_file() and (out / "param_importances.png").is_file()
+    code, again = finish(start(path, out))  # a finished study: nothing more runs
+    assert code == 0 and "trial 6" not in again and len(study_of(out).get_trials()) == 7
+
+
+def test_two_sweep_processes_share_one_study_and_count_a_failing_trial(tmp_path):
+    out = tmp_path / "sweep"
+    # trial 0's batch is larger than the training set: it fails, with its log kept, and the study goes on
+    enqueue(out, [{"learning_rate": 0.01, "per_device_train_batch_size": b} for b in (100000, 16, 16)])
+    space = {"learning_rate": {"low": 0.001, "high": 0.3, "log": True}, "per_device_train_batch_size": [16, 100000]}
+    path = sweep_file(tmp_path, 3, space, pruner="none", args={"num_train_epochs": 1, "num_train_samples": 512})
+    results = [finish(p) for p in [start(path, out), start(path, out)]]
+    assert all(code == 0 for code, _ in results), results
+    ran = [[line.split(":")[0] for line in text.splitlines() if line.endswith((": complete", ": failed"))]
+           for _, text in results]
+    assert sorted(ran[0] + ran[1]) == ["trial 0", "trial 1", "trial 2"], results  # each trial by one process
+    for n in range(3):
+        assert (out / "logs" / f"trial_{n:04d}.log").read_text().count("accelerate.commands.launch") == 1
+    assert "smaller than one global batch" in (out / "logs" / "trial_0000.log").read_text()
+    assert [t.state.name for t in study_of(out).get_trials()] == ["FAIL", "COMPLETE", "COMPLETE"]
+    assert "fail: error: the training set is smaller than one global batch" in (out / "results.md").read_text()
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"space": {"learnin_rate": {"low": 0.1, "high": 0.2}}}, "unknown key 'learnin_rate' (did you mean --learning_rate?)"),
+    ({"space": {"learning_rate": {"low": 0.2, "high": 0.1}}}, "space.learning_rate is an empty range"),
+    ({"space": {"learning_rate": {"low": 0, "high": 0.1, "log": True}}}, "log: true, so low must be above 0"),
+    ({"space": {"learning_rate": []}}, "space.learning_rate is an empty list of choices"),
+    ({"space": {"learning_rate": {"low": -1.0, "high": 0.1}}}, "learning_rate: must be a positive number, got -1.0"),
+    ({"space": {"output_dir": ["a", "b"]}}, "output_dir is set by the sweep for each trial"),
+    ({"trials": 3}, "unknown key(s) trials"),
+    ({"metric": "eval_acc"}, "metric eval_acc: train/regression.py evaluates eval_mse"),
+    ({"script": "train/nope.py"}, "script train/nope.py does not exist"),
+])
+def test_a_bad_sweep_file_is_one_line_before_any_trial(tmp_path, change, expected):
+    from train import sweep
+
+    path = sweep_file(tmp_path, 2, **{k: v for k, v in change.items() if k != "space"},
+                      **({"space": change["space"]} if "space" in change else {}))
+    with pytest.raises(UserError) as e:
+        sweep.main(sweep.parse_args([str(path), "--output_dir", str(tmp_path / "out")]))
+    assert expected in str(e.value), str(e.value)
+    assert not (tmp_path / "out" / "trials").exists() or not any((tmp_path / "out" / "trials").iterdir())
+
+
+def test_a_second_sweep_with_another_space_is_refused_on_the_same_study(tmp_path):
+    from train import sweep
+    from train.study.space import check_against_script, load_script, read_sweep
+
+    def definition(path):
+        found = read_sweep(path, {})
+        check_against_script(found, load_script(found["script"]))
+        return found
+
+    out = tmp_path / "out"
+    out.mkdir()
+    args = sweep.parse_args([str(sweep_file(tmp_path, 2)), "--output_dir", str(out)])
+    sweep.make_study(args, definition(args.sweep_file))
+    sweep.make_study(args, definition(args.sweep_file))  # the same sweep joins
+    other = definition(sweep_file(tmp_path, 2, {"learning_rate": {"low": 0.01, "high": 0.3}}))
+    with pytest.raises(UserError, match="was started with another sweep"):
+        sweep.make_study(args, other)

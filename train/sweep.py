@@ -1,0 +1,218 @@
+"""Find the best settings of any training script: an Optuna study whose trials are real
+`accelerate launch` runs, pruned from their evaluations as they are written, resumable anywhere.
+
+    python train/sweep.py train/configs/sweep_fashion_mnist.yaml --output_dir runs/sweeps/fashion_mnist
+
+The sweep file names the script, its fixed flags and the search space (train/study/space.py). Each
+trial gets SWEEP_DIR/trials/trial_NNNN/ (the run's output folder), trial_NNNN.yaml (its --config)
+and SWEEP_DIR/logs/trial_NNNN.log. The study lives in SWEEP_DIR/study.log (Optuna's journal file)
+or in --storage (a database URL or another journal file): sweep commands on other machines that
+share SWEEP_DIR and the storage work on the same study. Stopped anywhere (Ctrl-C, SIGTERM, SIGKILL),
+the same command goes on: finished trials are kept and the interrupted one resumes from its latest
+checkpoint. At the end: SWEEP_DIR/results.md (the table), optimization_history.png,
+param_importances.png; `optuna-dashboard SWEEP_DIR/study.log` shows the study live.
+"""
+import argparse
+import os
+import signal
+import sys
+import time
+
+if __package__ in (None, ""):  # run as a file: Python put train/ on sys.path, not the repo root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from data.errors import UserError, fail
+from train.study.report import report
+from train.study.space import check_against_script, definition, load_script, read_sweep
+from train.study.trials import TrialRun, WorkerLock, is_free, wait_until_free
+
+FAILURES_IN_A_ROW = 3  # then the search space or the script is broken, not one trial
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("sweep_file", help="YAML: script, args, space, metric, n_trials, ... (train/study/space.py)")
+    parser.add_argument("--output_dir", required=True, help="The sweep's folder: trials, logs, study, results.")
+    parser.add_argument("--n_trials", type=int, help="Trials in the study, all sweep commands together (overrides "
+                                                     "the file's; default 10).")
+    parser.add_argument("--storage", help="Optuna storage: a database URL (postgresql://, mysql://, sqlite:///) or a "
+                                          "journal file path (default: OUTPUT_DIR/study.log).")
+    parser.add_argument("--study_name", default="sweep", help="The study's name in the storage.")
+    parser.add_argument("--accelerate_config", help="accelerate launch --config_file for every trial (overrides "
+                                                    "the file's).")
+    return parser.parse_args(argv)
+
+
+def make_study(args, sweep):
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    storage = args.storage or os.path.join(args.output_dir, "study.log")
+    if "://" not in storage:  # a journal file: safe for processes and machines sharing a file system
+        from optuna.storages.journal import JournalFileBackend, JournalStorage
+
+        storage = JournalStorage(JournalFileBackend(storage))
+    pruner = {"median": optuna.pruners.MedianPruner(n_startup_trials=2),
+              "hyperband": optuna.pruners.HyperbandPruner(),
+              "none": optuna.pruners.NopPruner()}[sweep.get("pruner", "median")]
+    study = optuna.create_study(storage=storage, study_name=args.study_name, direction=sweep["direction"],
+                                sampler=optuna.samplers.TPESampler(seed=sweep.get("seed")), pruner=pruner,
+                                load_if_exists=True)
+    mine, theirs = definition(sweep), study.user_attrs.get("definition")
+    if theirs is None:
+        study.set_user_attr("definition", mine)
+    elif theirs != mine:
+        fail(f"study {args.study_name!r} in {args.storage or storage} was started with another sweep (script, args, "
+             f"space or metric differ: {theirs}); pass another --study_name or --output_dir, or the same sweep file")
+    return study
+
+
+def claim_lock(sweep_dir):
+    from filelock import FileLock
+
+    return FileLock(os.path.join(sweep_dir, ".claim.lock"))
+
+
+def counts(study):
+    """Trials finished (completed, pruned, or failed on their own), running, and queued."""
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False)
+    done = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) or
+               (t.state == TrialState.FAIL and "failure" in t.user_attrs) for t in trials)
+    return done, sum(t.state == TrialState.RUNNING for t in trials), sum(t.state == TrialState.WAITING for t in trials)
+
+
+def reclaim_interrupted(study):
+    """RUNNING trials whose sweep process is gone: each ends as FAIL (without a "failure", so it does
+    not count) and is queued again with its parameters, to resume in the same folder."""
+    from optuna.trial import TrialState
+
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        worker = trial.user_attrs.get("worker")
+        if worker is None or not is_free(worker):
+            continue
+        root = trial.user_attrs.get("folder", trial.number)
+        study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
+        study.enqueue_trial(trial.params, user_attrs={"folder": root, "resumes": trial.number})
+        print(f"trial {root}: its sweep process is gone; queued to resume from its latest checkpoint", flush=True)
+
+
+def trial_command(args, sweep, config, output_dir):
+    launch = [sys.executable, "-m", "accelerate.commands.launch"]
+    accelerate_config = args.accelerate_config or sweep.get("accelerate_config")
+    if accelerate_config:
+        launch += ["--config_file", accelerate_config]
+    return [*launch, sweep["script"], "--config", config, "--output_dir", output_dir, "--resume_from_checkpoint",
+            "latest", "--metric_for_best_model", sweep["metric"]]
+
+
+def run_trial(args, sweep, study, trial, stopping):
+    """One trial to its end: COMPLETE with the run's best metric, PRUNED, FAIL with its log's last
+    line, or left RUNNING when the sweep is stopped (the next sweep command resumes it)."""
+    import yaml
+    from optuna.trial import TrialState
+
+    root = trial.user_attrs.get("folder", trial.number)
+    name = f"trial_{root:04d}"
+    output_dir = os.path.join(args.output_dir, "trials", name)
+    config = os.path.join(args.output_dir, "trials", name + ".yaml")
+    # a trial checkpoints every epoch unless the sweep file says otherwise: what a resume starts from
+    values = {"checkpointing_steps": "epoch", "checkpoints_total_limit": 1, **sweep["args"], **trial.params}
+    if "resumes" not in trial.user_attrs and os.path.exists(output_dir):
+        fail(f"{output_dir} exists, but trial {root} is new in this study: that folder is another study's; "
+             "move it away or pass another --output_dir")
+    with open(config, "w") as f:
+        yaml.safe_dump(values, f, sort_keys=True)
+    if not wait_until_free(output_dir):
+        fail(f"{output_dir} is still held by the interrupted run's processes after 300 s; stop them, then rerun")
+    print(f"trial {root}: {' '.join(f'{k}={v}' for k, v in trial.params.items())}"
+          + (" (resuming)" if "resumes" in trial.user_attrs else ""), flush=True)
+    run = TrialRun(trial_command(args, sweep, config, output_dir), output_dir,
+                   os.path.join(args.output_dir, "logs", name + ".log"))
+    reported, pruned = set(), False
+    while run.poll() is None:
+        if stopping:
+            run.stop(signal.SIGTERM)
+            run.wait()
+            return None
+        for step, value in run.evaluations(sweep["metric"]):
+            if step not in reported and not pruned:
+                reported.add(step)
+                trial.report(value, step)
+                if trial.should_prune():
+                    pruned = True
+                    run.stop(signal.SIGINT)
+        time.sleep(0.2)
+    code = run.wait()
+    if stopping and not pruned and code != 0:
+        return None
+    trial.set_user_attr("seconds", round(run.seconds(), 1))
+    results = os.path.join(output_dir, "all_results.json")
+    if pruned:
+        study.tell(trial, state=TrialState.PRUNED)
+        return "pruned"
+    if code == 0 and os.path.isfile(results):
+        import json
+
+        with open(results) as f:
+            value = json.load(f).get("best_model", {}).get("value")
+        if value is not None:
+            study.tell(trial, value)
+            return "complete"
+    trial.set_user_attr("failure", run.last_line())
+    study.tell(trial, state=TrialState.FAIL)
+    return "failed"
+
+
+def main(args):
+    sweep = read_sweep(args.sweep_file, {"n_trials": args.n_trials})
+    check_against_script(sweep, load_script(sweep["script"]))
+    for folder in ("trials", "logs"):
+        os.makedirs(os.path.join(args.output_dir, folder), exist_ok=True)
+    study = make_study(args, sweep)
+    n_trials = sweep.get("n_trials", 10)
+    worker = WorkerLock(args.output_dir)
+    stopping = []  # a list, so the handler can set it from inside run_trial's loop
+
+    def on_signal(signum, frame):
+        stopping.append(signum)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    failures = 0
+    try:
+        while not stopping:
+            with claim_lock(args.output_dir):
+                reclaim_interrupted(study)
+                done, running, queued = counts(study)
+                if not queued and done + running >= n_trials:  # a queued trial (a resume, say) always runs
+                    break
+                trial = study.ask(sweep["space"])
+                trial.set_user_attr("worker", worker.path)
+            outcome = run_trial(args, sweep, study, trial, stopping)
+            failures = failures + 1 if outcome == "failed" else 0
+            if outcome:
+                print(f"trial {trial.user_attrs.get('folder', trial.number)}: {outcome}", flush=True)
+            if failures >= FAILURES_IN_A_ROW:
+                report(study, args.output_dir, sweep)
+                fail(f"{failures} trials in a row failed, the last with: {trial.user_attrs.get('failure')}; see "
+                     f"{args.output_dir}/logs/")
+    finally:
+        worker.release()
+    report(study, args.output_dir, sweep)
+    if stopping:
+        print(f"sweep stopped; the interrupted trial saved a checkpoint. Rerun the same command to go on: "
+              f"{' '.join(sys.argv)}", flush=True)
+        sys.exit(128 + stopping[0])
+    running = counts(study)[1]
+    if running:
+        print(f"{running} trial(s) still running in other sweep processes", flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        main(parse_args())
+    except UserError as e:
+        sys.stderr.write(f"error: {e}\n")
+        sys.exit(1)
