@@ -33,14 +33,16 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # wh
 
 @dataclass
 class ImageFiles:
-    """The images of a folder: paths, integer labels, class names (label i is classes[i]), and what
-    the scan left out (`ignored`: files without an image extension; `unreadable`: (path, reason))."""
+    """The images of a folder: paths, integer labels, class names (label i is classes[i]), what the
+    scan left out (`ignored`: files without an image extension; `unreadable`: (path, reason)), and
+    the folder's typical image size (`median_size`, from the headers the scan reads anyway)."""
     files: list
     labels: list
     classes: list
     ignored: int = 0
     unreadable: tuple = ()
     note: str = ""
+    median_size: tuple = None  # (width, height) of the image with the median short side: --image_size's default
 
     def __len__(self):
         return len(self.files)
@@ -81,18 +83,18 @@ class ImageFiles:
         return text
 
 
-def _readable(path):
-    """None if PIL recognises the file as an image (it reads the header only), else the reason."""
+def _header(path):
+    """((width, height), None) if PIL recognises the file as an image (it reads the header only),
+    else (None, the reason)."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as image:
-            image.size
-        return None
+            return image.size, None
     except UnidentifiedImageError:
-        return "not an image"
+        return None, "not an image"
     except (OSError, ValueError, SyntaxError) as e:
-        return " ".join(str(e).split())[:100] or type(e).__name__
+        return None, " ".join(str(e).split())[:100] or type(e).__name__
 
 
 def scan_image_folder(root, flag, classes=None):
@@ -114,7 +116,7 @@ def scan_image_folder(root, flag, classes=None):
         raise DataError(f"{flag} {root} has class folder(s) the training set does not have: {', '.join(unknown[:5])}; "
                         f"the training classes are {', '.join(classes)}")
     classes = classes if classes is not None else names
-    files, labels, ignored, unreadable = [], [], 0, []
+    files, labels, sizes, ignored, unreadable = [], [], [], 0, []
     for name in names:
         found, paths = 0, []
         for folder, subfolders, filenames in os.walk(os.path.join(root, name), followlinks=True):
@@ -123,16 +125,20 @@ def scan_image_folder(root, flag, classes=None):
         for path in sorted(paths):
             if not path.lower().endswith(IMAGE_EXTENSIONS):
                 ignored += 1
-            elif reason := _readable(path):
+                continue
+            size, reason = _header(path)
+            if reason:
                 unreadable.append((path, reason))
             else:
                 files.append(path)
                 labels.append(classes.index(name))
+                sizes.append(size)
                 found += 1
         if not found:
             raise DataError(f"{flag}: class folder {os.path.join(root, name)} holds no readable images "
                             f"({', '.join(IMAGE_EXTENSIONS)}); add images or remove the folder")
-    return ImageFiles(files, labels, list(classes), ignored, tuple(unreadable))
+    median_size = sorted(sizes, key=min)[len(sizes) // 2]  # sorted() is stable: the same pick on every run
+    return ImageFiles(files, labels, list(classes), ignored, tuple(unreadable), median_size=median_size)
 
 
 def list_images(path):

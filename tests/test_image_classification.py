@@ -245,3 +245,55 @@ def test_whole_pickled_model_as_pretrained_weights_is_one_line(tmp_path, capsys)
     for name, text in (("model.pth", "save model.state_dict() instead"), ("notes.pth", "is not a .safetensors")):
         _fails_with(run_as_script(capsys, "image_classification", "--train_dir", good, "--pretrained_weights",
                                   tmp_path / name, "--output_dir", tmp_path / "out", "--image_size", 16), text)
+
+
+# ----------------------------------------------------------------------------- defaults that follow the data
+
+def test_image_size_and_epochs_follow_the_data(tmp_path):
+    pick_size, pick_epochs = image_classification.pick_image_size, image_classification.pick_num_train_epochs
+    digits = scan_image_folder(_class_folders(tmp_path / "digits", {"0": 3, "1": 3}), "--train_dir")
+    assert digits.median_size == (8, 8) and pick_size("convnet", digits.median_size)[0] == 32
+    photos = tmp_path / "photos"  # short sides 8, 200, 200, 480, 480 (stable order): the median is a/1.png
+    for name, size in {"a/0.jpg": (300, 200), "a/1.png": (200, 300), "a/2.png": (8, 8), "b/0.png": (640, 480),
+                       "b/1.png": (480, 640)}.items():
+        os.makedirs(photos / os.path.dirname(name), exist_ok=True)
+        Image.new("RGB", size).save(photos / name)
+    scanned = scan_image_folder(str(photos), "--train_dir")
+    assert min(scanned.median_size) == 200 and pick_size("convnet", scanned.median_size) == (
+        64, "the median image is 200x300; convnet takes 32 to 64")
+    assert scanned.split(0.4, seed=0)[0].median_size == scanned.median_size  # the whole training folder's
+    assert [pick_size("convnet", s)[0] for s in ((28, 28), (40, 52), (64, 56), (4000, 3000))] == [32, 40, 56, 64]
+    assert pick_size("resnet18", (8, 8))[0] == 224
+    # 1,000 optimizer steps, 3 to 50 epochs: 8x8 digits (1,437 at a global batch of 64), Fashion-MNIST, a handful
+    assert pick_epochs(1437, 22) == (46, "1,437 training images: 22 optimizer steps per epoch")
+    assert pick_epochs(60000, 937)[0] == 3
+    assert pick_epochs(8, 1) == (50, "8 training images: 1 optimizer step per epoch, 50 in 50 epochs: more images "
+                                     "would help")
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_picked_defaults_are_said_recorded_and_kept_by_a_resume(tmp_path, capsys):
+    root = _class_folders(tmp_path / "digits", {"0": 1, "1": 1})  # two 8x8 images, one batch: 1 step per epoch
+    common = ["--train_dir", root, "--validation_dir", root, "--per_device_train_batch_size", 2,
+              "--dataloader_num_workers", 0, "--logging_steps", 10]
+
+    def train(out, *more):
+        capsys.readouterr()
+        image_classification.main(image_classification.parse_args([*map(str, common + ["--output_dir", out]),
+                                                                    *map(str, more)]))
+        reset_accelerate_state()
+        return capsys.readouterr().out, json.load(open(out / "args.json"))
+
+    said, args = train(tmp_path / "picked", "--checkpointing_steps", 48)
+    assert "image_size=32 (the median image is 8x8; convnet takes 32 to 64; pass --image_size to choose) " \
+           "num_train_epochs=50 (2 training images: 1 optimizer step per epoch" in said
+    assert "epochs=50 steps=50 " in said and args["image_size"] == 32 and args["num_train_epochs"] == 50
+    checkpoint = tmp_path / "picked" / "checkpoints" / "step_00000048"
+    assert json.load(open(checkpoint / "meta.json"))["args"]["num_train_epochs"] == 50
+    said, args = train(tmp_path / "resumed", "--resume_from_checkpoint", checkpoint)  # picks the saved run's 50
+    assert "epochs=50 steps=50 steps_per_epoch=1 resuming at step 48" in said and args["num_train_epochs"] == 50
+    said, args = train(tmp_path / "chosen", "--image_size", 16, "--max_train_steps", 3)  # flags win; nothing said
+    assert "pass --" not in said and (args["image_size"], args["num_train_epochs"]) == (16, 3)  # 3 steps: 3 epochs
+    parse = image_classification.parse_args  # an explicit --num_train_epochs in a run: the `trained` fixture's 4
+    assert parse(["--train_dir", root]).num_train_epochs is None  # main() picks it
+    assert parse(["--train_dir", root, "--num_train_epochs", "2"]).num_train_epochs == 2
