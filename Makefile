@@ -14,8 +14,7 @@ OUTPUT_DIR ?= runs/$(DATASET)
 EXTRA ?=
 FASHION_DIR := /usr/share/datasets/fashion-mnist
 # The fast recipe: >= 91% Fashion-MNIST test accuracy in under 60 s with 2 CPU processes, 4 epochs (README).
-RECIPE := --per_device_train_batch_size 64 --learning_rate 8e-3 --num_warmup_steps 100 --lr_scheduler_type cosine \
-	--label_smoothing 0.1
+RECIPE := --config train/configs/fashion_mnist.yaml
 
 IMAGES_DIR ?= runs/images/fashion_mnist
 
@@ -23,8 +22,7 @@ IMAGES_DIR ?= runs/images/fashion_mnist
 # an 8,192-token BPE trained on it offline, and a small GPT (3.4M parameters); about 9 minutes on
 # 2 CPU processes. Chosen by measurement: docs/lm.md
 GCIDE_DIR := runs/corpora/gcide/usr/share/dictd
-LM_RECIPE := --tokenizer bpe --vocab_size 8192 --block_size 256 --n_layer 4 --n_head 4 --n_embd 192 \
-	--per_device_train_batch_size 8 --learning_rate 3e-3 --num_warmup_steps 30 --max_train_steps 340 --eval_steps 170
+LM_RECIPE := --config train/configs/lm_gcide.yaml
 
 .PHONY: setup train train-only test images train-images gcide train-lm
 

@@ -24,7 +24,7 @@ if __package__ in (None, ""):  # run as a file: Python put train/ on sys.path, n
 from data.errors import UserError, fail
 from train.study.report import report
 from train.study.space import check_against_script, definition, load_script, read_sweep
-from train.study.trials import TrialRun, WorkerLock, is_free, wait_until_free
+from train.study.trials import TrialRun, WorkerLock, owner_gone, wait_until_free
 
 FAILURES_IN_A_ROW = 3  # then the search space or the script is broken, not one trial
 
@@ -61,6 +61,7 @@ def make_study(args, sweep):
     mine, theirs = definition(sweep), study.user_attrs.get("definition")
     if theirs is None:
         study.set_user_attr("definition", mine)
+        study.set_metric_names([sweep["metric"]])  # what the dashboard and plots call the objective
     elif theirs != mine:
         fail(f"study {args.study_name!r} in {args.storage or storage} was started with another sweep (script, args, "
              f"space or metric differ: {theirs}); pass another --study_name or --output_dir, or the same sweep file")
@@ -90,7 +91,7 @@ def reclaim_interrupted(study):
 
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         worker = trial.user_attrs.get("worker")
-        if worker is None or not is_free(worker):
+        if worker is None or not owner_gone(worker):
             continue
         root = trial.user_attrs.get("folder", trial.number)
         study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
@@ -120,8 +121,11 @@ def run_trial(args, sweep, study, trial, stopping):
     # a trial checkpoints every epoch unless the sweep file says otherwise: what a resume starts from
     values = {"checkpointing_steps": "epoch", "checkpoints_total_limit": 1, **sweep["args"], **trial.params}
     if "resumes" not in trial.user_attrs and os.path.exists(output_dir):
-        fail(f"{output_dir} exists, but trial {root} is new in this study: that folder is another study's; "
-             "move it away or pass another --output_dir")
+        message = (f"{output_dir} exists, but trial {root} is new in this study: that folder is another study's; "
+                   "move it away or pass another --output_dir")
+        trial.set_user_attr("failure", message)
+        study.tell(trial, state=TrialState.FAIL)  # failed, not interrupted: nothing resumes into that folder
+        fail(message)
     with open(config, "w") as f:
         yaml.safe_dump(values, f, sort_keys=True)
     if not wait_until_free(output_dir):

@@ -29,9 +29,15 @@ class WorkerLock:
         fcntl.flock(self.fd, fcntl.LOCK_EX)
 
     def release(self):
+        """The file stays: a trial this process leaves RUNNING is known as interrupted by its free lock."""
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
-        os.remove(self.path)
+
+
+def owner_gone(lock_file):
+    """Whether the sweep process that holds (held) lock_file has exited. A file this machine cannot
+    see belongs to a sweep elsewhere whose folder is not shared with this one: never taken over."""
+    return os.path.exists(lock_file) and is_free(lock_file)
 
 
 def is_free(lock_file):
