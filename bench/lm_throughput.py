@@ -65,7 +65,8 @@ def worker(args):
     script_args = lm.parse_args([
         "--dataset_dir", args.dataset_dir, "--block_size", str(block_size), "--n_layer", str(args.n_layer),
         "--n_head", str(args.n_head), "--n_embd", str(args.n_embd), "--per_device_train_batch_size", str(batch_size),
-        "--mixed_precision", args.mixed_precision, "--max_train_steps", str(10**9), "--output_dir", args.log_dir,
+        "--mixed_precision", args.mixed_precision, "--max_train_steps", str(10**9), "--metric_for_best_model", "none",
+        "--output_dir", args.log_dir,
         "--logging_steps", str(args.logging_steps), *flag("torch_compile", args.torch_compile)])
     accelerator = make_accelerator(script_args, dynamo_backend="inductor" if args.torch_compile else "no")
     device, world = accelerator.device, accelerator.num_processes

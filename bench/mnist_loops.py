@@ -30,6 +30,7 @@ class MnistBench:
         # a run that never ends by itself: each bench decides how many steps to take
         self.script_args = mnist.parse_args([
             "--mixed_precision", mixed_precision, "--output_dir", log_dir, "--max_train_steps", str(10**9),
+            "--metric_for_best_model", "none",
             "--per_device_train_batch_size", str(MNIST_BATCH), "--lr_scheduler_type", "constant"])
         self.accelerator = make_accelerator(self.script_args)
         self.bf16 = self.accelerator.mixed_precision == "bf16"

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import launch, output_of
 from data.errors import UserError
-from train import mnist, regression
+from train import lm, mnist, regression
 
 
 def parse_error(capsys, parse, *argv):
@@ -32,6 +32,22 @@ def test_config_file_sets_flags_and_the_command_line_wins(tmp_path):
     as_json.write_text(json.dumps({"learning_rate": 0.004, "channels_last": False, "max_train_steps": None}))
     args = mnist.parse_args([f"--config={as_json}"])
     assert (args.learning_rate, args.channels_last, args.max_train_steps) == (0.004, False, None)
+    as_json.write_text(json.dumps({"greater_is_better": True, "early_stopping_threshold": 0}))
+    args = mnist.parse_args(["--config", str(config), "--config", str(as_json)])  # the last one, as argparse
+    assert (args.greater_is_better, args.early_stopping_threshold, args.config) == (True, 0.0, str(as_json))
+    (tmp_path / "text.yaml").write_text("train_file: notes.txt\nblock_size: 64\n")
+    args = lm.parse_args(["--config", str(tmp_path / "text.yaml")])
+    assert args.train_file == ["notes.txt"]  # one value of a list flag is a list of one, as on the command line
+
+
+def test_a_derived_value_in_args_json_is_derived_again_from_the_overriding_flags(tmp_path):
+    first = lm.parse_args(["--block_size", "64"])
+    assert first.dataset_dir.endswith("-b64") and first.gcide
+    (tmp_path / "args.json").write_text(json.dumps(vars(first)))
+    again = lm.parse_args(["--config", str(tmp_path / "args.json"), "--block_size", "32"])
+    assert again.dataset_dir == first.dataset_dir[:-len("-b64")] + "-b32" and again.gcide
+    own = lm.parse_args(["--config", str(tmp_path / "args.json"), "--dataset_dir", str(tmp_path / "shards")])
+    assert own.dataset_dir == str(tmp_path / "shards") and not own.gcide  # the user's shards: nothing prepared
 
 
 def test_a_runs_args_json_is_a_config_that_gives_the_same_arguments(tmp_path):
@@ -63,6 +79,7 @@ def test_a_bad_config_is_one_line_naming_the_key(capsys, tmp_path, text, expecte
 def test_a_missing_config_file_is_one_line(capsys, tmp_path):
     err = parse_error(capsys, mnist.parse_args, "--config", tmp_path / "nope.yaml")
     assert "cannot read it" in err
+    assert "--config: expected one argument" in parse_error(capsys, mnist.parse_args, "--config")
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
@@ -149,6 +166,14 @@ def test_a_resumed_run_knows_the_best_so_far(tmp_path):
     assert resumed["resumed_from"].endswith(f"step_{best - 4:08d}")
     assert (resumed["best_model"], resumed["step"]) == (results["best_model"], results["step"])
     assert read(killed / "model.safetensors") == read(whole / "model.safetensors")
+    # the checkpoint of the stopping step (a SIGTERM there saves one): resumed, the run trains no more
+    at_stop = regression.main(regression.parse_args(["--output_dir", str(tmp_path / "at_stop"),
+                                                     "--resume_from_checkpoint",
+                                                     str(whole / "checkpoints" / f"step_{results['step']:08d}"),
+                                                     *map(str, steps)]))
+    assert (at_stop["step"], at_stop["best_model"], at_stop["stopped_early"]) == \
+        (results["step"], results["best_model"], True)
+    assert read(tmp_path / "at_stop" / "model.safetensors") == read(whole / "model.safetensors")
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
@@ -162,3 +187,21 @@ def test_metric_none_keeps_the_last_steps_weights(tmp_path):
     with pytest.raises(UserError, match="--early_stopping_patience needs a metric"):
         regression.main(regression.parse_args(["--output_dir", str(tmp_path / "x"), "--metric_for_best_model", "none",
                                                "--early_stopping_patience", "2"]))
+
+
+def test_the_threshold_decides_patience_only_and_the_best_weights_are_always_the_best(tmp_path):
+    from types import SimpleNamespace
+
+    import torch
+
+    from train.core.best_model import BestModel
+
+    accelerator = SimpleNamespace(num_processes=1, is_main_process=True, print=print)
+    best = BestModel(accelerator, str(tmp_path), "eval_loss", patience=2, threshold=0.1)
+    stops = [best.update({"eval_loss": value}, step, lambda: {"w": torch.tensor([float(step)])})
+             for step, value in enumerate([1.0, 0.95, 0.5, 0.45, 0.44], start=1)]
+    # 0.95 and 0.45 are better but not by more than 0.1: they count against patience, yet are kept
+    assert stops == [False, False, False, False, True]
+    assert (best.step, best.value, best.bad_evaluations) == (5, 0.44, 2)
+    from safetensors.torch import load_file
+    assert load_file(str(tmp_path / "best_model.safetensors"))["w"].item() == 5.0

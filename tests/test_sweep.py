@@ -93,6 +93,8 @@ def test_a_sigkilled_sweep_goes_on_with_every_trial_run_once(tmp_path):
     assert states[2] == "PRUNED", text
     for trial in range(6):  # each started from step 0 once; trial 3 once more, from its checkpoint
         assert launches(out, trial) == ((1, 1) if trial == 3 else (1, 0)), trial
+    # the kernel's SIGTERM for a dead parent reached the trial's launcher: it saved where it stood
+    assert "stopped on SIGTERM at step" in (out / "logs" / "trial_0003.log").read_text()
     with open(out / "trials" / "trial_0003" / "all_results.json") as f:
         assert "/checkpoints/step_" in json.load(f)["resumed_from"]
     assert "| 3 | 0.03 | 40960 |" in text and "complete (resumed)" in text and "pruned at step 128" in text, text
@@ -117,6 +119,48 @@ def test_two_sweep_processes_share_one_study_and_count_a_failing_trial(tmp_path)
     assert "smaller than one global batch" in (out / "logs" / "trial_0000.log").read_text()
     assert [t.state.name for t in study_of(out).get_trials()] == ["FAIL", "COMPLETE", "COMPLETE"]
     assert "fail: error: the training set is smaller than one global batch" in (out / "results.md").read_text()
+
+
+def test_ctrl_c_stops_the_trial_with_a_checkpoint_and_the_same_command_goes_on(tmp_path):
+    out = tmp_path / "sweep"
+    path = sweep_file(tmp_path, 1, args={**ARGS, "num_train_samples": 40960})
+    first = start(path, out)
+    checkpoints = out / "trials" / "trial_0000" / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not (checkpoints.is_dir() and any(p.name.startswith("step_") for p in checkpoints.iterdir())):
+        assert first.poll() is None and time.monotonic() < deadline, finish(first)[1]
+        time.sleep(0.1)
+    first.send_signal(signal.SIGINT)
+    code, text = finish(first)
+    assert code == 130 and "sweep stopped; the interrupted trial saved a checkpoint" in text, text
+    assert "stopped on SIGTERM at step" in (out / "logs" / "trial_0000.log").read_text()
+    code, text = finish(start(path, out))
+    assert code == 0 and "trial 0: complete" in text, text
+    assert launches(out, 0) == (1, 1)
+
+
+def test_three_failures_in_a_row_stop_the_sweep_with_the_last_error(tmp_path):
+    out = tmp_path / "sweep"
+    path = sweep_file(tmp_path, 5, {"per_device_train_batch_size": [100000, 200000]},
+                      args={"num_train_epochs": 1, "num_train_samples": 512})
+    code, text = finish(start(path, out))
+    assert code == 1 and text.count(": failed") == 3, text
+    assert text.strip().splitlines()[-1].startswith("error: 3 trials in a row failed, the last with: error: the "
+                                                    "training set is smaller than one global batch"), text
+
+
+def test_a_sweep_folder_belongs_to_one_study(tmp_path):
+    from train import sweep
+
+    out = tmp_path / "out"
+    sweep.claim_folder(sweep.parse_args(["x.yaml", "--output_dir", str(out)]))
+    sweep.claim_folder(sweep.parse_args(["x.yaml", "--output_dir", str(out)]))  # the same study again
+    with pytest.raises(UserError, match="holds the trials of study 'sweep'"):
+        sweep.claim_folder(sweep.parse_args(["x.yaml", "--output_dir", str(out), "--study_name", "other"]))
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("a user's file")
+    with pytest.raises(UserError, match="not a sweep's folder"):
+        sweep.claim_folder(sweep.parse_args(["x.yaml", "--output_dir", str(tmp_path / "mine")]))
 
 
 @pytest.mark.parametrize("change, expected", [

@@ -66,7 +66,7 @@ def parse_args(argv=None):
     opt = parser.groups["optimization"]
     opt.add_argument("--max_grad_norm", type=float, default=1.0, help="Clip the gradient norm (0: no clipping).")
     parser.set_defaults(output_dir="runs/lm", num_train_epochs=1, num_warmup_steps=100)
-    parser.recorded.add("gcide")
+    parser.recorded.update(("gcide", "dataset_dir_derived"))  # derived below and recorded in args.json
     args = parser.parse_args(argv)
     if args.prompt is None:
         try:
@@ -76,8 +76,12 @@ def parse_args(argv=None):
         name = os.path.splitext(os.path.basename(args.train_file[0]))[0] if args.train_file else "gcide"
         # the vocabulary is in the name, so a run with another one prepares beside this cache, not over it
         tokenizer = {"bytes": "bytes", "bpe": f"bpe{args.vocab_size}"}.get(args.tokenizer, "file")
-        # the default corpus, prepared on first use; recorded, so a rerun from args.json prepares it too
-        args.gcide = getattr(args, "gcide", False) or (not args.train_file and args.dataset_dir is None)
+        # a run's args.json records the folder it derived; unless the command line names one, derive it again
+        # from these flags (--block_size 128 over that file must not read the 256-token windows)
+        if getattr(args, "dataset_dir_derived", False) and args.dataset_dir == parser.get_default("dataset_dir"):
+            args.dataset_dir = None
+        args.gcide = not args.train_file and args.dataset_dir is None  # the default corpus, prepared on first use
+        args.dataset_dir_derived = args.dataset_dir is None
         args.dataset_dir = args.dataset_dir or os.path.join("runs", "tokens", f"{name}-{tokenizer}-b{args.block_size}")
     return args
 

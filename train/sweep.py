@@ -22,6 +22,7 @@ if __package__ in (None, ""):  # run as a file: Python put train/ on sys.path, n
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from data.errors import UserError, fail
+from train.core.tracking import write_json
 from train.study.report import report
 from train.study.space import check_against_script, definition, load_script, read_sweep
 from train.study.trials import TrialRun, WorkerLock, owner_gone, wait_until_free
@@ -64,8 +65,30 @@ def make_study(args, sweep):
         study.set_metric_names([sweep["metric"]])  # what the dashboard and plots call the objective
     elif theirs != mine:
         fail(f"study {args.study_name!r} in {args.storage or storage} was started with another sweep (script, args, "
-             f"space or metric differ: {theirs}); pass another --study_name or --output_dir, or the same sweep file")
+             f"space or metric differ: {theirs}); pass the same sweep file, or another --output_dir")
     return study
+
+
+def claim_folder(args):
+    """The sweep folder holds one study's trials (trial_0000 of another study would collide):
+    SWEEP_DIR/sweep.json names it, written by the first sweep command."""
+    import json
+
+    marker = os.path.join(args.output_dir, "sweep.json")
+    mine = {"study_name": args.study_name, "storage": args.storage or "study.log"}
+    if os.path.isfile(marker):
+        with open(marker) as f:
+            theirs = json.load(f)
+        if theirs != mine:
+            fail(f"{args.output_dir} holds the trials of study {theirs['study_name']!r} in {theirs['storage']}; pass "
+                 "another --output_dir for another study")
+        return
+    # a study made ahead of the sweep in its default storage, study.log (and its lock), is welcome
+    if os.path.isdir(args.output_dir) and not all(n.startswith("study.log") for n in os.listdir(args.output_dir)):
+        fail(f"{args.output_dir} is not empty and holds no sweep.json, so it is not a sweep's folder; pass another "
+             "--output_dir")
+    os.makedirs(args.output_dir, exist_ok=True)
+    write_json(marker, mine)
 
 
 def claim_lock(sweep_dir):
@@ -84,14 +107,15 @@ def counts(study):
     return done, sum(t.state == TrialState.RUNNING for t in trials), sum(t.state == TrialState.WAITING for t in trials)
 
 
-def reclaim_interrupted(study):
+def reclaim_interrupted(study, sweep_dir):
     """RUNNING trials whose sweep process is gone: each ends as FAIL (without a "failure", so it does
     not count) and is queued again with its parameters, to resume in the same folder."""
     from optuna.trial import TrialState
 
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         worker = trial.user_attrs.get("worker")
-        if worker is None or not owner_gone(worker):
+        # asked and given its worker under the claim lock that is held now: without one, its sweep died in between
+        if worker is not None and not owner_gone(os.path.join(sweep_dir, worker)):
             continue
         root = trial.user_attrs.get("folder", trial.number)
         study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
@@ -105,7 +129,8 @@ def trial_command(args, sweep, config, output_dir):
     if accelerate_config:
         launch += ["--config_file", accelerate_config]
     return [*launch, sweep["script"], "--config", config, "--output_dir", output_dir, "--resume_from_checkpoint",
-            "latest", "--metric_for_best_model", sweep["metric"]]
+            "latest", "--metric_for_best_model", sweep["metric"],
+            "--greater_is_better", str(sweep["direction"] == "maximize").lower()]
 
 
 def run_trial(args, sweep, study, trial, stopping):
@@ -136,7 +161,7 @@ def run_trial(args, sweep, study, trial, stopping):
                    os.path.join(args.output_dir, "logs", name + ".log"))
     reported, pruned = set(), False
     while run.poll() is None:
-        if stopping:
+        if stopping and not pruned:
             run.stop(signal.SIGTERM)
             run.wait()
             return None
@@ -172,6 +197,7 @@ def run_trial(args, sweep, study, trial, stopping):
 def main(args):
     sweep = read_sweep(args.sweep_file, {"n_trials": args.n_trials})
     check_against_script(sweep, load_script(sweep["script"]))
+    claim_folder(args)
     for folder in ("trials", "logs"):
         os.makedirs(os.path.join(args.output_dir, folder), exist_ok=True)
     study = make_study(args, sweep)
@@ -181,6 +207,8 @@ def main(args):
 
     def on_signal(signum, frame):
         stopping.append(signum)
+        if len(stopping) > 1:  # asked twice: stop waiting (the trial still saves: its launcher gets SIGTERM)
+            raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -188,12 +216,12 @@ def main(args):
     try:
         while not stopping:
             with claim_lock(args.output_dir):
-                reclaim_interrupted(study)
+                reclaim_interrupted(study, args.output_dir)
                 done, running, queued = counts(study)
                 if not queued and done + running >= n_trials:  # a queued trial (a resume, say) always runs
                     break
                 trial = study.ask(sweep["space"])
-                trial.set_user_attr("worker", worker.path)
+                trial.set_user_attr("worker", worker.name)
             outcome = run_trial(args, sweep, study, trial, stopping)
             failures = failures + 1 if outcome == "failed" else 0
             if outcome:
@@ -220,3 +248,7 @@ if __name__ == "__main__":
     except UserError as e:
         sys.stderr.write(f"error: {e}\n")
         sys.exit(1)
+    except KeyboardInterrupt:
+        sys.stderr.write("stopped without waiting for the trial; it saves a checkpoint on its own. Rerun the same "
+                         "command to go on\n")
+        sys.exit(130)

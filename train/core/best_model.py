@@ -1,10 +1,11 @@
 """The best evaluation of a run, and stopping when evaluations stop improving.
 
 --metric_for_best_model picks the metric (default: the script's headline metric), its direction
-from its name unless --greater_is_better says; each evaluation that improves on the best by more
-than --early_stopping_threshold writes the weights to OUTPUT_DIR/best_model.safetensors, and at the
-end they become the run's model.safetensors. --early_stopping_patience N ends the run after N
-evaluations in a row without improvement.
+from its name unless --greater_is_better says; each evaluation better than the best so far writes
+the weights to OUTPUT_DIR/best_model.safetensors, and at the end they become the run's
+model.safetensors. --early_stopping_patience N ends the run after N evaluations in a row that do
+not beat the best by more than --early_stopping_threshold (as HF's EarlyStoppingCallback: the
+threshold decides patience only, the best weights are always the best).
 
 Exact under any process count: the main process decides and every rank follows (the weights are a
 collective under FSDP2), so all ranks write, stop and save at the same step. Resumable: every
@@ -65,10 +66,15 @@ class BestModel:
         self.patience, self.threshold = patience, threshold
         self.step, self.value, self.metrics, self.bad_evaluations = None, None, None, 0
 
-    def _improves(self, value):
+    def _beats(self, value, by=0.0):
         if self.value is None:
             return True
-        return value > self.value + self.threshold if self.greater else value < self.value - self.threshold
+        return value > self.value + by if self.greater else value < self.value - by
+
+    @property
+    def stopped(self):
+        """Whether patience ran out (a run resumed from the checkpoint of its stopping step trains no more)."""
+        return self.patience is not None and self.bad_evaluations >= self.patience
 
     def update(self, metrics, step, weights):
         """After an evaluation (on every rank): keep these weights if they are the best so far
@@ -77,19 +83,19 @@ class BestModel:
             return False
         if self.metric not in metrics:
             fail(f"--metric_for_best_model {self.metric}: this evaluation reported {', '.join(metrics)}")
-        improved = self._improves(metrics[self.metric])
+        value = metrics[self.metric]
+        improved, enough = self._beats(value), self._beats(value, self.threshold)
         if self.accelerator.num_processes > 1:  # one decision, the main process's, whatever each rank computed
             from accelerate.utils import broadcast_object_list
 
-            improved = broadcast_object_list([improved])[0]
+            improved, enough = broadcast_object_list([improved, enough])
+        self.bad_evaluations = 0 if enough else self.bad_evaluations + 1
         if improved:
-            self.step, self.value, self.metrics, self.bad_evaluations = step, metrics[self.metric], dict(metrics), 0
+            self.step, self.value, self.metrics = step, value, dict(metrics)
             state = weights()
             if self.accelerator.is_main_process:
                 atomic_write(self.path, lambda tmp: save_tensors(state, tmp))
-        else:
-            self.bad_evaluations += 1
-        return self.patience is not None and self.bad_evaluations >= self.patience
+        return self.stopped
 
     def stop_message(self):
         direction = "higher" if self.greater else "lower"

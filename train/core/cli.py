@@ -110,8 +110,12 @@ class Parser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         argv = sys.argv[1:] if args is None else list(args)
-        path = next((argv[i + 1] if a == "--config" and i + 1 < len(argv) else a.split("=", 1)[1]
-                     for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")), None)
+        path = None  # the last --config, as argparse records it; without a value argparse says so
+        for i, a in enumerate(argv):
+            if a.startswith("--config="):
+                path = a.split("=", 1)[1]
+            elif a == "--config" and i + 1 < len(argv):
+                path = argv[i + 1]
         if path:
             self.set_defaults(**self._read_config(path))
         return super().parse_args(argv, namespace)
@@ -163,12 +167,16 @@ class Parser(argparse.ArgumentParser):
             if not isinstance(value, bool):
                 bad(f"{key} takes true or false, got {value!r}")
             return value if action.dest == key else (action.const if value else action.default)
+        if action.type is true_or_false and isinstance(value, bool):
+            return value
         if value is None:
             if action.default is not None:
                 bad(f"{key} cannot be null; leave it out for its default ({action.default})")
             return None
         if isinstance(value, (dict, bool)) or (isinstance(value, list) and action.nargs in (None, "?")):
             bad(f"{key} takes {'a list of values' if action.nargs else 'one value'}, got {value!r}")
+        if action.nargs in ("+", "*") and not isinstance(value, list):
+            value = [value]  # train_file: notes.txt means [notes.txt], as on the command line
         items = value if isinstance(value, list) else [value]
         try:
             items = [action.type(str(v)) if action.type else str(v) for v in items]
@@ -178,7 +186,7 @@ class Parser(argparse.ArgumentParser):
         for v in items:
             if action.choices is not None and v not in action.choices:
                 bad(f"{key}: {v!r} is not one of {', '.join(map(str, action.choices))}")
-        return items if isinstance(value, list) else items[0]
+        return items if action.nargs in ("+", "*") else items[0]
 
 
 def make_parser(doc):

@@ -73,6 +73,7 @@ class TrainingLoop:
             check_same_run(path, meta, self._global_batch(), self._train_samples())
             self.losses.load_state_dict(meta.get("losses"))
             self.best.load(meta.get("best"), path)
+            self.stopped_early = self.best.stopped  # saved at its stopping step: it only finishes
             self.resumed_from, self.step, self.history = path, meta["step"], meta.get("history", [])
             self.epoch_seconds, self._resumed_seconds = meta.get("epoch_seconds", []), meta.get("epoch_elapsed", 0.0)
             self.epoch, self.batches_done = meta["data"]["epoch"], meta["data"]["next_batch"]
@@ -159,7 +160,8 @@ class TrainingLoop:
             self._t_epoch += time.perf_counter() - t_eval  # the epoch's seconds are training seconds
         if self._save_due() and self.batches_done < self.batches_per_epoch:  # at an epoch's end: after evaluating
             self.save()
-        if self.preemption.agreed(self.step) and self.step < self.max_train_steps:  # the last step just finishes the run
+        # the last step, or one that stopped early, just finishes the run
+        if self.preemption.agreed(self.step) and self.step < self.max_train_steps and not self.stopped_early:
             if self.batches_done < self.batches_per_epoch:
                 self._preempt()
             self._stop_at_epoch_end = True  # after the epoch's evaluation, as an uninterrupted run has it
@@ -194,7 +196,7 @@ class TrainingLoop:
         if trained and (self.checkpointing_steps == "epoch" or
                         (self._save_due() and self.batches_done >= self.batches_per_epoch)):
             self.save()
-        if self._stop_at_epoch_end:
+        if self._stop_at_epoch_end and not self.stopped_early:
             self._preempt()
 
     def position(self):

@@ -26,7 +26,8 @@ from train.core.best_model import lower_is_better
 
 KEYS = {"script", "accelerate_config", "args", "space", "metric", "direction", "n_trials", "pruner", "seed"}
 # flags the sweep decides for every trial: where it writes, how it resumes, what it reports
-SWEEP_OWNS = {"output_dir", "resume_from_checkpoint", "overwrite_output_dir", "metric_for_best_model", "config"}
+SWEEP_OWNS = {"output_dir", "resume_from_checkpoint", "overwrite_output_dir", "metric_for_best_model",
+              "greater_is_better", "config"}
 
 
 def load_script(path):

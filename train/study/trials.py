@@ -4,7 +4,7 @@ A trial runs in a session of its own, so a Ctrl-C meant for the sweep does not r
 passes on a SIGTERM instead, which every rank answers by saving a checkpoint at one step
 (train/core/preemption.py). If the sweep itself is killed, the kernel sends the launcher SIGTERM
 (PR_SET_PDEATHSIG), the same stop. Every sweep process holds a lock file for its whole life
-(SWEEP_DIR/workers/HOST-PID.lock, an flock the kernel releases however the process dies); a
+(SWEEP_DIR/workers/HOST-PID-RANDOM.lock, an flock the kernel releases however the process dies); a
 RUNNING trial whose owner's lock is free was interrupted, and the next sweep command resumes it
 from its latest checkpoint (train/sweep.py).
 """
@@ -16,16 +16,19 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 
 
 class WorkerLock:
-    """This sweep process, alive: an flock on SWEEP_DIR/workers/HOST-PID.lock held until it exits."""
+    """This sweep process, alive: an flock on SWEEP_DIR/workers/NAME held until it exits. `name` is
+    what trials record: relative to the sweep folder (machines may mount it at other paths), and
+    unique (a container's sweep is PID 1 on a fixed hostname every time)."""
 
     def __init__(self, sweep_dir):
-        folder = os.path.join(sweep_dir, "workers")
-        os.makedirs(folder, exist_ok=True)
-        self.path = os.path.join(folder, f"{socket.gethostname()}-{os.getpid()}.lock")
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        os.makedirs(os.path.join(sweep_dir, "workers"), exist_ok=True)
+        self.name = os.path.join("workers", f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}.lock")
+        self.path = os.path.join(sweep_dir, self.name)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         fcntl.flock(self.fd, fcntl.LOCK_EX)
 
     def release(self):
