@@ -71,7 +71,8 @@ def test_a_sigkilled_sweep_goes_on_with_every_trial_run_once(tmp_path):
     enqueue(out, [{"learning_rate": lr, "num_train_samples": 40960 if n == 3 else 2048}
                   for n, lr in enumerate([0.003, 0.01, 0.0002, 0.03, 0.02, 0.005])])
     path = sweep_file(tmp_path, 6, {"learning_rate": {"low": 0.0001, "high": 0.3, "log": True},
-                                    "num_train_samples": [2048, 40960]}, args=ARGS_BUT_SAMPLES)
+                                    "num_train_samples": [2048, 40960]}, args=ARGS_BUT_SAMPLES,
+                      pruner={"name": "median", "n_startup_trials": 2})
     first = start(path, out, start_new_session=True)
     checkpoints = out / "trials" / "trial_0003" / "checkpoints"
     deadline = time.monotonic() + 400
@@ -171,6 +172,8 @@ def test_a_sweep_folder_belongs_to_one_study(tmp_path):
     ({"space": {"learning_rate": {"low": -1.0, "high": 0.1}}}, "learning_rate: must be a positive number, got -1.0"),
     ({"space": {"output_dir": ["a", "b"]}}, "output_dir is set by the sweep for each trial"),
     ({"trials": 3}, "unknown key(s) trials"),
+    ({"pruner": "percentile"}, "pruner 'percentile' is not one of median, hyperband, none"),
+    ({"pruner": {"name": "median", "n_warmup": 3}}, "pruner median: "),
     ({"metric": "eval_acc"}, "metric eval_acc: train/regression.py evaluates eval_mse"),
     ({"script": "train/nope.py"}, "script train/nope.py does not exist"),
 ])

@@ -53,11 +53,8 @@ def make_study(args, sweep):
         from optuna.storages.journal import JournalFileBackend, JournalStorage
 
         storage = JournalStorage(JournalFileBackend(storage))
-    pruner = {"median": optuna.pruners.MedianPruner(n_startup_trials=2),
-              "hyperband": optuna.pruners.HyperbandPruner(),
-              "none": optuna.pruners.NopPruner()}[sweep.get("pruner", "median")]
     study = optuna.create_study(storage=storage, study_name=args.study_name, direction=sweep["direction"],
-                                sampler=optuna.samplers.TPESampler(seed=sweep.get("seed")), pruner=pruner,
+                                sampler=optuna.samplers.TPESampler(seed=sweep.get("seed")), pruner=sweep["pruner"],
                                 load_if_exists=True)
     mine, theirs = definition(sweep), study.user_attrs.get("definition")
     if theirs is None:

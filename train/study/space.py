@@ -11,7 +11,8 @@ from a small YAML file and checked against the script's own flags before any tri
     metric: eval_accuracy        # default: the script's headline metric (its METRICS[0])
     direction: maximize          # default: from the metric's name
     n_trials: 8
-    pruner: median               # median (default), hyperband or none
+    pruner: median               # median (default), hyperband or none; or with Optuna's arguments:
+                                 # {name: median, n_startup_trials: 3, n_warmup_steps: 400}
     seed: 0                      # the sampler's (TPE)
 """
 import contextlib
@@ -74,11 +75,31 @@ def read_sweep(path, overrides):
     if both:
         fail(f"{path}: {', '.join(sorted(both))} is both searched (space) and fixed (args); keep one")
     sweep["space"] = {name: _distribution(path, name, spec) for name, spec in sweep["space"].items()}
-    if sweep.get("pruner", "median") not in ("median", "hyperband", "none"):
-        fail(f"{path}: pruner {sweep['pruner']!r} is not one of median, hyperband, none")
+    sweep["pruner"] = _pruner(path, sweep.get("pruner", "median"))
     if sweep.get("direction") not in (None, "maximize", "minimize"):
         fail(f"{path}: direction {sweep['direction']!r} is not maximize or minimize")
     return sweep
+
+
+PRUNERS = {"median": "MedianPruner", "hyperband": "HyperbandPruner", "none": "NopPruner"}
+
+
+def _pruner(path, spec):
+    """The Optuna pruner the sweep file names, with its arguments. Median by default, after 3 finished
+    trials: with 2, a median of two early curves stopped 6 of 8 trials of the README's sweep."""
+    import optuna
+
+    options = dict(spec) if isinstance(spec, dict) else {"name": spec}
+    name = options.pop("name", None)
+    if name not in PRUNERS:
+        fail(f"{path}: pruner {name!r} is not one of {', '.join(PRUNERS)} (a name, or a mapping with name: and the "
+             "pruner's arguments)")
+    if name == "median":
+        options.setdefault("n_startup_trials", 3)
+    try:
+        return getattr(optuna.pruners, PRUNERS[name])(**options)
+    except (TypeError, ValueError) as e:
+        fail(f"{path}: pruner {name}: {e}")
 
 
 def _distribution(path, name, spec):
@@ -145,5 +166,6 @@ def _parse(module, script, values):
 def definition(sweep):
     """What makes two sweep commands the same study (compared when a second one joins)."""
     return json.dumps({"script": os.path.normpath(sweep["script"]), "args": sweep["args"], "metric": sweep["metric"],
+                       "pruner": repr(sweep["pruner"].__class__.__name__),
                        "direction": sweep["direction"],
                        "space": {k: repr(v) for k, v in sorted(sweep["space"].items())}}, sort_keys=True)
