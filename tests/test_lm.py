@@ -82,12 +82,23 @@ def test_two_processes_score_every_validation_token_once_and_report_the_run(text
     assert len(model_line) == 1 and model_line[0].startswith(
         f"model: GPT, {got['parameters'] / 1e6:.2f}M parameters, 2 layers, 2 heads, width 32, context 32, vocab "), \
         proc.stdout[-2000:]
+    assert "too few for the model to learn much" not in proc.stdout  # 12 steps, as asked
     events = [f for _, _, files in os.walk(out / "tensorboard") for f in files if f.startswith("events.out.tfevents")]
     assert events, "--with_tracking wrote no TensorBoard events"  # lm.py once took the flag and wrote none
     final = weights(out)  # the tied output layer saved under both names, as in checkpoints, without a warning
     assert torch.equal(final["lm_head.weight"], final["wte.weight"]) and "shared tensor" not in output_of(proc)
     sampled = run_as_script(capsys, "lm", "--output_dir", out, "--prompt", "the man", "--max_new_tokens", 40)
     assert sampled.returncode == 0 and sampled.stdout.startswith("the man") and len(sampled.stdout) > len("the man")
+
+
+def test_a_short_text_says_what_to_try(text, tmp_path, capsys):
+    _, shards = text
+    args = [a if a != 4 else 32 for a in TINY]  # one epoch of the small text: about 18 steps
+    proc = run_as_script(capsys, "lm", "--dataset_dir", shards, *args, "--output_dir", tmp_path / "short")
+    assert proc.returncode == 0, output_of(proc)
+    steps = results(tmp_path / "short")["step"]
+    assert steps < 100 and proc.stdout.count(f"training windows make {steps} optimizer steps in 1 epoch(s), too few "
+                                             "for the model to learn much; try --max_train_steps 500") == 1
 
 
 def test_one_process_takes_the_same_steps_as_two_with_the_same_global_batch(text, two_process_run, tmp_path, capsys):

@@ -11,6 +11,7 @@ validation token is scored once for any process count: eval_loss (nats per token
 (bits per UTF-8 byte, comparable across tokenizers).
 """
 import json
+import math
 import os
 import sys
 
@@ -33,6 +34,7 @@ from train.core.tracking import matmul_peak, peak_memory_mb
 from train.models.gpt import GPT, GPTConfig, next_token_loss
 
 TASK = "lm"  # the run's name in its checkpoints: another task's checkpoint is refused
+FEW_STEPS = 100  # a run shorter than this says what to try (the GCIDE demo takes 340)
 METRICS = ["eval_bpb", "eval_loss", "eval_perplexity"]  # its evaluation's metrics, the headline first
 
 
@@ -141,6 +143,12 @@ def main(args):
                       "per token (training)")
     optimizer = torch.optim.AdamW(model.param_groups(args.weight_decay), lr=args.learning_rate, betas=(0.9, 0.95))
     model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
+
+    steps = math.ceil(len(train_loader) / args.gradient_accumulation_steps) * args.num_train_epochs
+    if steps < FEW_STEPS and args.max_train_steps is None:  # a short text in the default single epoch
+        accelerator.print(f"note: {manifest['text']['train']['windows']:,} training windows make {steps} optimizer "
+                          f"steps in {args.num_train_epochs} epoch(s), too few for the model to learn much; try "
+                          f"--max_train_steps {FEW_STEPS * 5} (repeating the text), or a smaller --block_size")
 
     # ---------------------------------------------------------------- train
     loop = TrainingLoop(accelerator, args, TASK, model, optimizer, train_loader, headline=METRICS[0],
