@@ -2,6 +2,7 @@
 from their evaluations, resumed after a SIGKILL without running any trial twice, shared by two
 sweep processes, and bad sweep files refused in one line before any trial runs."""
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -102,6 +103,7 @@ def test_a_sigkilled_sweep_goes_on_with_every_trial_run_once(tmp_path):
     assert (out / "optimization_history.png").is_file() and (out / "param_importances.png").is_file()
     code, again = finish(start(path, out))  # a finished study: nothing more runs
     assert code == 0 and "trial 6" not in again and len(study_of(out).get_trials()) == 7
+    assert os.listdir(out / "workers") == []  # the dead and the finished sweeps' lock files are gone
 
 
 def test_two_sweep_processes_share_one_study_and_count_a_failing_trial(tmp_path):
@@ -172,6 +174,8 @@ def test_a_sweep_folder_belongs_to_one_study(tmp_path):
     ({"space": {"learning_rate": {"low": -1.0, "high": 0.1}}}, "learning_rate: must be a positive number, got -1.0"),
     ({"space": {"output_dir": ["a", "b"]}}, "output_dir is set by the sweep for each trial"),
     ({"trials": 3}, "unknown key(s) trials"),
+    ({"space": {"model": ["linear"]}}, "train/regression.py refuses the sweep file's space.model = 'linear': unknown key "
+                                       "'model'; regression.py --help lists the flags"),
     ({"pruner": "percentile"}, "pruner 'percentile' is not one of median, hyperband, none"),
     ({"pruner": {"name": "median", "n_warmup": 3}}, "pruner median: "),
     ({"metric": "eval_acc"}, "metric eval_acc: train/regression.py evaluates eval_mse"),

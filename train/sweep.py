@@ -14,9 +14,12 @@ param_importances.png; `optuna-dashboard SWEEP_DIR/study.log` shows the study li
 """
 import argparse
 import os
+import random
+import shlex
 import signal
 import sys
 import time
+import warnings
 
 if __package__ in (None, ""):  # run as a file: Python put train/ on sys.path, not the repo root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -31,7 +34,7 @@ FAILURES_IN_A_ROW = 3  # then the search space or the script is broken, not one 
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "), allow_abbrev=False)
     parser.add_argument("sweep_file", help="YAML: script, args, space, metric, n_trials, ... (train/study/space.py)")
     parser.add_argument("--output_dir", required=True, help="The sweep's folder: trials, logs, study, results.")
     parser.add_argument("--n_trials", type=int, help="Trials in the study, all sweep commands together (overrides "
@@ -54,15 +57,22 @@ def make_study(args, sweep):
 
         storage = JournalStorage(JournalFileBackend(storage))
     study = optuna.create_study(storage=storage, study_name=args.study_name, direction=sweep["direction"],
-                                sampler=optuna.samplers.TPESampler(seed=sweep.get("seed")), pruner=sweep["pruner"],
-                                load_if_exists=True)
+                                pruner=sweep["pruner"], load_if_exists=True)
     mine, theirs = definition(sweep), study.user_attrs.get("definition")
     if theirs is None:
         study.set_user_attr("definition", mine)
-        study.set_metric_names([sweep["metric"]])  # what the dashboard and plots call the objective
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # optuna marks it experimental
+            study.set_metric_names([sweep["metric"]])  # what the dashboard and plots call the objective
     elif theirs != mine:
         fail(f"study {args.study_name!r} in {args.storage or storage} was started with another sweep (script, args, "
-             f"space or metric differ: {theirs}); pass the same sweep file, or another --output_dir")
+             f"space, metric or pruner differ: {theirs}); pass the same sweep file, or another --output_dir")
+    # the seed reproduces the study's first command; every later or parallel one draws its own numbers,
+    # or it would replay the same settings (a sampler's random draws restart with each process)
+    seed = sweep.get("seed")
+    if seed is not None and (theirs is not None or study.get_trials(deepcopy=False)):
+        seed = random.SystemRandom().randrange(2**31)
+    study.sampler = optuna.samplers.TPESampler(seed=seed)
     return study
 
 
@@ -118,6 +128,12 @@ def reclaim_interrupted(study, sweep_dir):
         study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)
         study.enqueue_trial(trial.params, user_attrs={"folder": root, "resumes": trial.number})
         print(f"trial {root}: its sweep process is gone; queued to resume from its latest checkpoint", flush=True)
+    # the lock files of sweep processes that are gone and own no running trial any more
+    folder = os.path.join(sweep_dir, "workers")
+    owners = {t.user_attrs.get("worker") for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
+    for name in os.listdir(folder) if os.path.isdir(folder) else []:
+        if os.path.join("workers", name) not in owners and owner_gone(os.path.join(folder, name)):
+            os.remove(os.path.join(folder, name))
 
 
 def trial_command(args, sweep, config, output_dir):
@@ -197,9 +213,11 @@ def main(args):
     claim_folder(args)
     for folder in ("trials", "logs"):
         os.makedirs(os.path.join(args.output_dir, folder), exist_ok=True)
-    study = make_study(args, sweep)
+    with claim_lock(args.output_dir):  # two first commands at once: one sets the definition, one sees it
+        study = make_study(args, sweep)
     n_trials = sweep.get("n_trials", 10)
-    worker = WorkerLock(args.output_dir)
+    with claim_lock(args.output_dir):  # made and locked while no other sweep looks for dead owners' files
+        worker = WorkerLock(args.output_dir)
     stopping = []  # a list, so the handler can set it from inside run_trial's loop
 
     def on_signal(signum, frame):
@@ -209,7 +227,7 @@ def main(args):
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    failures = 0
+    failures, running_mine = 0, False  # whether a trial of this process is RUNNING in the study
     try:
         while not stopping:
             with claim_lock(args.output_dir):
@@ -219,7 +237,9 @@ def main(args):
                     break
                 trial = study.ask(sweep["space"])
                 trial.set_user_attr("worker", worker.name)
+                running_mine = True
             outcome = run_trial(args, sweep, study, trial, stopping)
+            running_mine = outcome is None  # None: stopped, left RUNNING for the next command to resume
             failures = failures + 1 if outcome == "failed" else 0
             if outcome:
                 print(f"trial {trial.user_attrs.get('folder', trial.number)}: {outcome}", flush=True)
@@ -228,11 +248,11 @@ def main(args):
                 fail(f"{failures} trials in a row failed, the last with: {trial.user_attrs.get('failure')}; see "
                      f"{args.output_dir}/logs/")
     finally:
-        worker.release()
+        worker.release(remove=not running_mine)
     report(study, args.output_dir, sweep)
     if stopping:
         print(f"sweep stopped; the interrupted trial saved a checkpoint. Rerun the same command to go on: "
-              f"{' '.join(sys.argv)}", flush=True)
+              f"python {shlex.join(sys.argv)}", flush=True)
         sys.exit(128 + stopping[0])
     running = counts(study)[1]
     if running:

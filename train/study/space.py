@@ -75,7 +75,8 @@ def read_sweep(path, overrides):
     if both:
         fail(f"{path}: {', '.join(sorted(both))} is both searched (space) and fixed (args); keep one")
     sweep["space"] = {name: _distribution(path, name, spec) for name, spec in sweep["space"].items()}
-    sweep["pruner"] = _pruner(path, sweep.get("pruner", "median"))
+    sweep["pruner_spec"] = sweep.get("pruner", "median")
+    sweep["pruner"] = _pruner(path, sweep["pruner_spec"])
     if sweep.get("direction") not in (None, "maximize", "minimize"):
         fail(f"{path}: direction {sweep['direction']!r} is not maximize or minimize")
     return sweep
@@ -132,10 +133,10 @@ def check_against_script(sweep, module):
     script does not have, or a value it refuses, is one line before the first trial."""
     from optuna.distributions import CategoricalDistribution
 
-    _parse(module, sweep["script"], sweep["args"])
+    _parse(module, sweep["script"], sweep["args"], "args")
     for name, dist in sweep["space"].items():
         for value in dist.choices if isinstance(dist, CategoricalDistribution) else (dist.low, dist.high):
-            _parse(module, sweep["script"], {**sweep["args"], name: value})
+            _parse(module, sweep["script"], {**sweep["args"], name: value}, f"space.{name} = {value!r}")
     metrics = getattr(module, "METRICS", None)
     metric = sweep.get("metric") or (metrics[0] if metrics else None)
     if metric is None:
@@ -148,24 +149,29 @@ def check_against_script(sweep, module):
     sweep["direction"] = sweep.get("direction") or ("minimize" if lower_is_better(metric) else "maximize")
 
 
-def _parse(module, script, values):
+def _parse(module, script, values, what):
+    """`values` through the script's parser, as a trial's --config; `what` names them in the error."""
+    import sys
+
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(values, f)
-    err = io.StringIO()
+    err, argv0 = io.StringIO(), sys.argv[0]
+    sys.argv[0] = script  # the parser names the script in its messages ("train/mnist.py --help")
     try:
         with contextlib.redirect_stderr(err):
             module.parse_args(["--config", f.name])
     except SystemExit:
         message = err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else "refused"
         message = message.replace(f"error: --config {f.name}: ", "")
-        fail(f"{script} refuses the sweep's flags {values}: {message}")
+        fail(f"{script} refuses the sweep file's {what}: {message}")
     finally:
+        sys.argv[0] = argv0
         os.remove(f.name)
 
 
 def definition(sweep):
     """What makes two sweep commands the same study (compared when a second one joins)."""
     return json.dumps({"script": os.path.normpath(sweep["script"]), "args": sweep["args"], "metric": sweep["metric"],
-                       "pruner": repr(sweep["pruner"].__class__.__name__),
+                       "pruner": sweep["pruner_spec"],
                        "direction": sweep["direction"],
                        "space": {k: repr(v) for k, v in sorted(sweep["space"].items())}}, sort_keys=True)

@@ -31,8 +31,10 @@ class WorkerLock:
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         fcntl.flock(self.fd, fcntl.LOCK_EX)
 
-    def release(self):
-        """The file stays: a trial this process leaves RUNNING is known as interrupted by its free lock."""
+    def release(self, remove):
+        """With a trial left RUNNING the file stays: its free lock tells the next sweep it was interrupted."""
+        if remove:
+            os.remove(self.path)
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
 
