@@ -18,7 +18,7 @@ import os
 import shutil
 
 from data.errors import fail
-from train.core.tracking import atomic_write, save_tensors
+from train.core.tracking import atomic_write, save_weights
 
 BEST_FILE = "best_model.safetensors"
 # lower is better for these; HF's Trainer decides on "loss" alone, which gets perplexity wrong
@@ -73,7 +73,8 @@ class BestModel:
 
     @property
     def stopped(self):
-        """Whether patience ran out (a run resumed from the checkpoint of its stopping step trains no more)."""
+        """Whether patience ran out; restored on resume, so a run resumed from the checkpoint of its
+        stopping step trains no more."""
         return self.patience is not None and self.bad_evaluations >= self.patience
 
     def update(self, metrics, step, weights):
@@ -94,7 +95,7 @@ class BestModel:
             self.step, self.value, self.metrics = step, value, dict(metrics)
             state = weights()
             if self.accelerator.is_main_process:
-                atomic_write(self.path, lambda tmp: save_tensors(state, tmp))
+                save_weights(state, self.path)
         return self.stopped
 
     def stop_message(self):
@@ -137,7 +138,6 @@ class BestModel:
             return False
         final = os.path.join(output_dir, "model.safetensors")
         link_or_copy(self.path, final)
-        os.chmod(final, 0o666 & ~_umask())  # safetensors creates its files readable by their owner alone
         os.remove(self.path)
         return True
 
@@ -147,8 +147,3 @@ class BestModel:
         return {"best_model": {"metric": self.metric, "greater_is_better": self.greater, "step": self.step,
                                "value": self.value, "metrics": self.metrics}}
 
-
-def _umask():
-    umask = os.umask(0)  # the only way to read it
-    os.umask(umask)
-    return umask

@@ -67,13 +67,11 @@ class TrainingLoop:
         self.best = BestModel(accelerator, args.output_dir, resolve_metric(args.metric_for_best_model, headline,
                                                                            metrics or [headline]),
                               args.greater_is_better, args.early_stopping_patience, args.early_stopping_threshold)
-        self.stopped_early = False
         if path := find_checkpoint(accelerator, args.resume_from_checkpoint, args.output_dir):
             meta = load_checkpoint(accelerator, path, task, model, optimizer, self.lr_scheduler)
             check_same_run(path, meta, self._global_batch(), self._train_samples())
             self.losses.load_state_dict(meta.get("losses"))
             self.best.load(meta.get("best"), path)
-            self.stopped_early = self.best.stopped  # saved at its stopping step: it only finishes
             self.resumed_from, self.step, self.history = path, meta["step"], meta.get("history", [])
             self.epoch_seconds, self._resumed_seconds = meta.get("epoch_seconds", []), meta.get("epoch_elapsed", 0.0)
             self.epoch, self.batches_done = meta["data"]["epoch"], meta["data"]["next_batch"]
@@ -104,7 +102,7 @@ class TrainingLoop:
     def _batches(self):
         first_epoch, t_train = self.epoch, time.perf_counter()
         for epoch in range(first_epoch, self.num_train_epochs):
-            if self.step >= self.max_train_steps or self.stopped_early:
+            if self.step >= self.max_train_steps or self.best.stopped:
                 break
             self.loader.set_epoch(epoch)
             if not self.sharded and hasattr(self.loader.dataset, "set_epoch"):
@@ -123,11 +121,11 @@ class TrainingLoop:
             for batch in epoch_loader:
                 self.batches_done += 1
                 yield batch
-                if self.step >= self.max_train_steps or self.stopped_early:
+                if self.step >= self.max_train_steps or self.best.stopped:
                     break
             self.epoch_seconds.append(time.perf_counter() - self._t_epoch)
             settle_loader_threads()  # this epoch's loader, before the evaluation's forks its workers
-            if not self.stopped_early:  # else it stopped at a step's evaluation: nothing new to evaluate
+            if not self.best.stopped:  # else it stopped at a step's evaluation: nothing new to evaluate
                 self._evaluate_and_save(epoch + 1, self.epoch_seconds[-1])
         if not self.history or self.history[-1]["step"] != self.step:  # resumed from a checkpoint at the last step
             self._evaluate_and_save(self.num_train_epochs, 0.0)
@@ -161,7 +159,7 @@ class TrainingLoop:
         if self._save_due() and self.batches_done < self.batches_per_epoch:  # at an epoch's end: after evaluating
             self.save()
         # the last step, or one that stopped early, just finishes the run
-        if self.preemption.agreed(self.step) and self.step < self.max_train_steps and not self.stopped_early:
+        if self.preemption.agreed(self.step) and self.step < self.max_train_steps and not self.best.stopped:
             if self.batches_done < self.batches_per_epoch:
                 self._preempt()
             self._stop_at_epoch_end = True  # after the epoch's evaluation, as an uninterrupted run has it
@@ -178,11 +176,11 @@ class TrainingLoop:
         metrics = self.evaluate()
         self.history.append({**where, "step": self.step, **metrics})
         self.metrics.log({"step": self.step, "epoch": where["epoch"], **metrics})
-        self.stopped_early = self.best.update(metrics, self.step, lambda: model_weights(self.model))
+        self.best.update(metrics, self.step, lambda: model_weights(self.model))
         if self.accelerator.is_main_process:
             best = " (best so far)" if self.best.step == self.step and len(self.history) > 1 else ""
             self.progress.write(f"{label}: {_format(metrics)}{suffix}{best}")
-            if self.stopped_early:
+            if self.best.stopped:
                 self.progress.write(self.best.stop_message())
         self._t_log = time.perf_counter()  # evaluation time is not training throughput
 
@@ -196,7 +194,7 @@ class TrainingLoop:
         if trained and (self.checkpointing_steps == "epoch" or
                         (self._save_due() and self.batches_done >= self.batches_per_epoch)):
             self.save()
-        if self._stop_at_epoch_end and not self.stopped_early:
+        if self._stop_at_epoch_end and not self.best.stopped:
             self._preempt()
 
     def position(self):
@@ -259,7 +257,7 @@ class TrainingLoop:
                    "history": self.history, "resumed_from": self.resumed_from,
                    "train_samples_per_second": self.samples_per_second(),
                    **({"skipped_steps": self.losses.skipped_steps} if self.losses.skipped_steps else {}),
-                   **({"stopped_early": True} if self.stopped_early else {}), **self.best.results(), **(extra or {})}
+                   **({"stopped_early": True} if self.best.stopped else {}), **self.best.results(), **(extra or {})}
         # the best evaluation's weights (already on disk) or the last step's (a collective under FSDP2)
         weights = model_weights(self.model) if self.best.step is None else None
         if self.accelerator.is_main_process and weights is None:

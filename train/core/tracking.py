@@ -69,19 +69,24 @@ def save_tensors(tensors, path):
         raise
 
 
-def save_final(accelerator, weights, output_dir, results, hparams):
-    """The run's outputs: model.safetensors (`weights`, from train.core.checkpoint.model_weights, or None),
-    all_results.json and args.json (`hparams`, the resolved arguments) in output_dir, written by the
-    main process."""
-    def write_weights(tmp):
+def save_weights(weights, path):
+    """A run's weights file, written whole or not at all, readable as the user's umask allows."""
+    def write(tmp):
         save_tensors(weights, tmp)
         umask = os.umask(0)  # the only way to read it
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # safetensors creates its files readable by their owner alone
 
+    atomic_write(path, write)
+
+
+def save_final(accelerator, weights, output_dir, results, hparams):
+    """The run's outputs: model.safetensors (`weights`, from train.core.checkpoint.model_weights, or None),
+    all_results.json and args.json (`hparams`, the resolved arguments) in output_dir, written by the
+    main process."""
     if accelerator.is_main_process:  # the weights first: all_results.json marks a finished run
         if weights is not None:  # None: already in place (the best evaluation's, train/core/best_model.py)
-            atomic_write(os.path.join(output_dir, "model.safetensors"), write_weights)
+            save_weights(weights, os.path.join(output_dir, "model.safetensors"))
         write_json(os.path.join(output_dir, "all_results.json"), results)
         write_json(os.path.join(output_dir, "args.json"), hparams)
 
