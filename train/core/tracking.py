@@ -153,15 +153,16 @@ def _read_jsonl(path):
 
 def plot_metrics(output_dir, metric="eval_accuracy"):
     """OUTPUT_DIR/curves.png: training (and eval) loss and `metric` against optimizer steps, from metrics.jsonl."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on servers
-    import matplotlib.pyplot as plt
+    # the object API draws with Agg (no display on servers) without importing pyplot: a second less per run
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     records = _read_jsonl(os.path.join(output_dir, "metrics.jsonl"))
     train = [r for r in records if "train_loss" in r]
     evals = [r for r in records if metric in r]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
+    fig = Figure(figsize=(10, 4))
+    FigureCanvasAgg(fig)
+    ax_loss, ax_acc = fig.subplots(1, 2)
     ax_loss.plot([r["step"] for r in train], [r["train_loss"] for r in train], label="train")
     if evals and "eval_loss" in evals[0]:
         ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval")
@@ -175,7 +176,6 @@ def plot_metrics(output_dir, metric="eval_accuracy"):
     fig.tight_layout()
     path = os.path.join(output_dir, "curves.png")
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path
 
 
