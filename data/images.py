@@ -7,15 +7,18 @@ Class names come from the subfolder names, sorted; a class's images may sit in n
 PNG, JPEG, BMP and WebP files in any mode (RGB, grayscale, palette, with alpha) and any size are
 read as RGB and resized or cropped to one square size by torchvision v2 transforms.
 
-Images are decoded when a batch needs them (in DataLoader workers when there are any), never held in
-memory, so the map-style dataset already reads only its own rank's share of a large folder. The
-streaming source puts the same files behind the exactly-once sharded plan of data/sharding.py, and
+Images are decoded when a batch first needs them (in DataLoader workers when there are any). Without
+workers, and when the decoded pixels fit the memory budget of decode_cache_budget(), each process keeps
+what it decoded: later epochs crop and flip the kept uint8 pixels instead of decoding the file again.
+The streaming source puts the same files behind the exactly-once sharded plan of data/sharding.py, and
 prepare_image_folder writes a folder as parquet shards of the files' bytes (data.prepare --train_dir).
 
 Random augmentation is seeded by (seed, epoch, sample), not by a global generator: a resumed run,
-a different worker count, or the streaming path draws the same crops and flips for the same sample.
+a different worker count, the streaming path, or a cached image draws the same crops and flips for
+the same sample.
 """
 import hashlib
+import math
 import os
 from dataclasses import dataclass, replace
 
@@ -43,12 +46,18 @@ class ImageFiles:
     unreadable: tuple = ()
     note: str = ""
     median_size: tuple = None  # (width, height) of the image with the median short side: --image_size's default
+    sizes: list = None  # (width, height) of each file, from its header: what decoding it all would take
 
     def __len__(self):
         return len(self.files)
 
     def _take(self, ids):
-        return replace(self, files=[self.files[i] for i in ids], labels=[self.labels[i] for i in ids])
+        return replace(self, files=[self.files[i] for i in ids], labels=[self.labels[i] for i in ids],
+                       sizes=[self.sizes[i] for i in ids] if self.sizes else None)
+
+    def decoded_bytes(self):
+        """The bytes of every image decoded to uint8 RGB at its own size."""
+        return sum(3 * w * h for w, h in self.sizes) if self.sizes else None
 
     def subset(self, max_samples, seed):
         """A random `max_samples` of the images (the same on every process), in folder order."""
@@ -138,7 +147,7 @@ def scan_image_folder(root, flag, classes=None):
             raise DataError(f"{flag}: class folder {os.path.join(root, name)} holds no readable images "
                             f"({', '.join(IMAGE_EXTENSIONS)}); add images or remove the folder")
     median_size = sorted(sizes, key=min)[len(sizes) // 2]  # sorted() is stable: the same pick on every run
-    return ImageFiles(files, labels, list(classes), ignored, tuple(unreadable), median_size=median_size)
+    return ImageFiles(files, labels, list(classes), ignored, tuple(unreadable), median_size=median_size, sizes=sizes)
 
 
 def list_images(path):
@@ -184,13 +193,48 @@ def load_image(path):
 def image_transforms(image_size, train):
     """torchvision v2 transforms from a PIL image to a uint8 tensor [3, image_size, image_size]:
     a random resized crop and flip for training; resize the short side and crop the centre for
-    evaluation. uint8 keeps worker-to-process transfers 4x smaller; normalize() makes floats."""
+    evaluation. uint8 keeps worker-to-process transfers 4x smaller; normalize() makes floats.
+    ImageFolderDataset draws the training pair with a generator of its own (crop_and_flip), with
+    the same results as these transforms under a global generator seeded alike."""
     from torchvision.transforms import v2
 
     if train:
-        return v2.Compose([v2.PILToTensor(), v2.RandomResizedCrop(image_size, scale=(0.35, 1.0), antialias=True),
+        return v2.Compose([v2.PILToTensor(), v2.RandomResizedCrop(image_size, scale=CROP_SCALE, antialias=True),
                            v2.RandomHorizontalFlip()])
     return v2.Compose([v2.PILToTensor(), v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size)])
+
+
+CROP_SCALE, CROP_RATIO = (0.35, 1.0), (3 / 4, 4 / 3)  # the fraction of the area a training crop keeps; its aspect
+
+
+def crop_and_flip(pixels, image_size, generator):
+    """The training augmentation of image_transforms(image_size, True) after its PILToTensor, drawn
+    from `generator` in the order torchvision's RandomResizedCrop and RandomHorizontalFlip draw from
+    the global one (area, aspect ratio, up to 10 tries, then the corner; then the flip), so a seed
+    gives the same crop either way. A generator of its own per sample costs microseconds where
+    forking and reseeding the global one costs a third of a millisecond, about as much as decoding
+    a small PNG."""
+    from torchvision.transforms.v2 import functional as TF
+
+    height, width = pixels.shape[-2:]
+    area, log_ratio = height * width, torch.log(torch.tensor(CROP_RATIO)).tolist()  # in float32, as torchvision
+    for _ in range(10):
+        target_area = area * torch.empty(1).uniform_(*CROP_SCALE, generator=generator).item()
+        aspect = torch.exp(torch.empty(1).uniform_(*log_ratio, generator=generator)).item()
+        w, h = int(round(math.sqrt(target_area * aspect))), int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = torch.randint(0, height - h + 1, size=(1,), generator=generator).item()
+            left = torch.randint(0, width - w + 1, size=(1,), generator=generator).item()
+            break
+    else:  # no try fitted: the largest centred crop within the aspect ratios, as torchvision falls back
+        w, h = width, height
+        if width / height < CROP_RATIO[0]:
+            h = int(round(w / CROP_RATIO[0]))
+        elif width / height > CROP_RATIO[1]:
+            w = int(round(h * CROP_RATIO[1]))
+        top, left = (height - h) // 2, (width - w) // 2
+    pixels = TF.resized_crop(pixels, top, left, h, w, size=[image_size, image_size], antialias=True)
+    return TF.horizontal_flip(pixels) if torch.rand(1, generator=generator).item() < 0.5 else pixels
 
 
 def normalize(images, mean=IMAGENET_MEAN, std=IMAGENET_STD):
@@ -200,12 +244,30 @@ def normalize(images, mean=IMAGENET_MEAN, std=IMAGENET_STD):
     return (images.float() / 255.0 - mean) / std
 
 
-class ImageFolderDataset(Dataset):
-    """Map-style: sample i is {"image": uint8 [3, S, S], "label": int}, decoded on access."""
+def decode_cache_budget(local_processes, num_workers):
+    """Bytes of decoded pixels each training process may keep: a quarter of the memory free now,
+    shared by the processes of this machine; 0 with DataLoader workers, whose copies of the dataset
+    would each keep their own and end with the epoch."""
+    if num_workers:
+        return 0
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):  # not Linux: the total, as POSIX says it
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    return free // 4 // max(1, local_processes)
 
-    def __init__(self, images, transform, seed=0, random=False):
-        self.images, self.transform, self.seed, self.random = images, transform, seed, random
-        self.epoch = 0
+
+class ImageFolderDataset(Dataset):
+    """Map-style: sample i is {"image": uint8 [3, S, S], "label": int}. Training samples (`train`)
+    are cropped and flipped by (seed, epoch, sample); evaluation samples resized and centre-cropped.
+    With `cache`, what a sample needs is kept after its first decode: the full-size pixels for
+    training (each epoch crops them anew), the final square for evaluation."""
+
+    def __init__(self, images, image_size, train=False, seed=0, cache=False):
+        self.images, self.image_size, self.train, self.seed = images, image_size, train, seed
+        self.transform = None if train else image_transforms(image_size, train=False)
+        self.cache, self.epoch = {} if cache else None, 0
 
     def set_epoch(self, epoch):
         self.epoch = epoch
@@ -213,14 +275,26 @@ class ImageFolderDataset(Dataset):
     def __len__(self):
         return len(self.images)
 
-    def __getitem__(self, index):
+    def _pixels(self, index):
+        if self.cache is not None and index in self.cache:
+            return self.cache[index]
         image = load_image(self.images.files[index])
-        if self.random:  # the draw depends on (seed, epoch, sample) only
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(hash((self.seed, self.epoch, int(index))) & (2 ** 63 - 1))
-                pixels = self.transform(image)
+        if self.train:
+            from torchvision.transforms.v2 import functional as TF
+
+            pixels = TF.pil_to_tensor(image)
         else:
             pixels = self.transform(image)
+        if self.cache is not None:
+            self.cache[index] = pixels
+        return pixels
+
+    def __getitem__(self, index):
+        index = int(index)
+        pixels = self._pixels(index)
+        if self.train:  # the draw depends on (seed, epoch, sample) only
+            generator = torch.Generator().manual_seed(hash((self.seed, self.epoch, index)) & (2 ** 63 - 1))
+            pixels = crop_and_flip(pixels, self.image_size, generator)
         return {"image": pixels, "label": self.images.labels[index]}
 
 

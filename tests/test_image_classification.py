@@ -6,12 +6,14 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 from conftest import launch, output_of, reset_accelerate_state, run_as_script, run_script
-from data.images import ImageFileSource, ImageFolderDataset, image_transforms, scan_image_folder
+from data.images import (ImageFileSource, ImageFolderDataset, decode_cache_budget, image_transforms, load_image,
+                         scan_image_folder)
 from data.mnist import CLASS_NAMES, write_image_folders
 from data.sharding import ShardedIterableDataset
 from test_checkpointing import identical, kill_launch, weights
@@ -49,6 +51,7 @@ def test_two_processes_learn_well_above_chance_and_count_every_image_once(traine
     proc, out = trained
     assert "world_size=2 " in proc.stdout
     assert proc.stdout.count("train: 600 images in 10 classes; validation: 299 images in 10 classes") == 1
+    assert "images: 2 MB decoded, kept in memory after the first epoch" in proc.stdout  # 600 x 3 x 28^2 + 299 x 3 x 32^2
     results = json.load(open(out / "all_results.json"))
     assert results["eval_samples"] == 299 and results["world_size"] == 2 and results["train_samples"] == 600
     assert [h["eval_samples"] for h in results["history"]] == [299] * 4
@@ -91,7 +94,7 @@ def test_streaming_source_reads_each_image_once_per_epoch_split_across_ranks(fol
     images = scan_image_folder(folders[1], "--validation_dir", CLASSES).subset(100, 0)
     seen, reads = [], []
     for rank in range(2):
-        source = ImageFileSource(ImageFolderDataset(images, image_transforms(32, True), seed=1, random=True))
+        source = ImageFileSource(ImageFolderDataset(images, 32, train=True, seed=1))
         dataset = ShardedIterableDataset(source, 20, rank=rank, world_size=2, seed=1, policy="drop")
         seen += [i for batch in dataset for i in batch["index"].tolist()]
         reads.append(source.rows_read)
@@ -114,15 +117,47 @@ def test_every_format_and_mode_and_size_becomes_one_rgb_square(tmp_path):
     assert "ignored 1 file(s) without an image extension" in images.summary()
     assert "skipped 1 unreadable file(s) (first: " in images.summary() and "broken.png" in images.summary()
     for train in (True, False):
-        dataset = ImageFolderDataset(images, image_transforms(24, train), random=train)
+        dataset = ImageFolderDataset(images, 24, train=train, cache=train)
         for i in range(len(dataset)):
             sample = dataset[i]
             assert sample["image"].shape == (3, 24, 24) and sample["image"].dtype == torch.uint8
 
 
+def test_kept_pixels_crop_and_flip_as_torchvision_does_from_the_file(tmp_path):
+    # sizes that take torchvision's fallback crop (5x90, 90x5) as well as the sampled one
+    rng = np.random.default_rng(0)
+    sizes = [(28, 28), (40, 30), (17, 50), (64, 20), (9, 33), (200, 150), (5, 90), (90, 5)]
+    for n in range(48):
+        w, h = sizes[n % len(sizes)]
+        os.makedirs(tmp_path / "ab"[n % 2], exist_ok=True)
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(tmp_path / "ab"[n % 2] / f"{n}.png")
+    images = scan_image_folder(str(tmp_path), "--train_dir")
+    assert images.decoded_bytes() == sum(3 * w * h for w, h in sizes) * 6
+    reference = image_transforms(24, True)  # torchvision's transforms under the global generator
+    for cache in (False, True):
+        dataset = ImageFolderDataset(images, 24, train=True, seed=5, cache=cache)
+        for epoch in range(3):  # with the cache: decoded in epoch 0, cropped from memory after
+            dataset.set_epoch(epoch)
+            for i in range(len(images)):
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(hash((5, epoch, i)) & (2 ** 63 - 1))
+                    expected = reference(load_image(images.files[i]))
+                assert torch.equal(dataset[i]["image"], expected), (cache, epoch, i)
+        assert len(dataset.cache or {}) == (len(images) if cache else 0)
+    evaluation = ImageFolderDataset(images, 24, cache=True)
+    for i in list(range(len(images))) * 2:
+        assert torch.equal(evaluation[i]["image"], image_transforms(24, False)(load_image(images.files[i])))
+
+
+def test_pixels_are_kept_only_without_workers_and_within_the_memory_budget():
+    assert decode_cache_budget(local_processes=2, num_workers=4) == 0
+    one, two = decode_cache_budget(1, 0), decode_cache_budget(2, 0)
+    assert one > 0 and abs(two - one // 2) <= 2 ** 20  # the free memory moves a little between the two reads
+
+
 def test_augmentation_depends_on_seed_epoch_and_sample_only(folders):
     images = scan_image_folder(folders[1], "--validation_dir", CLASSES).subset(4, 0)
-    dataset = ImageFolderDataset(images, image_transforms(32, True), seed=3, random=True)
+    dataset = ImageFolderDataset(images, 32, train=True, seed=3)
     first = [dataset[i]["image"] for i in range(4)]
     torch.manual_seed(123)  # the global generator has no say
     assert all(torch.equal(dataset[i]["image"], first[i]) for i in range(4))
