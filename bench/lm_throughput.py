@@ -77,7 +77,7 @@ def worker(args):
         torch.manual_seed(script_args.seed)
         model = GPT(config)
         return model, torch.optim.AdamW(model.param_groups(script_args.weight_decay), lr=script_args.learning_rate,
-                                        betas=(0.9, 0.95))
+                                        betas=(0.9, 0.95), fused=True)  # as train/lm.py
 
     def scheduler(optimizer):
         return make_scheduler(optimizer, script_args.lr_scheduler_type, script_args.num_warmup_steps, 10**9)

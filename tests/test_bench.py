@@ -1,4 +1,5 @@
 """The benchmarks run (tiny mode): behaviour only, no timing assertions."""
+import os
 import re
 import subprocess
 import sys
@@ -109,3 +110,58 @@ def test_checkpoint_save_tiny_mode_measures_both_formats_under_ddp_and_fsdp2():
         # full: the main process writes the model and optimizer; sharded: each writes about half
         assert full[0] > 1 and full[1] < 0.1 and min(sharded) > 0.3 * full[0], row
     assert len(re.findall(r"RATIO (MULTI_CPU|FSDP2) small sharded/full save seconds = \d+\.\d+", proc.stdout)) == 2
+
+
+def test_image_pipeline_times_both_data_paths_and_the_step(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for n in range(64):
+        os.makedirs(tmp_path / "ab"[n % 2], exist_ok=True)
+        Image.fromarray(rng.integers(0, 255, (28, 28), dtype=np.uint8)).save(tmp_path / "ab"[n % 2] / f"{n}.png")
+    proc = subprocess.run([sys.executable, "bench/image_pipeline.py", "--train_dir", str(tmp_path), "--images", "64",
+                           "--batch_size", "16"], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line.split(" | ")[0] for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert rows[1:] == ["| before: decode + transforms every epoch", "| now: kept pixels, own generator",
+                        "| the model's step alone"], rows
+    assert re.search(r"RATIO images/s now / before = \d+\.\d+ \(data path alone: \d+\.\dx\)", proc.stdout)
+
+
+def test_lm_vs_nanogpt_runs_both_programs_at_nanogpts_cpu_shapes(tmp_path):
+    # a stand-in for a nanoGPT checkout: it checks what the bench hands nanoGPT's train.py (the config
+    # file, the shapes, the data files in its working folder, configurator.py beside them) and prints
+    # iterations as nanoGPT does; train/lm.py runs for real
+    fake = tmp_path / "nanogpt"
+    (fake / "config").mkdir(parents=True)
+    (fake / "config" / "train_shakespeare_char.py").write_text("gradient_accumulation_steps = 1\n")
+    (fake / "configurator.py").write_text("")
+    (fake / "train.py").write_text(
+        "import os, pickle, sys\n"
+        "args = sys.argv[1:]\n"
+        "assert args[0].endswith('config/train_shakespeare_char.py') and os.path.isfile('configurator.py'), args\n"
+        "for shape in ('--block_size=64', '--batch_size=12', '--n_layer=4', '--n_head=4', '--n_embd=128',\n"
+        "              '--device=cpu', '--compile=False', '--dataset=bytes'):\n"
+        "    assert shape in args, shape\n"
+        "assert pickle.load(open('data/bytes/meta.pkl', 'rb')) == {'vocab_size': 257}\n"
+        "assert os.path.getsize('data/bytes/train.bin') > os.path.getsize('data/bytes/val.bin') > 0\n"
+        "steps = int([a for a in args if a.startswith('--max_iters=')][0].split('=')[1])\n"
+        "for i in range(steps + 1):\n"
+        "    print(f'iter {i}: loss 2.0000, time {50 + i % 3}.00ms, mfu 1.00%')\n")
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog.\n" * 400)
+    proc = subprocess.run([sys.executable, "bench/lm_vs_nanogpt.py", "--nanogpt_dir", str(fake), "--text_file",
+                           str(text), "--steps", "40", "--repeats", "1"], cwd=REPO, env=clean_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| nanoGPT train.py | 51.0 |" in proc.stdout  # blocks of 10 after the first 20 iterations
+    assert re.search(r"\| train/lm\.py \| \d+\.\d+ \| \d+\.\d+ \|", proc.stdout), proc.stdout
+    assert re.search(r"RATIO train/lm\.py steps/s / nanoGPT steps/s = \d+\.\d+", proc.stdout)
+
+
+def test_lm_vs_nanogpt_refuses_a_folder_without_train_py(tmp_path):
+    proc = subprocess.run([sys.executable, "bench/lm_vs_nanogpt.py", "--nanogpt_dir", str(tmp_path)], cwd=REPO,
+                          env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
+        f"--nanogpt_dir {tmp_path} holds no train.py; pass a checkout of nanoGPT")

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import reset_accelerate_state
-from train.models.gpt import GPT, GPTConfig
+from train.models.gpt import CPU_LOSS_CHUNK, GPT, GPTConfig, next_token_loss
 
 
 def tiny(**kwargs):
@@ -54,6 +54,21 @@ def test_weight_decay_falls_on_the_linear_matrices_only():
     assert sorted(names[id(p)] for p in decay["params"] + rest["params"]) == sorted(names.values())
     decayed = {names[id(p)] for p in decay["params"]}
     assert decayed == {f"blocks.{i}.{m}.weight" for i in range(2) for m in ("qkv", "proj", "fc", "fc_out")}
+
+
+@pytest.mark.parametrize("vocab", [257, 8192, 50257])
+def test_the_loss_in_pieces_is_cross_entropy_with_the_same_gradients(vocab):
+    torch.manual_seed(0)
+    logits = torch.randn(3, 200, vocab, requires_grad=True)
+    labels = torch.randint(0, vocab, (3, 200))
+    labels[0, :50] = -100  # padding is not scored, and the mean is over the scored tokens
+    pieces = -(-600 // max(1, CPU_LOSS_CHUNK // vocab))
+    assert (pieces > 1) == (vocab > 257)
+    for reduction in ("mean", "sum", "none"):
+        ours = next_token_loss(logits, labels, reduction)
+        whole = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction=reduction)
+        assert ours.shape == whole.shape and torch.allclose(ours, whole, rtol=1e-6, atol=1e-6)
+        assert torch.equal(torch.autograd.grad(ours.sum(), logits)[0], torch.autograd.grad(whole.sum(), logits)[0])
 
 
 def test_flops_per_token_counts_six_per_matmul_weight_and_the_attention():

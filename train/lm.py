@@ -141,7 +141,9 @@ def main(args):
                       f"{config.n_layer} layers, {config.n_head} heads, width {config.n_embd}, context "
                       f"{config.block_size}, vocab {config.vocab_size}, {model.flops_per_token() / 1e6:.1f} MFLOPs "
                       "per token (training)")
-    optimizer = torch.optim.AdamW(model.param_groups(args.weight_decay), lr=args.learning_rate, betas=(0.9, 0.95))
+    # fused: one kernel for all parameters, 5% of a step at nanoGPT's CPU shapes against the per-tensor loop (docs/lm.md)
+    optimizer = torch.optim.AdamW(model.param_groups(args.weight_decay), lr=args.learning_rate, betas=(0.9, 0.95),
+                                  fused=True)
     model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
 
     steps = math.ceil(len(train_loader) / args.gradient_accumulation_steps) * args.num_train_epochs
