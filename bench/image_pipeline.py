@@ -31,11 +31,14 @@ def main(argv=None):
     import torch
     import torch.nn.functional as F
 
-    from data.images import ImageFolderDataset, image_transforms, load_image, normalize, scan_image_folder
+    from data.image_pixels import image_transforms, normalize
+    from data.images import ImageFolderDataset, load_image, scan_image_folder
     from train.models.vision import ConvNet
 
     torch.set_num_threads(1)
     images = scan_image_folder(args.train_dir, "--train_dir").subset(args.images, 0)
+    if len(images) < args.batch_size:
+        parser.error(f"{len(images)} images are fewer than one --batch_size {args.batch_size}; pass a smaller one")
     reference = image_transforms(args.image_size, True)
 
     def before(i, epoch):  # decode, then torchvision's transforms under the global generator, reseeded

@@ -8,8 +8,10 @@ config/train_shakespeare_char.py and `--device=cpu --compile=False --block_size=
 --n_layer=4 --n_head=4 --n_embd=128 --dropout=0.0`. Both programs train that shape here, on the same
 tokens: the GCIDE text (or --text_file) as UTF-8 bytes, a vocabulary of 257 (256 bytes and
 end-of-text), written once as nanoGPT's train.bin/val.bin/meta.pkl and as train/lm.py's window
-shards. One process each, fp32, no compile, torch's default threads; the runs alternate (nanoGPT,
-ours, then ours, nanoGPT, ...) so the host's drift hits both.
+shards. One process each on the CPU, fp32 for both (--dtype=float32; --cpu --mixed_precision no),
+no compile, torch's default threads; the runs alternate (nanoGPT, ours, then ours, nanoGPT, ...) so
+the host's drift hits both. The optimizers differ as the programs ship: ours is a fused AdamW,
+nanoGPT fuses only on CUDA and loops over the tensors on a CPU.
 
 Each program's own clock is read: nanoGPT prints every iteration's milliseconds, train/lm.py logs
 samples/s every 10 steps to metrics.jsonl. Per run: the median over blocks of 10 steps after the first
@@ -32,6 +34,7 @@ from bench.harness import REPO, child_env
 
 SHAPES = {"block_size": 64, "batch_size": 12, "n_layer": 4, "n_head": 4, "n_embd": 128}
 BLOCK, SKIP = 10, 20  # steps per timed block; steps left out at the start
+NANOGPT_FILES = ("train.py", "configurator.py", os.path.join("config", "train_shakespeare_char.py"))
 
 
 def write_text(path, text_file, megabytes):
@@ -71,7 +74,7 @@ def blocks(ms_per_step):
 def run_nanogpt(nanogpt_dir, scratch, steps):
     cmd = [sys.executable, os.path.join(nanogpt_dir, "train.py"),
            os.path.join(nanogpt_dir, "config", "train_shakespeare_char.py"), "--device=cpu", "--compile=False",
-           "--dataset=bytes", "--dropout=0.0", "--eval_iters=1", "--eval_interval=1000000", "--log_interval=1",
+           "--dtype=float32", "--dataset=bytes", "--dropout=0.0", "--eval_iters=1", "--eval_interval=1000000", "--log_interval=1",
            f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--out_dir={os.path.join(scratch, 'nanogpt_out')}",
            *[f"--{k}={v}" for k, v in SHAPES.items()]]
     proc = subprocess.run(cmd, cwd=scratch, env=child_env(), capture_output=True, text=True)
@@ -87,7 +90,7 @@ def run_ours(scratch, steps):
            "--dataset_dir", os.path.join(scratch, "tokens"), "--block_size", str(SHAPES["block_size"]),
            "--per_device_train_batch_size", str(SHAPES["batch_size"]), "--n_layer", str(SHAPES["n_layer"]),
            "--n_head", str(SHAPES["n_head"]), "--n_embd", str(SHAPES["n_embd"]), "--dropout", "0",
-           "--max_train_steps", str(steps), "--logging_steps", str(BLOCK),
+           "--max_train_steps", str(steps), "--logging_steps", str(BLOCK), "--cpu", "--mixed_precision", "no",
            "--output_dir", out, "--overwrite_output_dir"]
     proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True)
     if proc.returncode != 0:
@@ -107,8 +110,9 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=300, help="Optimizer steps per run.")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    if not os.path.isfile(os.path.join(args.nanogpt_dir, "train.py")):
-        parser.error(f"--nanogpt_dir {args.nanogpt_dir} holds no train.py; pass a checkout of nanoGPT")
+    missing = [f for f in NANOGPT_FILES if not os.path.isfile(os.path.join(args.nanogpt_dir, f))]
+    if missing:
+        parser.error(f"--nanogpt_dir {args.nanogpt_dir} holds no {', '.join(missing)}; pass a checkout of nanoGPT")
     if args.steps < SKIP + BLOCK:
         parser.error(f"--steps must be at least {SKIP + BLOCK}: the first {SKIP} are not timed")
 

@@ -7,9 +7,11 @@ Class names come from the subfolder names, sorted; a class's images may sit in n
 PNG, JPEG, BMP and WebP files in any mode (RGB, grayscale, palette, with alpha) and any size are
 read as RGB and resized or cropped to one square size by torchvision v2 transforms.
 
-Images are decoded when a batch first needs them (in DataLoader workers when there are any). Without
-workers, and when the decoded pixels fit the memory budget of decode_cache_budget(), each process keeps
-what it decoded: later epochs crop and flip the kept uint8 pixels instead of decoding the file again.
+Images are decoded when a batch needs them (in DataLoader workers when there are any). Without
+workers, and when the decoded pixels fit the budget of data.image_pixels.keep_budget(), each process
+keeps what it decodes: an image it meets again is cropped and flipped from its kept uint8 pixels
+instead of being decoded again (with 2 processes each meets half the images in an epoch, so the
+second epoch still decodes about half of its share, the third a quarter).
 The streaming source puts the same files behind the exactly-once sharded plan of data/sharding.py, and
 prepare_image_folder writes a folder as parquet shards of the files' bytes (data.prepare --train_dir).
 
@@ -18,7 +20,6 @@ a different worker count, the streaming path, or a cached image draws the same c
 the same sample.
 """
 import hashlib
-import math
 import os
 from dataclasses import dataclass, replace
 
@@ -28,10 +29,11 @@ from torch.utils.data import Dataset
 
 from data.atomic_folder import atomic_folder, report, up_to_date
 from data.errors import DataError
+from data.image_pixels import crop_and_flip, image_transforms
 from data.shards import hash_files, read_manifest, write_manifest, write_table_shards
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # what torchvision's weights expect
+TENSOR_OVERHEAD = 1536  # bytes a kept image takes beyond its pixels
 
 
 @dataclass
@@ -56,8 +58,9 @@ class ImageFiles:
                        sizes=[self.sizes[i] for i in ids] if self.sizes else None)
 
     def decoded_bytes(self):
-        """The bytes of every image decoded to uint8 RGB at its own size."""
-        return sum(3 * w * h for w, h in self.sizes) if self.sizes else None
+        """The memory every image takes decoded to a uint8 RGB tensor at its own size: its pixels, and
+        about 1.3 KB of tensor and array around them (3,605 bytes of RSS each for 28x28 images)."""
+        return sum(3 * w * h + TENSOR_OVERHEAD for w, h in self.sizes) if self.sizes else None
 
     def subset(self, max_samples, seed):
         """A random `max_samples` of the images (the same on every process), in folder order."""
@@ -190,74 +193,6 @@ def load_image(path):
         raise DataError(f"{path} cannot be decoded ({' '.join(str(e).split())[:100]}); delete or replace it") from None
 
 
-def image_transforms(image_size, train):
-    """torchvision v2 transforms from a PIL image to a uint8 tensor [3, image_size, image_size]:
-    a random resized crop and flip for training; resize the short side and crop the centre for
-    evaluation. uint8 keeps worker-to-process transfers 4x smaller; normalize() makes floats.
-    ImageFolderDataset draws the training pair with a generator of its own (crop_and_flip), with
-    the same results as these transforms under a global generator seeded alike."""
-    from torchvision.transforms import v2
-
-    if train:
-        return v2.Compose([v2.PILToTensor(), v2.RandomResizedCrop(image_size, scale=CROP_SCALE, antialias=True),
-                           v2.RandomHorizontalFlip()])
-    return v2.Compose([v2.PILToTensor(), v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size)])
-
-
-CROP_SCALE, CROP_RATIO = (0.35, 1.0), (3 / 4, 4 / 3)  # the fraction of the area a training crop keeps; its aspect
-
-
-def crop_and_flip(pixels, image_size, generator):
-    """The training augmentation of image_transforms(image_size, True) after its PILToTensor, drawn
-    from `generator` in the order torchvision's RandomResizedCrop and RandomHorizontalFlip draw from
-    the global one (area, aspect ratio, up to 10 tries, then the corner; then the flip), so a seed
-    gives the same crop either way. A generator of its own per sample costs microseconds where
-    forking and reseeding the global one costs a third of a millisecond, about as much as decoding
-    a small PNG."""
-    from torchvision.transforms.v2 import functional as TF
-
-    height, width = pixels.shape[-2:]
-    area, log_ratio = height * width, torch.log(torch.tensor(CROP_RATIO)).tolist()  # in float32, as torchvision
-    for _ in range(10):
-        target_area = area * torch.empty(1).uniform_(*CROP_SCALE, generator=generator).item()
-        aspect = torch.exp(torch.empty(1).uniform_(*log_ratio, generator=generator)).item()
-        w, h = int(round(math.sqrt(target_area * aspect))), int(round(math.sqrt(target_area / aspect)))
-        if 0 < w <= width and 0 < h <= height:
-            top = torch.randint(0, height - h + 1, size=(1,), generator=generator).item()
-            left = torch.randint(0, width - w + 1, size=(1,), generator=generator).item()
-            break
-    else:  # no try fitted: the largest centred crop within the aspect ratios, as torchvision falls back
-        w, h = width, height
-        if width / height < CROP_RATIO[0]:
-            h = int(round(w / CROP_RATIO[0]))
-        elif width / height > CROP_RATIO[1]:
-            w = int(round(h * CROP_RATIO[1]))
-        top, left = (height - h) // 2, (width - w) // 2
-    pixels = TF.resized_crop(pixels, top, left, h, w, size=[image_size, image_size], antialias=True)
-    return TF.horizontal_flip(pixels) if torch.rand(1, generator=generator).item() < 0.5 else pixels
-
-
-def normalize(images, mean=IMAGENET_MEAN, std=IMAGENET_STD):
-    """uint8 [B, 3, H, W] -> float, standardised per channel, on the batch's device."""
-    mean = torch.tensor(mean, device=images.device).view(1, -1, 1, 1)
-    std = torch.tensor(std, device=images.device).view(1, -1, 1, 1)
-    return (images.float() / 255.0 - mean) / std
-
-
-def decode_cache_budget(local_processes, num_workers):
-    """Bytes of decoded pixels each training process may keep: a quarter of the memory free now,
-    shared by the processes of this machine; 0 with DataLoader workers, whose copies of the dataset
-    would each keep their own and end with the epoch."""
-    if num_workers:
-        return 0
-    try:
-        with open("/proc/meminfo") as f:
-            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):  # not Linux: the total, as POSIX says it
-        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-    return free // 4 // max(1, local_processes)
-
-
 class ImageFolderDataset(Dataset):
     """Map-style: sample i is {"image": uint8 [3, S, S], "label": int}. Training samples (`train`)
     are cropped and flipped by (seed, epoch, sample); evaluation samples resized and centre-cropped.
@@ -291,10 +226,12 @@ class ImageFolderDataset(Dataset):
 
     def __getitem__(self, index):
         index = int(index)
-        pixels = self._pixels(index)
+        kept = pixels = self._pixels(index)
         if self.train:  # the draw depends on (seed, epoch, sample) only
             generator = torch.Generator().manual_seed(hash((self.seed, self.epoch, index)) & (2 ** 63 - 1))
             pixels = crop_and_flip(pixels, self.image_size, generator)
+        if self.cache is not None and pixels.untyped_storage().data_ptr() == kept.untyped_storage().data_ptr():
+            pixels = pixels.clone()  # a whole-image crop is a view: what a caller does to it must not reach the cache
         return {"image": pixels, "label": self.images.labels[index]}
 
 

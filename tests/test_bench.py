@@ -142,7 +142,7 @@ def test_lm_vs_nanogpt_runs_both_programs_at_nanogpts_cpu_shapes(tmp_path):
         "args = sys.argv[1:]\n"
         "assert args[0].endswith('config/train_shakespeare_char.py') and os.path.isfile('configurator.py'), args\n"
         "for shape in ('--block_size=64', '--batch_size=12', '--n_layer=4', '--n_head=4', '--n_embd=128',\n"
-        "              '--device=cpu', '--compile=False', '--dataset=bytes'):\n"
+        "              '--device=cpu', '--compile=False', '--dataset=bytes', '--dtype=float32'):\n"
         "    assert shape in args, shape\n"
         "assert pickle.load(open('data/bytes/meta.pkl', 'rb')) == {'vocab_size': 257}\n"
         "assert os.path.getsize('data/bytes/train.bin') > os.path.getsize('data/bytes/val.bin') > 0\n"
@@ -160,8 +160,10 @@ def test_lm_vs_nanogpt_runs_both_programs_at_nanogpts_cpu_shapes(tmp_path):
     assert re.search(r"RATIO train/lm\.py steps/s / nanoGPT steps/s = \d+\.\d+", proc.stdout)
 
 
-def test_lm_vs_nanogpt_refuses_a_folder_without_train_py(tmp_path):
+def test_lm_vs_nanogpt_refuses_a_folder_that_is_not_a_nanogpt_checkout(tmp_path):
+    (tmp_path / "train.py").write_text("")
     proc = subprocess.run([sys.executable, "bench/lm_vs_nanogpt.py", "--nanogpt_dir", str(tmp_path)], cwd=REPO,
                           env=clean_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
-        f"--nanogpt_dir {tmp_path} holds no train.py; pass a checkout of nanoGPT")
+        f"--nanogpt_dir {tmp_path} holds no configurator.py, config/train_shakespeare_char.py; pass a checkout of "
+        "nanoGPT")

@@ -38,10 +38,11 @@ def alive(pid):
 
 def start(cmd, log):
     """cmd in its own process group, as from a terminal, its output into `log` (a file: no pipe that a
-    surviving worker could hold open)."""
+    surviving worker could hold open). Ctrl-C reaches it as it would from a terminal even when the suite
+    itself runs in the background, where the shell sets SIGINT to be ignored and children inherit that."""
     with open(log, "w") as f:
         return subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=clean_env(), stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def wait_for(condition, proc, seconds=240):

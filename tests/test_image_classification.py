@@ -12,8 +12,8 @@ import torch
 from PIL import Image
 
 from conftest import launch, output_of, reset_accelerate_state, run_as_script, run_script
-from data.images import (ImageFileSource, ImageFolderDataset, decode_cache_budget, image_transforms, load_image,
-                         scan_image_folder)
+from data.image_pixels import image_transforms, keep_budget
+from data.images import TENSOR_OVERHEAD, ImageFileSource, ImageFolderDataset, load_image, scan_image_folder
 from data.mnist import CLASS_NAMES, write_image_folders
 from data.sharding import ShardedIterableDataset
 from test_checkpointing import identical, kill_launch, weights
@@ -51,7 +51,7 @@ def test_two_processes_learn_well_above_chance_and_count_every_image_once(traine
     proc, out = trained
     assert "world_size=2 " in proc.stdout
     assert proc.stdout.count("train: 600 images in 10 classes; validation: 299 images in 10 classes") == 1
-    assert "images: 2 MB decoded, kept in memory after the first epoch" in proc.stdout  # 600 x 3 x 28^2 + 299 x 3 x 32^2
+    assert "images: 4 MB decoded, kept by each process as it decodes them" in proc.stdout  # 600 x 28^2 + 299 x 32^2 RGB
     results = json.load(open(out / "all_results.json"))
     assert results["eval_samples"] == 299 and results["world_size"] == 2 and results["train_samples"] == 600
     assert [h["eval_samples"] for h in results["history"]] == [299] * 4
@@ -132,7 +132,7 @@ def test_kept_pixels_crop_and_flip_as_torchvision_does_from_the_file(tmp_path):
         os.makedirs(tmp_path / "ab"[n % 2], exist_ok=True)
         Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(tmp_path / "ab"[n % 2] / f"{n}.png")
     images = scan_image_folder(str(tmp_path), "--train_dir")
-    assert images.decoded_bytes() == sum(3 * w * h for w, h in sizes) * 6
+    assert images.decoded_bytes() == sum(3 * w * h + TENSOR_OVERHEAD for w, h in sizes) * 6
     reference = image_transforms(24, True)  # torchvision's transforms under the global generator
     for cache in (False, True):
         dataset = ImageFolderDataset(images, 24, train=True, seed=5, cache=cache)
@@ -147,12 +147,14 @@ def test_kept_pixels_crop_and_flip_as_torchvision_does_from_the_file(tmp_path):
     evaluation = ImageFolderDataset(images, 24, cache=True)
     for i in list(range(len(images))) * 2:
         assert torch.equal(evaluation[i]["image"], image_transforms(24, False)(load_image(images.files[i])))
+    evaluation[0]["image"].zero_()  # a sample is the caller's to change: the kept square stays as it was
+    assert torch.equal(evaluation[0]["image"], image_transforms(24, False)(load_image(images.files[0])))
 
 
 def test_pixels_are_kept_only_without_workers_and_within_the_memory_budget():
-    assert decode_cache_budget(local_processes=2, num_workers=4) == 0
-    one, two = decode_cache_budget(1, 0), decode_cache_budget(2, 0)
-    assert one > 0 and abs(two - one // 2) <= 2 ** 20  # the free memory moves a little between the two reads
+    assert keep_budget(processes=2, num_workers=4, free=8 * 2 ** 30) == 0
+    assert keep_budget(1, 0, free=8 * 2 ** 30) == 2 * 2 ** 30 and keep_budget(2, 0, free=8 * 2 ** 30) == 2 ** 30
+    assert keep_budget(1, 0) > 0  # this machine's free memory, read
 
 
 def test_augmentation_depends_on_seed_epoch_and_sample_only(folders):

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from data.images import (ImageFileSource, ImageFolderDataset, decode_cache_budget, decode_for_prediction,
-                         image_transforms, list_images, normalize, scan_image_folder)
+from data.image_pixels import image_transforms, keep_budget, normalize
+from data.images import (TENSOR_OVERHEAD, ImageFileSource, ImageFolderDataset, decode_for_prediction, list_images,
+                         scan_image_folder)
 from data.loader import own_process_group, sharded_loader
 from train.core.accelerator import main_process_first
 from train.core.cli import add_optimizer_args, make_parser, positive_float, positive_int
@@ -115,14 +116,14 @@ def main(args):
     if args.image_size is None:
         args.image_size, why = pick_image_size(args.model, train_files.median_size)
         picked.append(f"image_size={args.image_size} ({why}; pass --image_size to choose)")
-    # decode each image once and keep its pixels, when they fit (decode_cache_budget); else decode every epoch
-    needed = train_files.decoded_bytes() + len(eval_files) * 3 * args.image_size ** 2
-    budget = decode_cache_budget(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), args.dataloader_num_workers)
+    # each process keeps the images it decodes when all of them fit its share of the memory; else decodes anew
+    needed = train_files.decoded_bytes() + len(eval_files) * (3 * args.image_size ** 2 + TENSOR_OVERHEAD)
+    keep = needed <= keep_budget(accelerator.num_processes, args.dataloader_num_workers)
     accelerator.print(f"images: {needed / 2 ** 20:,.0f} MB decoded, " + (
-        "kept in memory after the first epoch" if needed <= budget else "decoded again every epoch (" + (
+        "kept by each process as it decodes them" if keep else "decoded again each time (" + (
             "DataLoader workers" if args.dataloader_num_workers else "over a quarter of the free memory") + ")"))
-    train_set = ImageFolderDataset(train_files, args.image_size, train=True, seed=args.seed, cache=needed <= budget)
-    eval_set = ImageFolderDataset(eval_files, args.image_size, cache=needed <= budget)
+    train_set = ImageFolderDataset(train_files, args.image_size, train=True, seed=args.seed, cache=keep)
+    eval_set = ImageFolderDataset(eval_files, args.image_size, cache=keep)
     if args.streaming:
         train_loader = sharded_loader(ImageFileSource(train_set), args.per_device_train_batch_size,
                                       rank=accelerator.process_index, world_size=accelerator.num_processes,

@@ -125,6 +125,8 @@ def next_token_loss(logits, labels, reduction="mean"):
     of CPU_LOSS_CHUNK logits: at the demo's 2,048 tokens x 8,192 words, one piece makes three passes
     over 64 MB in memory, forward and backward 224 ms on one core; 64-row pieces take 121 ms
     (docs/lm.md). The same values up to the order of the sum."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction {reduction!r}: pass 'mean', 'sum' or 'none'")
     logits, labels = logits.flatten(0, 1), labels.flatten()
     rows = max(1, CPU_LOSS_CHUNK // logits.shape[-1])
     if logits.device.type != "cpu" or logits.shape[0] <= rows:  # a GPU's kernels stream it: one call
