@@ -57,9 +57,12 @@ class ImageFiles:
         return replace(self, files=[self.files[i] for i in ids], labels=[self.labels[i] for i in ids],
                        sizes=[self.sizes[i] for i in ids] if self.sizes else None)
 
-    def decoded_bytes(self):
-        """The memory every image takes decoded to a uint8 RGB tensor at its own size: its pixels, and
-        about 1.3 KB of tensor and array around them (3,605 bytes of RSS each for 28x28 images)."""
+    def decoded_bytes(self, square=None):
+        """The memory every image takes kept as a uint8 RGB tensor, at its own size or as a `square`
+        (evaluation keeps its final squares): its pixels and TENSOR_OVERHEAD (3,605 bytes of RSS each
+        for 28x28 images, 1.25 KB over the pixels; 1.5 KB leaves a margin)."""
+        if square:
+            return len(self) * (3 * square ** 2 + TENSOR_OVERHEAD)
         return sum(3 * w * h + TENSOR_OVERHEAD for w, h in self.sizes) if self.sizes else None
 
     def subset(self, max_samples, seed):

@@ -18,8 +18,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from data.image_pixels import image_transforms, keep_budget, normalize
-from data.images import (TENSOR_OVERHEAD, ImageFileSource, ImageFolderDataset, decode_for_prediction, list_images,
-                         scan_image_folder)
+from data.images import ImageFileSource, ImageFolderDataset, decode_for_prediction, list_images, scan_image_folder
 from data.loader import own_process_group, sharded_loader
 from train.core.accelerator import main_process_first
 from train.core.cli import add_optimizer_args, make_parser, positive_float, positive_int
@@ -117,7 +116,7 @@ def main(args):
         args.image_size, why = pick_image_size(args.model, train_files.median_size)
         picked.append(f"image_size={args.image_size} ({why}; pass --image_size to choose)")
     # each process keeps the images it decodes when all of them fit its share of the memory; else decodes anew
-    needed = train_files.decoded_bytes() + len(eval_files) * (3 * args.image_size ** 2 + TENSOR_OVERHEAD)
+    needed = train_files.decoded_bytes() + eval_files.decoded_bytes(square=args.image_size)
     keep = needed <= keep_budget(accelerator.num_processes, args.dataloader_num_workers)
     accelerator.print(f"images: {needed / 2 ** 20:,.0f} MB decoded, " + (
         "kept by each process as it decodes them" if keep else "decoded again each time (" + (
