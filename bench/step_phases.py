@@ -19,15 +19,15 @@ between the phases:
   table splits it into logging steps and the others. Finer rows need a hook in TrainingLoop
   (docs/speed.md).
 
-µs per step, mean over the epoch. A phase is rough to ~±10 µs and the host drifts between runs:
-this locates costs, loop_overhead.py measures the total.
+µs per step, mean over the epoch, in the precision train/mnist.py's `auto` picks (bf16 where the CPU
+has it natively, fp32 elsewhere; --mixed_precision to choose). A phase is rough to ~±10 µs and the
+host drifts between runs: this locates costs, loop_overhead.py measures the total.
 """
 import argparse
 import os
 import sys
 import time
 
-import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,11 +43,11 @@ def add(spent, t):
         spent[phase] += end - start
 
 
-def raw_step(model, optimizer, to_inputs, batches, spent):  # bench/reference/raw_ddp_mnist.py's step
+def raw_step(model, optimizer, to_inputs, autocast, batches, spent):  # bench/reference/raw_ddp_mnist.py's step
     t = [clock()]
     batch = next(batches)
     t.append(clock())
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with autocast():
         logits = model(to_inputs(batch["image"])).float()
     loss = F.cross_entropy(logits, batch["label"])
     t.append(clock())
@@ -86,7 +86,8 @@ def worker(args):
 
     from bench.mnist_loops import MnistBench
 
-    bench = MnistBench(args.data_dir, args.log_dir, "bf16", samples=2000 if args.tiny else None)  # tiny: 20 steps
+    # tiny: 20 steps
+    bench = MnistBench(args.data_dir, args.log_dir, args.mixed_precision, samples=2000 if args.tiny else None)
     accelerator, to_inputs = bench.accelerator, bench.to_inputs
     raw_model, raw_optimizer, raw_loader, _ = bench.raw()
     model, optimizer, loop = bench.ours("step_phases")
@@ -97,13 +98,14 @@ def worker(args):
     for i in range(steps):  # one epoch each: the loop's end-of-epoch evaluation is never reached
         for name in turn_order(("raw", "ours"), i):
             if name == "raw":
-                raw_step(raw_model, raw_optimizer, to_inputs, raw_batches, seconds["raw"])
+                raw_step(raw_model, raw_optimizer, to_inputs, bench.autocast, raw_batches, seconds["raw"])
                 continue
             spent, logged = our_step(accelerator, model, optimizer, loop, to_inputs, our_batches, seconds["ours"])
             calls = after_batch["logging" if logged else "other"]
             calls[0], calls[1] = calls[0] + 1, calls[1] + spent
     loop.progress.close()
     per_rank = gather_object([{"rank": accelerator.process_index, "steps": steps,
+                               "precision": accelerator.mixed_precision,
                                "us_per_step": {name: {phase: 1e6 * s / steps for phase, s in spent.items()}
                                                for name, spent in seconds.items()},
                                "after_batch_us": {kind: [n, 1e6 * s / max(n, 1)]
@@ -118,13 +120,17 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data_dir", default=FASHION_DIR)
     parser.add_argument("--tiny", action="store_true", help="2000 samples (20 steps): checks the bench runs")
+    # auto, as train/mnist.py: bf16 where the CPU has it natively; emulated bf16 (AVX2) times emulation
+    parser.add_argument("--mixed_precision", choices=["auto", "no", "bf16"], default="auto")
     add_worker_flags(parser)
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
-    ranks = sorted(run_workers(__file__, ["--data_dir", args.data_dir, *flag("tiny", args.tiny)]),
+    ranks = sorted(run_workers(__file__, ["--data_dir", args.data_dir, "--mixed_precision", args.mixed_precision,
+                                          *flag("tiny", args.tiny)]),
                    key=lambda r: r["rank"])
-    print(f"{ranks[0]['steps']} steps of each loop, alternating, world size {len(ranks)}, bf16, {MNIST_BATCH} samples "
+    print(f"{ranks[0]['steps']} steps of each loop, alternating, world size {len(ranks)}, "
+          f"mixed_precision={ranks[0]['precision']}, {MNIST_BATCH} samples "
           f"per process{' (tiny)' if args.tiny else ''}; µs per step, mean")
     columns = [(f"{loop} rank {r['rank']}", r["us_per_step"][loop]) for r in ranks for loop in ("raw", "ours")]
     print("| phase | " + " | ".join(name for name, _ in columns) + " | ours - raw, rank 0 |")

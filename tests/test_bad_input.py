@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from conftest import FASHION_DIR, launch, output_of, run_as_script
+from conftest import FASHION_DIR, output_of, run_as_script
 
 
 def copy_fashion(dst):
@@ -77,6 +77,14 @@ def test_zero_batch_size(tmp_path, flag, capsys):
     assert f"argument {flag}: must be a positive integer, got 0" in error_line(proc)
 
 
+def test_a_misspelled_or_abbreviated_flag_is_refused(tmp_path, capsys):
+    proc = run_as_script(capsys, "mnist", "--lerning_rate", "1e-3", "--output_dir", tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+        "error: unrecognized arguments: --lerning_rate 1e-3 (did you mean --learning_rate?); see mnist.py --help")
+    proc = run_as_script(capsys, "mnist", "--learning", "1e-3", "--output_dir", tmp_path)  # no abbreviations
+    assert proc.returncode == 2 and "error: unrecognized arguments: --learning 1e-3" in error_line(proc)
+
+
 def test_mnist_without_network_or_data_dir(tmp_path, capsys):
     # MNIST has no Debian package; offline the download fails and the message says what to do.
     proc = run_as_script(capsys, "mnist", "--dataset", "mnist", "--output_dir", tmp_path / "out")
@@ -84,9 +92,3 @@ def test_mnist_without_network_or_data_dir(tmp_path, capsys):
         pytest.skip("MNIST was downloadable here (network or cache present)")
     line = error_line(proc)
     assert "mnist not found" in line and "--data_dir" in line
-
-
-def test_bad_input_under_two_processes_exits_nonzero(tmp_path):
-    proc = launch("cpu_2proc", "mnist", "--data_dir", tmp_path / "nope", "--output_dir", tmp_path / "out", timeout=120)
-    assert proc.returncode != 0
-    assert "does not exist" in output_of(proc)

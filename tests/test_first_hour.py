@@ -175,12 +175,12 @@ def test_the_wizard_multi_gpu_file_is_two_cpu_processes_without_warnings(wizard_
 
 @pytest.mark.parametrize("args, expected", [
     (["--lerning_rate", "1e-3"], "error: unrecognized arguments: --lerning_rate 1e-3 (did you mean --learning_rate?)"),
-    (["--learning", "1e-3"], "error: unrecognized arguments: --learning 1e-3"),  # no abbreviations
-    (["--per_device_train_batch_size", "0"], "error: argument --per_device_train_batch_size: must be a positive"),
     (["--data_dir", "EMPTY"], "error: no fashion_mnist idx files in"),
     (["--resume_from_checkpoint", "MISSING"], "error: --resume_from_checkpoint"),
-], ids=["misspelled", "abbreviated", "batch_size_0", "empty_data_dir", "missing_checkpoint"])
+], ids=["misspelled", "empty_data_dir", "missing_checkpoint"])
 def test_bad_input_under_two_processes_is_one_line(tmp_path, args, expected):
+    """One error of each stage (the arguments, the data, the checkpoint); the wording of the others is
+    checked in one process (test_bad_input.py): under launch it reaches the user the same way."""
     (tmp_path / "empty").mkdir()
     args = [str(tmp_path / "empty") if a == "EMPTY" else str(tmp_path / "nope") if a == "MISSING" else a for a in args]
     started = time.perf_counter()
@@ -189,6 +189,8 @@ def test_bad_input_under_two_processes_is_one_line(tmp_path, args, expected):
     output = output_of(proc)
     ours = [line for line in output.splitlines() if line.startswith("error:")]
     assert len(ours) == 1 and ours[0].startswith(expected), output
+    # torchrun's ChildFailedError report (about 40 lines) comes first, our line last
+    assert [line for line in output.splitlines() if line.strip()][-1] == ours[0], output[-3000:]
     assert "mnist.py\", line" not in output  # no traceback of ours; what is left is torchrun's report
     assert len(output.splitlines()) <= 45, output  # 46-90 lines before
     assert time.perf_counter() - started < 60  # before the data load and any process-group timeout
