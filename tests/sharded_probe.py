@@ -1,9 +1,13 @@
-"""Launched by tests/test_sharded_launch.py with `accelerate launch`: trains a tiny DDP model from
-parquet shards (or a datasets.Dataset saved with save_to_disk, or a streaming datasets.IterableDataset
-over the shards) through ShardedLoader and writes, on
-the main process, what every rank saw.
+"""Launched by tests/test_sharded_launch.py with `accelerate launch`: for each case of CASES.json,
+trains a tiny DDP model from parquet shards (or a datasets.Dataset saved with save_to_disk, or a
+streaming datasets.IterableDataset over the shards) through ShardedLoader with K DataLoader workers
+and writes, on the main process, what every rank saw to the case's report file. The cases run one
+after the other in one launch, each with an Accelerator and model of its own: a launch costs more
+than all of them.
 
-    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml tests/sharded_probe.py FOLDER OUT.json K [stream]
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml tests/sharded_probe.py CASES.json
+
+CASES.json: [{"folder": FOLDER, "workers": K, "stream": false, "out": REPORT.json}, ...]
 """
 import gc
 import json
@@ -42,6 +46,7 @@ def build(accelerator, folder, workers, stream):
 
 
 def main(folder, out_path, workers, stream=False):
+    # a new Accelerator per case: its own registered loader; the process group (PartialState) stays
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION)
     loader = build(accelerator, folder, workers, stream)
     accelerator.register_for_checkpointing(loader)
@@ -88,8 +93,12 @@ def main(folder, out_path, workers, stream=False):
     accelerator.free_memory()
     gc.collect()
     accelerator.wait_for_everyone()  # a rank that tears gloo down while its peer still works can abort
-    accelerator.end_training()
+    return accelerator
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:] == ["stream"])
+    with open(sys.argv[1]) as f:
+        cases = json.load(f)
+    for case in cases:
+        last = main(case["folder"], case["out"], case["workers"], case["stream"])
+    last.end_training()

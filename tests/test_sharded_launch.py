@@ -37,15 +37,30 @@ def saved_dataset(tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("data,workers", [("parquet", 0), ("parquet", 2), ("datasets", 2), ("stream", 1)])
-def test_two_ranks_cover_every_epoch_exactly_once(request, tmp_path, data, workers):
-    folder = request.getfixturevalue("saved_dataset" if data == "datasets" else "uneven_shards")
-    out = tmp_path / "report.json"
+CASES = [("parquet", 0), ("parquet", 2), ("datasets", 2), ("stream", 1)]
+
+
+@pytest.fixture(scope="module")
+def reports(uneven_shards, saved_dataset, tmp_path_factory):
+    """Every case in one launch of the probe (one after the other, each with its own Accelerator)."""
+    root = tmp_path_factory.mktemp("probe")
+    cases = [{"folder": saved_dataset if data == "datasets" else uneven_shards, "workers": workers,
+              "stream": data == "stream", "out": str(root / f"{data}-{workers}" / "report.json")}
+             for data, workers in CASES]
+    for case in cases:
+        os.makedirs(os.path.dirname(case["out"]))
+    (root / "cases.json").write_text(json.dumps(cases))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, "cpu_2proc.yaml"),
-           os.path.join("tests", "sharded_probe.py"), folder, str(out), str(workers)] + (["stream"] if data == "stream" else [])
+           os.path.join("tests", "sharded_probe.py"), str(root / "cases.json")]
     # the timeout is the failure mode of a hang on uneven batch counts
-    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, output_of(proc)
+    return {(data, workers): case["out"] for (data, workers), case in zip(CASES, cases)}
+
+
+@pytest.mark.parametrize("data,workers", CASES)
+def test_two_ranks_cover_every_epoch_exactly_once(reports, data, workers):
+    out = reports[data, workers]
     report = json.load(open(out))
     assert report["world_size"] == 2
     for epoch_ids in report["epochs"]:
