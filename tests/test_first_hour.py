@@ -48,12 +48,15 @@ def test_native_bf16_detection(flags, capability, isa, native):
     assert cpu_has_native_bf16(flags, capability, isa)[0] is native
 
 
-def test_auto_picks_fp32_on_an_avx2_cpu_and_bf16_asked_there_warns(tmp_path):
-    proc = script("mnist", *TINY_MNIST, "--output_dir", tmp_path / "auto", **AVX2_ONLY)
+def test_auto_picks_fp32_on_an_avx2_cpu_and_bf16_asked_there_warns(tmp_path, capsys, monkeypatch):
+    # in this process: the choice reads the limits from the environment when the run starts
+    for name, value in AVX2_ONLY.items():
+        monkeypatch.setenv(name, value)
+    proc = run_as_script(capsys, "mnist", *TINY_MNIST, "--output_dir", tmp_path / "auto")
     assert proc.returncode == 0, output_of(proc)
     assert "mixed_precision=no (auto: no native bf16 on this CPU" in proc.stdout
     assert "warning: bf16" not in proc.stdout
-    proc = script("mnist", *TINY_MNIST, "--mixed_precision", "bf16", "--output_dir", tmp_path / "bf16", **AVX2_ONLY)
+    proc = run_as_script(capsys, "mnist", *TINY_MNIST, "--mixed_precision", "bf16", "--output_dir", tmp_path / "bf16")
     assert proc.returncode == 0, output_of(proc)
     assert "mixed_precision=bf16 (as asked)" in proc.stdout
     assert proc.stdout.count("warning: bf16 on a CPU without native bf16") == 1
