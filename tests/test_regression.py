@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import launch, output_of
+from conftest import launch, output_of, reset_accelerate_state
 from train import regression
 
 STEPS = ["--max_train_steps", 12, "--seed", 3]  # stop mid-trajectory, where mistakes show in the weights
@@ -21,11 +21,11 @@ def max_diff(a, b):
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
-    out = tmp_path_factory.mktemp("reg1")
-    proc = launch("cpu", "regression", "--per_device_train_batch_size", 32, "--output_dir", out, *STEPS)
-    assert proc.returncode == 0, output_of(proc)
-    assert "process 0/1 " in proc.stdout
-    return weights(out)
+    """The reference: one process, batch 32, in the test's process (a launch adds nothing here)."""
+    try:
+        return run_in_process(tmp_path_factory.mktemp("reg1"), "--per_device_train_batch_size", 32)
+    finally:
+        reset_accelerate_state()
 
 
 def test_two_processes_equal_one_process_with_the_same_global_batch(one_process, tmp_path):
