@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from conftest import CONFIGS, REPO, clean_env, launch, output_of
+from conftest import CONFIGS, REPO, clean_env, launch, output_of, run_as_script
 from train.core import accelerator as accelerator_module
 from train.core.accelerator import check_writable, choose_mixed_precision
 from train.core.run import run
@@ -177,13 +177,12 @@ def test_a_read_only_output_dir_under_launch_is_one_line_before_training(tmp_pat
 
 
 @pytest.mark.parametrize("checkpoint_format", ["full", "sharded"])
-def test_a_full_disk_during_a_run_is_one_line(tmp_path, mount, checkpoint_format):
+def test_a_full_disk_during_a_run_is_one_line(tmp_path, mount, checkpoint_format, capsys):
     """The first checkpoint does not fit: one line naming the file, exit 1 (was 105 lines); the
     sharded writer's error comes out of torch.distributed.checkpoint's wrapper as the same line."""
     out = mount("size=64k") / "run"
-    proc = subprocess.run([sys.executable, "train/mnist.py", *map(str, TINY_MNIST), "--checkpointing_steps", "2",
-                           "--checkpoint_format", checkpoint_format, "--output_dir", str(out)], cwd=REPO,
-                          env=clean_env(), capture_output=True, text=True, timeout=180)
+    proc = run_as_script(capsys, "mnist", *TINY_MNIST, "--checkpointing_steps", 2, "--checkpoint_format",
+                         checkpoint_format, "--output_dir", out)
     assert proc.returncode == 1, output_of(proc)[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = nonempty_lines(proc.stderr)[-1]
