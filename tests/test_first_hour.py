@@ -20,11 +20,6 @@ TINY_MNIST = ["--model", "convnet_fast", "--max_train_samples", 512, "--max_eval
               "--num_train_epochs", 1, "--per_device_train_batch_size", 32]
 
 
-def script(name, *args, timeout=180, **env):
-    cmd = [sys.executable, os.path.join("train", name + ".py"), *map(str, args)]
-    return subprocess.run(cmd, cwd=REPO, env=clean_env(**env), capture_output=True, text=True, timeout=timeout)
-
-
 def launch_file(config_file, script_name, *args, launch_args=(), timeout=300):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch_args]
     cmd += ["--config_file", str(config_file)] if config_file else []
@@ -227,8 +222,8 @@ def test_ctrl_c_stops_at_once_with_the_resume_command(tmp_path):
 
 # ----------------------------------------------------------------------------- --help
 
-def test_help_is_grouped_with_defaults():
-    proc = script("mnist", "--help")
+def test_help_is_grouped_with_defaults(capsys):
+    proc = run_as_script(capsys, "mnist", "--help")
     assert proc.returncode == 0
     for title in ("data:", "model:", "optimization:", "output and checkpoints:", "logging and tracking:",
                   "hardware and precision:"):
