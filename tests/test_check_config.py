@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from conftest import CONFIGS, REPO, clean_env
-from train.check_config import problems, summary
+from train.check_config import main, problems, summary
 
 GOOD_2NODE = """\
 distributed_type: MULTI_GPU
@@ -71,8 +71,13 @@ def test_command_line_exit_codes_and_one_line_each(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["cpu", "cpu_2proc", "cpu_4proc"])
-def test_cpu_configs_pass_here(name):
-    proc = subprocess.run([sys.executable, "-m", "train.check_config", f"{CONFIGS}/{name}.yaml"], cwd=REPO,
+def test_cpu_configs_pass_here(name, capsys):
+    assert main([f"{CONFIGS}/{name}.yaml"]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.startswith(f"ok: {CONFIGS}/{name}.yaml: ")
+
+
+def test_a_good_config_on_the_command_line_is_ok_and_exit_0():
+    proc = subprocess.run([sys.executable, "-m", "train.check_config", f"{CONFIGS}/cpu_2proc.yaml"], cwd=REPO,
                           env=clean_env(), capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.startswith("ok: "), proc.stderr
 
