@@ -99,6 +99,7 @@ def main(folder, out_path, workers, stream=False):
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
         cases = json.load(f)
-    for case in cases:
+    for number, case in enumerate(cases):
+        print(f"case {number}: {case}", flush=True)  # which case a hang or crash happened in
         last = main(case["folder"], case["out"], case["workers"], case["stream"])
     last.end_training()

@@ -1,6 +1,6 @@
 """train/image_classification.py on real images: Fashion-MNIST written as PNG class folders (a small
 slice), trained with 2 real CPU processes; every validation image counted once; bit-identical resume
-after a SIGKILL on both data paths; prediction with the trained run; images of every format and mode;
+on both data paths (map-style after a real SIGKILL); prediction with the trained run; images of every format and mode;
 torchvision models by name and local pretrained weights; and each kind of bad folder as one line."""
 import json
 import os
