@@ -5,15 +5,15 @@
 PYTHON ?= python3
 CONFIG ?= accelerate_configs/cpu_2proc.yaml
 DATASET ?= fashion_mnist
-# convnet_fast (the recipe's), convnet (the seed's model) or convnet_wide (for >= 92%: README)
-MODEL ?= convnet_fast
+# convnet_mlp (the recipe's), convnet_fast (the recipe before it), convnet (the seed's model) or convnet_wide
+MODEL ?= convnet_mlp
 EPOCHS ?= 4
 # auto: bf16 on GPUs and on CPUs with AVX512-BF16/AMX, fp32 on other CPUs (emulated bf16 is ~10x slower there)
 MIXED_PRECISION ?= auto
 OUTPUT_DIR ?= runs/$(DATASET)
 EXTRA ?=
 FASHION_DIR := /usr/share/datasets/fashion-mnist
-# The fast recipe: >= 91% Fashion-MNIST test accuracy in under 60 s with 2 CPU processes, 4 epochs (README).
+# The fast recipe: ~92% Fashion-MNIST test accuracy (>= 91.8% over seeds 0-4) in 4 epochs on 2 CPU processes (README).
 RECIPE := --config train/configs/fashion_mnist.yaml
 
 IMAGES_DIR ?= runs/images/fashion_mnist

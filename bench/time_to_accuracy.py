@@ -1,6 +1,8 @@
 """Wall time from launch to final evaluation of the README's main job (`make train-only`), and its accuracy.
 
     python bench/time_to_accuracy.py --repeats 3                  # ~3 minutes on 2 cores
+    python bench/time_to_accuracy.py --seeds 0 1 2 3 4            # the recipe's spread over seeds
+    python bench/time_to_accuracy.py --seeds 0 1 2 --baseline MODEL=convnet_fast   # side by side
     python bench/time_to_accuracy.py --repeats 1 EPOCHS=9         # other Makefile variables pass through
     python bench/time_to_accuracy.py --tiny                       # seconds; what the test suite runs
 
@@ -8,10 +10,15 @@ Each run is timed from starting `make` (so `accelerate launch`, the imports and 
 count) to its exit, which comes after the final evaluation and the saving of model, metrics and
 curves.png: a slight overestimate of "launch to final evaluation". Reports each run's test accuracy
 per epoch, the medians, and how many runs reached the target accuracy within the target time.
+With --seeds, one run per seed (accuracy is deterministic for a seed on one CPU's kernels), and the
+mean and lowest accuracy. With --baseline, each run is paired with a run of the same seed under
+those Makefile variables, the two alternating (A/B, then B/A) so the host's drift hits both; the
+ratio of their walls is what to quote, since this host's speed drifts up to 2x over a day.
 """
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -22,53 +29,85 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness import REPO, child_env
 
 
+def make_run(out, make_vars, seed):
+    """One `make train-only` run, timed; its results from all_results.json and the header."""
+    extra = " ".join(v.split("=", 1)[1] for v in make_vars if v.startswith("EXTRA="))
+    if seed is not None:
+        extra = f"{extra} --seed {seed}".strip()
+    cmd = ["make", "--no-print-directory", "train-only", f"OUTPUT_DIR={out}", f"PYTHON={sys.executable}",
+           *[v for v in make_vars if not v.startswith("EXTRA=")], *([f"EXTRA={extra}"] if extra else [])]
+    env = child_env()
+    env["PYTHON"] = sys.executable
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"error: make train-only failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    with open(os.path.join(out, "all_results.json")) as f:
+        results = json.load(f)
+    header = next((line for line in proc.stdout.splitlines() if line.startswith("world_size=")), "")
+    precision = header.split("mixed_precision=", 1)[-1].split(" global_batch_size")[0]
+    return {"precision": precision, "wall": wall, "accuracy": results["eval_accuracy"], "seed": seed,
+            "per_epoch": [h["eval_accuracy"] for h in results["history"]],
+            "eval_samples": results["eval_samples"], "epoch_seconds": results["epoch_seconds"]}
+
+
+def report(title, runs, args):
+    met = sum(r["accuracy"] >= args.target_accuracy and r["wall"] <= args.target_seconds for r in runs)
+    print(f"\n{title}, {len(runs)} run(s){' (tiny)' if args.tiny else ''}; mixed_precision={runs[0]['precision']}")
+    print("| run | seed | wall s (launch to exit) | train s/epoch (mean) | final test accuracy | eval samples |")
+    print("|---|---|---|---|---|---|")
+    for i, r in enumerate(runs, 1):
+        print(f"| {i} | {'default' if r['seed'] is None else r['seed']} | {r['wall']:.1f} | "
+              f"{statistics.mean(r['epoch_seconds']):.2f} | {r['accuracy']:.4f} | {r['eval_samples']} |")
+    accuracies = [r["accuracy"] for r in runs]
+    print(f"MEDIAN wall = {statistics.median(r['wall'] for r in runs):.1f} s, final accuracy = "
+          f"{statistics.median(accuracies):.4f} (mean {statistics.mean(accuracies):.4f}, lowest {min(accuracies):.4f})")
+    print(f"TARGET >= {args.target_accuracy:.2%} within {args.target_seconds:.0f} s: met by {met} of {len(runs)} runs")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="Runs with the default seed (without --seeds).")
+    parser.add_argument("--seeds", type=int, nargs="+", help="One run per seed instead of --repeats.")
+    parser.add_argument("--baseline", help="Makefile variables of a second variant to pair with each run, e.g. "
+                        "'MODEL=convnet_fast EPOCHS=4'.")
     parser.add_argument("--target_accuracy", type=float, default=0.91)
     parser.add_argument("--target_seconds", type=float, default=60.0)
     parser.add_argument("--tiny", action="store_true", help="1 epoch of 1280 samples: checks that the bench runs")
     parser.add_argument("make_vars", nargs="*", help="Makefile variables, e.g. EPOCHS=9 MIXED_PRECISION=no")
     args = parser.parse_args(argv)
-    make_vars = list(args.make_vars)
-    if args.tiny:
-        args.repeats = 1
-        make_vars += ["EPOCHS=1", "EXTRA=--max_train_samples 1280 --max_eval_samples 500"]
-    env = child_env()
-    env["PYTHON"] = sys.executable
-    runs = []
+    variants = {"run": list(args.make_vars)}
+    if args.baseline:
+        variants["baseline"] = list(args.make_vars) + shlex.split(args.baseline)
+    for name, make_vars in variants.items():
+        bad = [v for v in make_vars if "=" not in v]
+        if bad:
+            parser.error(f"{' '.join(bad)}: pass Makefile variables as NAME=VALUE")
+        if args.tiny:
+            make_vars += ["EPOCHS=1", "EXTRA=--max_train_samples 1280 --max_eval_samples 500"]
+    seeds = args.seeds or [None] * (1 if args.tiny else args.repeats)
+    runs = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as tmp:
-        for repeat in range(args.repeats):
-            out = os.path.join(tmp, f"run{repeat}")
-            start = time.perf_counter()
-            proc = subprocess.run(["make", "--no-print-directory", "train-only", f"OUTPUT_DIR={out}",
-                                   f"PYTHON={sys.executable}", *make_vars], cwd=REPO, env=env,
-                                  capture_output=True, text=True)
-            wall = time.perf_counter() - start
-            if proc.returncode != 0:
-                raise SystemExit(f"error: make train-only failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-            results = json.load(open(os.path.join(out, "all_results.json")))
-            header = next((line for line in proc.stdout.splitlines() if line.startswith("world_size=")), "")
-            precision = header.split("mixed_precision=", 1)[-1].split(" global_batch_size")[0]
-            accuracies = [h["eval_accuracy"] for h in results["history"]]
-            runs.append({"precision": precision, "wall": wall, "accuracy": results["eval_accuracy"], "per_epoch": accuracies,
-                         "eval_samples": results["eval_samples"], "epoch_seconds": results["epoch_seconds"]})
-            print(f"run {repeat + 1}: {wall:.1f} s from launch, test accuracy per epoch "
-                  f"{' '.join(f'{a:.4f}' for a in accuracies)}", flush=True)
-    met = sum(r["accuracy"] >= args.target_accuracy and r["wall"] <= args.target_seconds for r in runs)
+        for i, seed in enumerate(seeds):
+            order = list(variants) if i % 2 == 0 else list(variants)[::-1]
+            for name in order:
+                run = make_run(os.path.join(tmp, f"{name}{i}"), variants[name], seed)
+                runs[name].append(run)
+                print(f"{name} {i + 1}{'' if seed is None else f' (seed {seed})'}: {run['wall']:.1f} s from launch, "
+                      f"test accuracy per epoch {' '.join(f'{a:.4f}' for a in run['per_epoch'])}", flush=True)
+
     from train.core.accelerator import cpu_has_native_bf16
 
     native, what = cpu_has_native_bf16()
-    print(f"\n`make train-only {' '.join(make_vars)}`, {args.repeats} run(s){' (tiny)' if args.tiny else ''}")
-    print(f"CPU: {what} (native bf16: {'yes' if native else 'no'}); mixed_precision={runs[0]['precision']}")
-    print("| run | wall s (launch to exit) | train s/epoch (mean) | final test accuracy | eval samples |")
-    print("|---|---|---|---|---|")
-    for i, r in enumerate(runs, 1):
-        print(f"| {i} | {r['wall']:.1f} | {statistics.mean(r['epoch_seconds']):.2f} | {r['accuracy']:.4f} | "
-              f"{r['eval_samples']} |")
-    print(f"MEDIAN wall = {statistics.median(r['wall'] for r in runs):.1f} s, final accuracy = "
-          f"{statistics.median(r['accuracy'] for r in runs):.4f}")
-    print(f"TARGET >= {args.target_accuracy:.2%} within {args.target_seconds:.0f} s: met by {met} of {len(runs)} runs")
+    print(f"\nCPU: {what} (native bf16: {'yes' if native else 'no'})")
+    report(f"`make train-only {' '.join(variants['run'])}`", runs["run"], args)
+    if args.baseline:
+        report(f"baseline `make train-only {' '.join(variants['baseline'])}`", runs["baseline"], args)
+        pairs = [r["wall"] / b["wall"] for r, b in zip(runs["run"], runs["baseline"])]
+        print(f"\nRATIO wall / baseline wall = {statistics.median(pairs):.3f} (per pair: "
+              f"{', '.join(f'{p:.3f}' for p in pairs)}); accuracy {statistics.mean(r['accuracy'] for r in runs['run']):.4f}"
+              f" against {statistics.mean(r['accuracy'] for r in runs['baseline']):.4f} (means)")
 
 
 if __name__ == "__main__":

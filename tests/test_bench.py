@@ -32,12 +32,15 @@ def test_compare_reference_refuses_an_unknown_path():
 
 
 def test_time_to_accuracy_tiny_mode_reports_runs_and_target(fashion_dir):
-    proc = subprocess.run([sys.executable, "bench/time_to_accuracy.py", "--tiny"], cwd=REPO, env=clean_env(),
-                          capture_output=True, text=True, timeout=600)
+    # a seed and a baseline: the two runs the README's recipe table is made of, paired
+    proc = subprocess.run([sys.executable, "bench/time_to_accuracy.py", "--tiny", "--seeds", "3", "--baseline",
+                           "MODEL=convnet_fast"], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1 |")]
-    assert len(rows) == 1 and rows[0].endswith("| 500 |")  # one run, all 500 test samples evaluated
-    assert re.search(r"TARGET >= 91\.00% within 60 s: met by [01] of 1 runs", proc.stdout)
+    assert len(rows) == 2 and all(r.startswith("| 1 | 3 |") and r.endswith("| 500 |") for r in rows), rows
+    assert "baseline `make train-only MODEL=convnet_fast EPOCHS=1" in proc.stdout
+    assert len(re.findall(r"TARGET >= 91\.00% within 60 s: met by [01] of 1 runs", proc.stdout)) == 2
+    assert re.search(r"RATIO wall / baseline wall = \d+\.\d+ \(per pair: \d+\.\d+\)", proc.stdout)
 
 
 def test_loop_overhead_tiny_mode_runs_its_loops_in_two_processes(fashion_dir):

@@ -63,7 +63,7 @@ def test_a_runs_args_json_is_a_config_that_gives_the_same_arguments(tmp_path):
     ("learning_rat: 0.1\n", "unknown key 'learning_rat' (did you mean --learning_rate?)"),
     ("learning_rate: fast\n", "learning_rate: expected a positive number, got 'fast'"),
     ("num_train_epochs: 2.5\n", "num_train_epochs: expected a positive integer, got '2.5'"),
-    ("model: resnet\n", "model: 'resnet' is not one of convnet, convnet_fast, convnet_wide"),
+    ("model: resnet\n", "model: 'resnet' is not one of convnet, convnet_fast, convnet_mlp, convnet_wide"),
     ("augment: 1\n", "augment takes true or false, got 1"),
     ("learning_rate: null\n", "learning_rate cannot be null"),
     ("- learning_rate\n", "expected a mapping of flag names to values"),
