@@ -5,7 +5,7 @@
 PYTHON ?= python3
 CONFIG ?= accelerate_configs/cpu_2proc.yaml
 DATASET ?= fashion_mnist
-# convnet_mlp (the recipe's), convnet_fast (the recipe before it), convnet (the seed's model) or convnet_wide
+# convnet_mlp (the recipe's), convnet_fast (the recipe before it), convnet (the seed's model) or convnet_wide (README)
 MODEL ?= convnet_mlp
 EPOCHS ?= 4
 # auto: bf16 on GPUs and on CPUs with AVX512-BF16/AMX, fp32 on other CPUs (emulated bf16 is ~10x slower there)
@@ -13,7 +13,8 @@ MIXED_PRECISION ?= auto
 OUTPUT_DIR ?= runs/$(DATASET)
 EXTRA ?=
 FASHION_DIR := /usr/share/datasets/fashion-mnist
-# The fast recipe: ~92% Fashion-MNIST test accuracy (>= 91.8% over seeds 0-4) in 4 epochs on 2 CPU processes (README).
+# The fast recipe: ~92% Fashion-MNIST test accuracy in 4 epochs on 2 CPU processes (91.83-92.07% over seeds 0-4 in
+# fp32 on an AVX2 CPU; docs/speed.md). convnet_wide with EPOCHS=6: 92.2%, more compute.
 RECIPE := --config train/configs/fashion_mnist.yaml
 
 IMAGES_DIR ?= runs/images/fashion_mnist

@@ -3,17 +3,18 @@
     python bench/time_to_accuracy.py --repeats 3                  # ~3 minutes on 2 cores
     python bench/time_to_accuracy.py --seeds 0 1 2 3 4            # the recipe's spread over seeds
     python bench/time_to_accuracy.py --seeds 0 1 2 --baseline MODEL=convnet_fast   # side by side
-    python bench/time_to_accuracy.py --repeats 1 EPOCHS=9         # other Makefile variables pass through
+    python bench/time_to_accuracy.py EPOCHS=9 --repeats 1         # Makefile variables, before the flags
     python bench/time_to_accuracy.py --tiny                       # seconds; what the test suite runs
 
 Each run is timed from starting `make` (so `accelerate launch`, the imports and process start-up
 count) to its exit, which comes after the final evaluation and the saving of model, metrics and
 curves.png: a slight overestimate of "launch to final evaluation". Reports each run's test accuracy
 per epoch, the medians, and how many runs reached the target accuracy within the target time.
-With --seeds, one run per seed (accuracy is deterministic for a seed on one CPU's kernels), and the
-mean and lowest accuracy. With --baseline, each run is paired with a run of the same seed under
-those Makefile variables, the two alternating (A/B, then B/A) so the host's drift hits both; the
-ratio of their walls is what to quote, since this host's speed drifts up to 2x over a day.
+--seeds runs once per seed instead (accuracy is deterministic for a seed on one CPU's kernels).
+--baseline pairs each run with a run of the same seed with more Makefile variables (the positional
+ones, then these: the later value of a variable wins, EXTRA flags are joined), the two alternating
+(A/B, then B/A) so the host's drift hits both; the ratio of their walls is what to quote, since this
+host's speed drifts up to 2x over a day.
 """
 import argparse
 import json
@@ -29,8 +30,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness import REPO, child_env
 
 
+def positive(value):
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return int(value)
+
+
 def make_run(out, make_vars, seed):
-    """One `make train-only` run, timed; its results from all_results.json and the header."""
+    """One `make train-only` run, timed; its results from all_results.json and the header, and the
+    command (EXTRA joined, the seed last so it wins)."""
     extra = " ".join(v.split("=", 1)[1] for v in make_vars if v.startswith("EXTRA="))
     if seed is not None:
         extra = f"{extra} --seed {seed}".strip()
@@ -41,20 +49,22 @@ def make_run(out, make_vars, seed):
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
+    shown = " ".join(["make train-only"] + [shlex.quote(c) for c in cmd[3:] if not c.startswith(("OUTPUT_DIR=", "PYTHON="))])
     if proc.returncode != 0:
-        raise SystemExit(f"error: make train-only failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+        raise SystemExit(f"error: `{shown}` failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     with open(os.path.join(out, "all_results.json")) as f:
         results = json.load(f)
     header = next((line for line in proc.stdout.splitlines() if line.startswith("world_size=")), "")
     precision = header.split("mixed_precision=", 1)[-1].split(" global_batch_size")[0]
-    return {"precision": precision, "wall": wall, "accuracy": results["eval_accuracy"], "seed": seed,
+    return {"command": shown, "precision": precision, "wall": wall, "accuracy": results["eval_accuracy"], "seed": seed,
             "per_epoch": [h["eval_accuracy"] for h in results["history"]],
             "eval_samples": results["eval_samples"], "epoch_seconds": results["epoch_seconds"]}
 
 
 def report(title, runs, args):
     met = sum(r["accuracy"] >= args.target_accuracy and r["wall"] <= args.target_seconds for r in runs)
-    print(f"\n{title}, {len(runs)} run(s){' (tiny)' if args.tiny else ''}; mixed_precision={runs[0]['precision']}")
+    print(f"\n{title}: `{runs[0]['command']}`{' and other seeds' if len(runs) > 1 and runs[0]['seed'] is not None else ''}"
+          f", {len(runs)} run(s){' (tiny)' if args.tiny else ''}; mixed_precision={runs[0]['precision']}")
     print("| run | seed | wall s (launch to exit) | train s/epoch (mean) | final test accuracy | eval samples |")
     print("|---|---|---|---|---|---|")
     for i, r in enumerate(runs, 1):
@@ -68,25 +78,29 @@ def report(title, runs, args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=3, help="Runs with the default seed (without --seeds).")
+    parser.add_argument("--repeats", type=positive, help="Runs with the default seed (default 3; 1 with --tiny).")
     parser.add_argument("--seeds", type=int, nargs="+", help="One run per seed instead of --repeats.")
-    parser.add_argument("--baseline", help="Makefile variables of a second variant to pair with each run, e.g. "
-                        "'MODEL=convnet_fast EPOCHS=4'.")
+    parser.add_argument("--baseline", nargs="+", metavar="NAME=VALUE", help="Makefile variables of a second "
+                        "variant to pair with each run, e.g. --baseline MODEL=convnet_fast EPOCHS=4.")
     parser.add_argument("--target_accuracy", type=float, default=0.91)
     parser.add_argument("--target_seconds", type=float, default=60.0)
     parser.add_argument("--tiny", action="store_true", help="1 epoch of 1280 samples: checks that the bench runs")
     parser.add_argument("make_vars", nargs="*", help="Makefile variables, e.g. EPOCHS=9 MIXED_PRECISION=no")
     args = parser.parse_args(argv)
+    for flag, values in (("", args.make_vars), ("--baseline ", args.baseline or [])):
+        bad = [v for v in values if "=" not in v]
+        if bad:
+            parser.error(f"{flag}{' '.join(bad)}: Makefile variables are NAME=VALUE, one argument each (quote a "
+                         "value with spaces: 'EXTRA=--seed 1')")
+    if args.seeds and args.repeats:
+        parser.error("--seeds sets the runs (one per seed): leave out --repeats")
     variants = {"run": list(args.make_vars)}
     if args.baseline:
-        variants["baseline"] = list(args.make_vars) + shlex.split(args.baseline)
-    for name, make_vars in variants.items():
-        bad = [v for v in make_vars if "=" not in v]
-        if bad:
-            parser.error(f"{' '.join(bad)}: pass Makefile variables as NAME=VALUE")
+        variants["baseline"] = list(args.make_vars) + args.baseline
+    for make_vars in variants.values():
         if args.tiny:
             make_vars += ["EPOCHS=1", "EXTRA=--max_train_samples 1280 --max_eval_samples 500"]
-    seeds = args.seeds or [None] * (1 if args.tiny else args.repeats)
+    seeds = args.seeds or [None] * (args.repeats or (1 if args.tiny else 3))
     runs = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as tmp:
         for i, seed in enumerate(seeds):
@@ -101,9 +115,9 @@ def main(argv=None):
 
     native, what = cpu_has_native_bf16()
     print(f"\nCPU: {what} (native bf16: {'yes' if native else 'no'})")
-    report(f"`make train-only {' '.join(variants['run'])}`", runs["run"], args)
+    report("run", runs["run"], args)
     if args.baseline:
-        report(f"baseline `make train-only {' '.join(variants['baseline'])}`", runs["baseline"], args)
+        report("baseline", runs["baseline"], args)
         pairs = [r["wall"] / b["wall"] for r, b in zip(runs["run"], runs["baseline"])]
         print(f"\nRATIO wall / baseline wall = {statistics.median(pairs):.3f} (per pair: "
               f"{', '.join(f'{p:.3f}' for p in pairs)}); accuracy {statistics.mean(r['accuracy'] for r in runs['run']):.4f}"

@@ -38,7 +38,8 @@ def test_time_to_accuracy_tiny_mode_reports_runs_and_target(fashion_dir):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1 |")]
     assert len(rows) == 2 and all(r.startswith("| 1 | 3 |") and r.endswith("| 500 |") for r in rows), rows
-    assert "baseline `make train-only MODEL=convnet_fast EPOCHS=1" in proc.stdout
+    assert "baseline: `make train-only MODEL=convnet_fast EPOCHS=1 'EXTRA=--max_train_samples 1280 " \
+           "--max_eval_samples 500 --seed 3'`" in proc.stdout  # the command each table ran
     assert len(re.findall(r"TARGET >= 91\.00% within 60 s: met by [01] of 1 runs", proc.stdout)) == 2
     assert re.search(r"RATIO wall / baseline wall = \d+\.\d+ \(per pair: \d+\.\d+\)", proc.stdout)
 
