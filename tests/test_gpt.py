@@ -57,18 +57,26 @@ def test_weight_decay_falls_on_the_linear_matrices_only():
 
 
 @pytest.mark.parametrize("vocab", [257, 8192, 50257])
-def test_the_loss_in_pieces_is_cross_entropy_with_the_same_gradients(vocab):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_loss_in_pieces_is_cross_entropy_with_its_gradients(vocab, dtype):
     torch.manual_seed(0)
-    logits = torch.randn(3, 200, vocab, requires_grad=True)
+    logits = torch.randn(3, 200, vocab, dtype=dtype, requires_grad=True)  # bf16: the logits under autocast
     labels = torch.randint(0, vocab, (3, 200))
     labels[0, :50] = -100  # padding is not scored, and the mean is over the scored tokens
     pieces = -(-600 // max(1, CPU_LOSS_CHUNK // vocab))
     assert (pieces > 1) == (vocab > 257)
     for reduction in ("mean", "sum", "none"):
         ours = next_token_loss(logits, labels, reduction)
-        whole = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction=reduction)
-        assert ours.shape == whole.shape and torch.allclose(ours, whole, rtol=1e-6, atol=1e-6)
-        assert torch.equal(torch.autograd.grad(ours.sum(), logits)[0], torch.autograd.grad(whole.sum(), logits)[0])
+        whole = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction=reduction)
+        assert ours.dtype == torch.float32 and ours.shape == whole.shape
+        assert torch.allclose(ours, whole, rtol=1e-6, atol=1e-6)
+        # a weight per row, so the backward's scaling of each row is checked, not only the sum's
+        weights = torch.rand(whole.shape) if reduction == "none" else torch.tensor(2.5)
+        grad, = torch.autograd.grad((ours * weights).sum(), logits)
+        expected, = torch.autograd.grad((whole * weights).sum(), logits)
+        assert grad.dtype == dtype and not grad[0, :50].any()  # no gradient into unscored positions
+        tolerance = {"rtol": 1e-5, "atol": 1e-9} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-5}
+        assert torch.allclose(grad.float(), expected.float(), **tolerance)
 
 
 def test_flops_per_token_counts_six_per_matmul_weight_and_the_attention():

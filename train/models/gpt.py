@@ -115,25 +115,62 @@ def config_dict(config):
     return asdict(config)
 
 
-# logits per piece of the loss on a CPU: 2 MB, so log-softmax, the loss and their gradients stay in cache
+# logits per piece of the loss on a CPU: 2 MB, so each pass over a piece stays in cache
 CPU_LOSS_CHUNK = 2 ** 19
+
+
+class _PiecewiseCrossEntropy(torch.autograd.Function):
+    """Per-row cross-entropy of logits [N, V] against labels [N] (-100: 0, no gradient), computed
+    over pieces of `rows` rows in both directions. Autograd over split pieces (the way before this)
+    saved every piece's log-softmax and joined the pieces' gradients with one more copy of the whole
+    tensor; here the backward writes softmax - one-hot straight into the gradient, piece by piece,
+    from the logits and one log-sum-exp per row."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, rows):
+        scored = labels != -100
+        targets = torch.where(scored, labels, 0)[:, None]
+        losses = torch.empty(len(logits), dtype=torch.float32, device=logits.device)
+        logsumexp = torch.empty_like(losses)
+        for start in range(0, len(logits), rows):
+            piece, target = logits[start:start + rows].float(), targets[start:start + rows]
+            picked = torch.log_softmax(piece, -1).gather(1, target)[:, 0]  # log p(label), the fused kernel
+            logsumexp[start:start + rows] = piece.gather(1, target)[:, 0] - picked
+            losses[start:start + rows] = -picked
+        ctx.save_for_backward(logits, targets, scored, logsumexp)
+        ctx.rows = rows
+        return losses.masked_fill_(~scored, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad_losses):
+        logits, targets, scored, logsumexp = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        weights = (grad_losses * scored)[:, None]
+        for start in range(0, len(logits), ctx.rows):
+            end = start + ctx.rows
+            piece = grad[start:end] if logits.dtype == torch.float32 else torch.empty_like(logits[start:end],
+                                                                                           dtype=torch.float32)
+            torch.sub(logits[start:end], logsumexp[start:end, None], out=piece).exp_().mul_(weights[start:end])
+            piece.scatter_add_(1, targets[start:end], -weights[start:end])  # softmax - one-hot, times the weight
+            if piece is not grad[start:end]:
+                grad[start:end] = piece
+        return grad, None, None
 
 
 def next_token_loss(logits, labels, reduction="mean"):
     """Cross-entropy of each position's logits against the next token, in fp32 (under bf16 autocast
     the logits are bf16); label -100 (padding, masked repeats) is not scored. On a CPU, over pieces
-    of CPU_LOSS_CHUNK logits: at the demo's 2,048 tokens x 8,192 words, one piece makes three passes
-    over 64 MB in memory, forward and backward 224 ms on one core; 64-row pieces take 121 ms
-    (docs/lm.md). The same values up to the order of the sum."""
+    of CPU_LOSS_CHUNK logits: at the demo's 2,048 tokens x 8,192 words, one call makes several passes
+    over 64 MB in memory, forward and backward 224 ms on one core; in pieces (docs/lm.md) the loss
+    and its gradient equal F.cross_entropy's to float rounding."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction {reduction!r}: pass 'mean', 'sum' or 'none'")
     logits, labels = logits.flatten(0, 1), labels.flatten()
     rows = max(1, CPU_LOSS_CHUNK // logits.shape[-1])
     if logits.device.type != "cpu" or logits.shape[0] <= rows:  # a GPU's kernels stream it: one call
         return F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction=reduction)
-    pieces = [F.cross_entropy(x.float(), y, ignore_index=-100, reduction="none" if reduction == "none" else "sum")
-              for x, y in zip(logits.split(rows), labels.split(rows))]
+    losses = _PiecewiseCrossEntropy.apply(logits, labels, rows)
     if reduction == "none":
-        return torch.cat(pieces)
-    total = torch.stack(pieces).sum()
+        return losses
+    total = losses.sum()
     return total if reduction == "sum" else total / (labels != -100).sum()
