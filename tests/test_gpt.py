@@ -79,6 +79,29 @@ def test_the_loss_in_pieces_is_cross_entropy_with_its_gradients(vocab, dtype):
         assert torch.allclose(grad.float(), expected.float(), **tolerance)
 
 
+def test_the_loss_in_pieces_keeps_cross_entropys_edge_cases(monkeypatch):
+    import train.models.gpt as gpt
+
+    monkeypatch.setattr(gpt, "CPU_LOSS_CHUNK", 2 * 64)  # pieces of 2 rows at a vocabulary of 64
+    logits = torch.randn(1, 7, 64, dtype=torch.float64) * 30
+    logits[0, 1, 5] -= 1e6  # a label far below its row: its loss is large, its gradient still exact
+    logits[0, 2, 0] = float("-inf")  # an unscored row's placeholder target and a scored -inf label
+    logits[0, 3, 9] = float("-inf")
+    labels = torch.tensor([[3, 5, -100, 9, -100, -100, 2]])
+    ours_in, whole_in = logits.float().requires_grad_(), logits.float().requires_grad_()
+    ours = next_token_loss(ours_in, labels, "none")
+    whole = F.cross_entropy(whole_in.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
+    assert torch.equal(ours, whole)  # the same log-softmax per row: inf where the label's logit is -inf
+    finite = torch.isfinite(whole)
+    grad, = torch.autograd.grad(ours[finite].sum(), ours_in)
+    expected, = torch.autograd.grad(whole[finite].sum(), whole_in)
+    assert torch.isfinite(grad).all() and torch.allclose(grad, expected, rtol=1e-5, atol=1e-9)
+    # a mean over no scored token is nan, as F.cross_entropy's, and its gradient 0, not nan
+    unscored = torch.randn(2, 5, 64, requires_grad=True)
+    loss = next_token_loss(unscored, torch.full((2, 5), -100))
+    assert loss.isnan() and torch.equal(torch.autograd.grad(loss, unscored)[0], torch.zeros(2, 5, 64))
+
+
 def test_flops_per_token_counts_six_per_matmul_weight_and_the_attention():
     d, layers, vocab, block = 16, 2, 50, 16
     matmul_weights = vocab * d + layers * (3 * d * d + d * d + 4 * d * d + 4 * d * d)  # wte once, as lm_head

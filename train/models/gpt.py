@@ -124,35 +124,43 @@ class _PiecewiseCrossEntropy(torch.autograd.Function):
     over pieces of `rows` rows in both directions. Autograd over split pieces (the way before this)
     saved every piece's log-softmax and joined the pieces' gradients with one more copy of the whole
     tensor; here the backward writes softmax - one-hot straight into the gradient, piece by piece,
-    from the logits and one log-sum-exp per row."""
+    from the logits and each row's log-sum-exp."""
 
     @staticmethod
     def forward(ctx, logits, labels, rows):
         scored = labels != -100
         targets = torch.where(scored, labels, 0)[:, None]
         losses = torch.empty(len(logits), dtype=torch.float32, device=logits.device)
-        logsumexp = torch.empty_like(losses)
+        row_max, log_sum = torch.empty_like(losses), torch.empty_like(losses)
         for start in range(0, len(logits), rows):
-            piece, target = logits[start:start + rows].float(), targets[start:start + rows]
-            picked = torch.log_softmax(piece, -1).gather(1, target)[:, 0]  # log p(label), the fused kernel
-            logsumexp[start:start + rows] = piece.gather(1, target)[:, 0] - picked
-            losses[start:start + rows] = -picked
-        ctx.save_for_backward(logits, targets, scored, logsumexp)
+            piece = logits[start:start + rows].float()
+            log_probs = torch.log_softmax(piece, -1)  # one fused kernel; faster here than torch.logsumexp
+            losses[start:start + rows] = -log_probs.gather(1, targets[start:start + rows])[:, 0]
+            # log-sum-exp = max + log(sum(exp(x - max))), kept as its two terms so the backward subtracts
+            # them one after the other, as log-softmax does (one sum loses precision for large logits);
+            # the second is minus the log-probability of the largest logit, never far from 0
+            row_max[start:start + rows] = piece.amax(-1)
+            log_sum[start:start + rows] = -log_probs.amax(-1)
+        ctx.save_for_backward(logits, targets, scored, row_max, log_sum)
         ctx.rows = rows
         return losses.masked_fill_(~scored, 0.0)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_losses):
-        logits, targets, scored, logsumexp = ctx.saved_tensors
+        logits, targets, scored, row_max, log_sum = ctx.saved_tensors
         grad = torch.empty_like(logits)
-        weights = (grad_losses * scored)[:, None]
+        # where, not a product: an unscored row gets 0 even if its incoming gradient is inf or nan
+        # (a mean over no scored token), as F.cross_entropy gives it
+        weights = torch.where(scored, grad_losses, 0.0)[:, None]
         for start in range(0, len(logits), ctx.rows):
             end = start + ctx.rows
-            piece = grad[start:end] if logits.dtype == torch.float32 else torch.empty_like(logits[start:end],
-                                                                                           dtype=torch.float32)
-            torch.sub(logits[start:end], logsumexp[start:end, None], out=piece).exp_().mul_(weights[start:end])
+            fp32 = logits.dtype == torch.float32  # else in fp32 beside, then rounded into the gradient
+            piece = grad[start:end] if fp32 else torch.empty_like(logits[start:end], dtype=torch.float32)
+            torch.sub(logits[start:end], row_max[start:end, None], out=piece).sub_(log_sum[start:end, None])
+            piece.exp_().mul_(weights[start:end])
             piece.scatter_add_(1, targets[start:end], -weights[start:end])  # softmax - one-hot, times the weight
-            if piece is not grad[start:end]:
+            if not fp32:
                 grad[start:end] = piece
         return grad, None, None
 
