@@ -153,9 +153,9 @@ class _PiecewiseCrossEntropy(torch.autograd.Function):
         # where, not a product: an unscored row gets 0 even if its incoming gradient is inf or nan
         # (a mean over no scored token), as F.cross_entropy gives it
         weights = torch.where(scored, grad_losses, 0.0)[:, None]
+        fp32 = logits.dtype == torch.float32  # else each piece in fp32 beside, then rounded into the gradient
         for start in range(0, len(logits), ctx.rows):
             end = start + ctx.rows
-            fp32 = logits.dtype == torch.float32  # else in fp32 beside, then rounded into the gradient
             piece = grad[start:end] if fp32 else torch.empty_like(logits[start:end], dtype=torch.float32)
             torch.sub(logits[start:end], row_max[start:end, None], out=piece).sub_(log_sum[start:end, None])
             piece.exp_().mul_(weights[start:end])
