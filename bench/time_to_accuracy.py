@@ -28,12 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness import REPO, child_env
-
-
-def positive(value):
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return int(value)
+from train.core.cli import positive_int
 
 
 def make_run(out, make_vars, seed):
@@ -42,14 +37,14 @@ def make_run(out, make_vars, seed):
     extra = " ".join(v.split("=", 1)[1] for v in make_vars if v.startswith("EXTRA="))
     if seed is not None:
         extra = f"{extra} --seed {seed}".strip()
-    cmd = ["make", "--no-print-directory", "train-only", f"OUTPUT_DIR={out}", f"PYTHON={sys.executable}",
-           *[v for v in make_vars if not v.startswith("EXTRA=")], *([f"EXTRA={extra}"] if extra else [])]
+    make_vars = [v for v in make_vars if not v.startswith("EXTRA=")] + ([f"EXTRA={extra}"] if extra else [])
+    shown = " ".join(["make train-only", *map(shlex.quote, make_vars)])
+    cmd = ["make", "--no-print-directory", "train-only", f"OUTPUT_DIR={out}", f"PYTHON={sys.executable}", *make_vars]
     env = child_env()
     env["PYTHON"] = sys.executable
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - start
-    shown = " ".join(["make train-only"] + [shlex.quote(c) for c in cmd[3:] if not c.startswith(("OUTPUT_DIR=", "PYTHON="))])
     if proc.returncode != 0:
         raise SystemExit(f"error: `{shown}` failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     with open(os.path.join(out, "all_results.json")) as f:
@@ -78,7 +73,7 @@ def report(title, runs, args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=positive, help="Runs with the default seed (default 3; 1 with --tiny).")
+    parser.add_argument("--repeats", type=positive_int, help="Runs with the default seed (default 3; 1 with --tiny).")
     parser.add_argument("--seeds", type=int, nargs="+", help="One run per seed instead of --repeats.")
     parser.add_argument("--baseline", nargs="+", metavar="NAME=VALUE", help="Makefile variables of a second "
                         "variant to pair with each run, e.g. --baseline MODEL=convnet_fast EPOCHS=4.")
@@ -94,12 +89,10 @@ def main(argv=None):
                          "value with spaces: 'EXTRA=--seed 1')")
     if args.seeds and args.repeats:
         parser.error("--seeds sets the runs (one per seed): leave out --repeats")
-    variants = {"run": list(args.make_vars)}
+    tiny = ["EPOCHS=1", "EXTRA=--max_train_samples 1280 --max_eval_samples 500"] if args.tiny else []
+    variants = {"run": args.make_vars + tiny}
     if args.baseline:
-        variants["baseline"] = list(args.make_vars) + args.baseline
-    for make_vars in variants.values():
-        if args.tiny:
-            make_vars += ["EPOCHS=1", "EXTRA=--max_train_samples 1280 --max_eval_samples 500"]
+        variants["baseline"] = args.make_vars + args.baseline + tiny
     seeds = args.seeds or [None] * (args.repeats or (1 if args.tiny else 3))
     runs = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as tmp:
