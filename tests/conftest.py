@@ -27,13 +27,13 @@ def pytest_xdist_auto_num_workers(config):
     return min(4, max(2, cores // 2))
 
 
-# The files that launch the most multi-process runs, longest first. With `--dist loadfile` a worker
+# The longest files first (most of them launch many multi-process runs). With `--dist loadfile` a worker
 # takes one whole file at a time in collection order, so a long file collected late runs alone at the
 # end while the other worker idles (5 of 22 minutes in one clean-clone run): these go first.
-LONGEST_FIRST = ("test_checkpointing.py", "test_sweep.py", "test_fsdp2.py", "test_bench.py",
-                 "test_image_classification.py", "test_multinode.py", "test_run_folder.py", "test_lm.py", "test_exits.py", "test_slurm.py",
-                 "test_first_hour.py", "test_readme_script.py", "test_experiments.py", "test_mnist.py",
-                 "test_sharded_launch.py")
+LONGEST_FIRST = ("test_bench.py", "test_sweep.py", "test_fsdp2.py", "test_image_classification.py",
+                 "test_checkpointing.py", "test_first_hour.py", "test_sharding.py", "test_multinode.py", "test_slurm.py",
+                 "test_lm.py", "test_mnist.py", "test_readme_script.py", "test_run_folder.py", "test_exits.py",
+                 "test_sharded_launch.py", "test_experiments.py")
 
 
 def pytest_collection_modifyitems(items):
@@ -55,6 +55,16 @@ def launch(config, script, *args, timeout=300, **env):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            os.path.join(CONFIGS, config + ".yaml"), os.path.join("train", script + ".py"), *map(str, args)]
     return subprocess.run(cmd, cwd=REPO, env=clean_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def probe(config, fault, *args, timeout=240):
+    """tests/fault_probe.py (a fault injected into train/regression.py) under accelerate launch
+    (config) or as one plain process (config None)."""
+    cmd = [sys.executable]
+    if config:
+        cmd += ["-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config + ".yaml")]
+    cmd += [os.path.join("tests", "fault_probe.py"), "regression", *map(str, fault), "--", *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def run_script(script, *args, timeout=120):

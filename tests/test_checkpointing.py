@@ -5,13 +5,12 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, REPO, clean_env, launch, output_of, reset_accelerate_state, run_as_script
+from conftest import CONFIGS, REPO, clean_env, launch, output_of, probe, reset_accelerate_state, run_as_script
 from train import mnist, regression
 from train.core.output_dir import list_checkpoints
 
@@ -75,18 +74,25 @@ def regression_runs(tmp_path_factory):
     return runs
 
 
-# under 2 processes an epoch's start and its last step (31 batches skipped, the one left also the
-# loader's last); mid-epoch, the same skip with batches after it, in one process
+# an epoch's start and its last step (31 batches skipped, the one left also the loader's last), the
+# latter under 2 processes too (an epoch's start under 2: the --max_restarts test); mid-epoch, the
+# same skip with batches after it, in one process
 @pytest.mark.parametrize("config, step", [
     pytest.param("cpu", 32, id="epoch_start-cpu"), pytest.param("cpu", 45, id="mid_epoch-cpu"),
-    pytest.param("cpu", 63, id="last_step-cpu"), pytest.param("cpu_2proc", 32, id="epoch_start-cpu_2proc"),
-    pytest.param("cpu_2proc", 63, id="last_step-cpu_2proc")])
+    pytest.param("cpu", 63, id="last_step-cpu"), pytest.param("cpu_2proc", 63, id="last_step-cpu_2proc")])
 def test_regression_resume_is_bit_identical(regression_runs, tmp_path, config, step, capsys):
     full, batch = regression_runs[config]
     out = resume_copy(full, step, str(tmp_path / "resumed"))
-    printed = run_regression(config, *REGRESSION, "--per_device_train_batch_size", batch,
-                             "--resume_from_checkpoint", "latest", "--output_dir", out)
-    assert f"resumed from {out}/checkpoints/step_{step:08d}" in (printed or capsys.readouterr().out)
+    args = [*REGRESSION, "--per_device_train_batch_size", batch, "--resume_from_checkpoint", "latest", "--output_dir", out]
+    if config == "cpu":
+        run_regression(config, *args)
+        printed = capsys.readouterr().out
+    else:  # rank 1 is made to see no checkpoint (as when one lands between two ranks' looks at the folder):
+        # resolving 'latest' alone it would start from step 0 and hang the others; the main process's counts
+        proc = probe(config, ["--stale_latest", "--rank", 1], *args, timeout=120)
+        assert proc.returncode == 0, output_of(proc)
+        printed = proc.stdout
+    assert f"resumed from {out}/checkpoints/step_{step:08d}" in printed
     assert identical(weights(out), weights(full))
 
 
@@ -122,27 +128,17 @@ def test_mnist_resume_in_process_with_accumulation_is_bit_identical(tmp_path, fa
 
 @pytest.fixture(scope="module")
 def mnist_2proc_runs(fashion_dir, tmp_path_factory):
-    """Uninterrupted 2-process MNIST runs (batch 8 per process, a checkpoint at step 17), map-style and
-    streaming, with the arguments that runs resumed from their checkpoints must give again."""
+    """Uninterrupted 2-process MNIST runs (batch 8 per process), map-style and streaming, with the
+    arguments that runs resumed from their checkpoints must give again."""
     runs = {}
     for streaming in (False, True):
         root = tmp_path_factory.mktemp("streaming" if streaming else "map_style")
         args = [*MNIST, "--per_device_train_batch_size", 8,
                 *(["--streaming", "--parquet_dir", root / "parquet"] if streaming else [])]
-        proc = launch("cpu_2proc", "mnist", *args, "--checkpointing_steps", 17, "--output_dir", root / "full")
+        proc = launch("cpu_2proc", "mnist", *args, "--output_dir", root / "full")
         assert proc.returncode == 0, output_of(proc)
         runs[streaming] = (str(root / "full"), args)
     return runs
-
-
-@pytest.mark.parametrize("streaming", [False, True], ids=["map_style", "streaming"])
-def test_mnist_two_processes_resume_mid_epoch_is_bit_identical(mnist_2proc_runs, tmp_path, streaming):
-    full, args = mnist_2proc_runs[streaming]
-    out = resume_copy(full, 17, str(tmp_path / "resumed"))
-    proc = launch("cpu_2proc", "mnist", *args, "--resume_from_checkpoint", "latest", "--output_dir", out)
-    assert proc.returncode == 0, output_of(proc)
-    assert "world_size=2 " in proc.stdout and "resumed from" in proc.stdout
-    assert identical(weights(out), weights(full))
 
 
 # SIGTERM to the launcher (map-style, a DataLoader worker per rank: torch elastic signals each rank's
@@ -168,25 +164,11 @@ def test_sigterm_saves_one_step_on_every_rank_and_the_resume_is_bit_identical(mn
     assert not (out / "model.safetensors").exists()
     proc = launch("cpu_2proc", "mnist", *args, "--resume_from_checkpoint", "latest", "--output_dir", out)
     assert proc.returncode == 0, output_of(proc)
-    assert f"resumed from {checkpoint}" in proc.stdout
+    assert f"resumed from {checkpoint}" in proc.stdout and "world_size=2 " in proc.stdout  # mid-epoch, 2 ranks
     assert identical(weights(out), weights(full))
 
 
 # ----------------------------------------------------------------------------- crashes
-
-def test_sigkill_of_one_rank_ends_the_others_promptly(tmp_path):
-    marker = tmp_path / "killed"
-    start = time.monotonic()
-    proc = kill_launch("cpu_2proc", "regression", ["--rank", 1, "--step", 5, "--marker", marker],
-                       "--num_train_epochs", 50, "--output_dir", tmp_path / "out", timeout=120)
-    assert marker.exists(), output_of(proc)
-    assert proc.returncode != 0
-    killed_after = os.path.getmtime(marker) - (time.time() - (time.monotonic() - start))
-    exited_after = time.monotonic() - start
-    assert exited_after - killed_after < 60, f"survivors took {exited_after - killed_after:.0f} s to exit"
-    out = output_of(proc)
-    assert "SIGKILL" in out or "exitcode: -9" in out or "Signal 9" in out, out[-3000:]
-
 
 def test_max_restarts_resumes_from_latest_and_matches_uninterrupted(regression_runs, tmp_path):
     common = [*REGRESSION, "--per_device_train_batch_size", 16, "--checkpointing_steps", 4,
@@ -195,11 +177,13 @@ def test_max_restarts_resumes_from_latest_and_matches_uninterrupted(regression_r
     assert batch == 16
     marker = tmp_path / "killed"
     out = tmp_path / "restarted"
-    proc = kill_launch("cpu_2proc", "regression", ["--rank", 1, "--step", 22, "--marker", marker],
+    # killed 2 steps into epoch 2: the restart resumes from the epoch's start (step 32, a 2-process
+    # resume with no batch to skip)
+    proc = kill_launch("cpu_2proc", "regression", ["--rank", 1, "--step", 34, "--marker", marker],
                        *common, "--output_dir", out, max_restarts=1)
     assert marker.exists() and proc.returncode == 0, output_of(proc)
     assert "no checkpoint in" in proc.stdout  # the first attempt started fresh
-    assert f"resumed from {out}/checkpoints/step_00000020" in proc.stdout  # the restart picked the latest
+    assert f"resumed from {out}/checkpoints/step_00000032" in proc.stdout  # the restart picked the latest
     assert identical(weights(out), weights(reference))
 
 

@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from conftest import CONFIGS, REPO, clean_env, launch, output_of, run_as_script
+from conftest import CONFIGS, REPO, clean_env, output_of, run_as_script
 from train.core import accelerator as accelerator_module
 from train.core.accelerator import check_writable, choose_mixed_precision
 from train.core.run import run
@@ -166,9 +166,11 @@ def test_check_writable(tmp_path, mount):
     assert raised.value.errno == errno.ENOSPC
 
 
-def test_a_read_only_output_dir_under_launch_is_one_line_before_training(tmp_path, mount):
+def test_a_read_only_output_dir_is_one_line_before_training(tmp_path, mount, capsys):
+    # in this process: the check runs before any accelerator (one error line under a 2-process
+    # launch, whatever the stage: test_first_hour.py)
     out = mount("size=64k,ro") / "run"
-    proc = launch("cpu_2proc", "regression", "--output_dir", out, timeout=120)
+    proc = run_as_script(capsys, "regression", "--output_dir", out)
     assert proc.returncode != 0
     lines = nonempty_lines(output_of(proc))
     assert lines[-1] == f"error: read-only file system: cannot write {out}; pass another --output_dir", lines[-10:]
@@ -229,13 +231,3 @@ def test_auto_without_an_answer_follows_the_hardware(tmp_path, monkeypatch, nati
     assert choose_mixed_precision("auto", on_cpu=True) == ("no", f"from the accelerate config {default}")
     native_bf16_cpu("--cpu")
     assert choose_mixed_precision("auto", on_cpu=True)[0] == "bf16"
-
-
-def test_the_header_says_the_config_chose(tmp_path):
-    config = tmp_path / "no.yaml"
-    config.write_text(open(os.path.join(CONFIGS, "cpu.yaml")).read() + "mixed_precision: 'no'  # the wizard's answer\n")
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-                           "train/regression.py", "--output_dir", str(tmp_path / "out")], cwd=REPO, env=clean_env(),
-                          capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, output_of(proc)[-3000:]
-    assert f"mixed_precision=no (from the accelerate config {config})" in proc.stdout

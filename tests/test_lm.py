@@ -4,6 +4,7 @@ import json
 import os
 import random
 import shutil
+import time
 
 import pytest
 import torch
@@ -60,12 +61,15 @@ def test_every_window_once_per_epoch_and_ranks_read_their_own_row_groups(text, w
         assert reads == [len(seen) // world] * world  # row groups of 4 windows: no rank reads another's
 
 
+# the 2-process run several tests read, and the uninterrupted run the SIGKILL test resumes against
+RUN = [*TINY, "--max_train_steps", 12, "--eval_steps", 6, "--checkpointing_steps", 4, "--with_tracking"]
+
+
 @pytest.fixture(scope="module")
 def two_process_run(text, tmp_path_factory):
     folder, shards = text
     out = tmp_path_factory.mktemp("lm2") / "run"
-    proc = launch("cpu_2proc", "lm", "--dataset_dir", shards, *TINY, "--max_train_steps", 12, "--eval_steps", 6,
-                  "--with_tracking", "--output_dir", out)
+    proc = launch("cpu_2proc", "lm", "--dataset_dir", shards, *RUN, "--output_dir", out)
     assert proc.returncode == 0, output_of(proc)
     return out, proc
 
@@ -114,15 +118,19 @@ def test_one_process_takes_the_same_steps_as_two_with_the_same_global_batch(text
         assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-5, abs=1e-6)
 
 
-def test_sigkill_and_resume_is_bit_identical_and_resumes_at_another_process_count(text, tmp_path, capsys):
+def test_sigkill_and_resume_is_bit_identical_and_resumes_at_another_process_count(text, two_process_run, tmp_path,
+                                                                                   capsys):
     _, shards = text
-    args = ["--dataset_dir", shards, *TINY, "--max_train_steps", 10, "--checkpointing_steps", 4]
-    full, crashed = tmp_path / "full", tmp_path / "crashed"
-    proc = launch("cpu_2proc", "lm", *args, "--output_dir", full)
-    assert proc.returncode == 0, output_of(proc)
+    args = ["--dataset_dir", shards, *RUN]
+    (full, _), crashed = two_process_run, tmp_path / "crashed"
+    start = time.monotonic()
     proc = kill_launch("cpu_2proc", "lm", ["--rank", 1, "--step", 6, "--marker", tmp_path / "killed"], *args,
                        "--output_dir", crashed)
     assert proc.returncode != 0 and (tmp_path / "killed").exists(), output_of(proc)
+    # rank 0, waiting in the step's all-reduce for a rank that is gone, is ended by the launcher's agent
+    killed_after = os.path.getmtime(tmp_path / "killed") - (time.time() - (time.monotonic() - start))
+    assert time.monotonic() - start - killed_after < 60, "the survivor took a minute or more to exit"
+    assert any(s in output_of(proc) for s in ("SIGKILL", "exitcode: -9", "Signal 9")), output_of(proc)[-3000:]
     proc = launch("cpu_2proc", "lm", *args, "--output_dir", crashed, "--resume_from_checkpoint", "latest")
     assert proc.returncode == 0, output_of(proc)
     assert f"resumed from {crashed}/checkpoints/step_00000004" in proc.stdout

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, REPO, checksums, clean_env, output_of, reset_accelerate_state, run_as_script, run_script
+from conftest import REPO, checksums, clean_env, output_of, probe, reset_accelerate_state, run_as_script
 from train import regression
 
 QUICK = ["--max_train_steps", 6, "--checkpointing_steps", 3]
@@ -37,15 +37,6 @@ def strict_json(path):
 
     with open(path) as f:
         return json.load(f, parse_constant=refuse)
-
-
-def probe(config, fault, *args, timeout=240):
-    """tests/fault_probe.py under accelerate launch (config) or as one plain process (config None)."""
-    cmd = [sys.executable]
-    if config:
-        cmd += ["-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config + ".yaml")]
-    cmd += [os.path.join("tests", "fault_probe.py"), "regression", *map(str, fault), "--", *map(str, args)]
-    return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
 
 
 # ----------------------------------------------------------------------------- only what the project wrote
@@ -112,7 +103,7 @@ def test_a_save_killed_midway_is_cleaned_up_by_the_next_run(tmp_path):
 
 # ----------------------------------------------------------------------------- one writer
 
-def test_a_second_run_on_a_folder_in_use_is_refused_and_the_first_finishes_intact(tmp_path):
+def test_a_second_run_on_a_folder_in_use_is_refused_and_the_first_finishes_intact(tmp_path, capsys):
     out = tmp_path / "run"
     first = subprocess.Popen([sys.executable, os.path.join("train", "regression.py"), "--num_train_epochs", "3",
                               "--checkpointing_steps", "40", "--output_dir", str(out)],
@@ -124,7 +115,8 @@ def test_a_second_run_on_a_folder_in_use_is_refused_and_the_first_finishes_intac
             time.sleep(0.05)
         os.kill(first.pid, signal.SIGSTOP)  # the first run holds the folder for as long as the second tries
         try:
-            second = run_script("regression", "--max_train_steps", 3, "--output_dir", out)
+            # the second run in this process: the first, a real one, holds the lock (the subject)
+            second = run_as_script(capsys, "regression", "--max_train_steps", 3, "--output_dir", out)
         finally:
             os.kill(first.pid, signal.SIGCONT)
         out_first, err_first = first.communicate(timeout=120)
@@ -149,24 +141,6 @@ def test_a_lock_left_by_a_dead_process_is_taken_over_with_one_line(tmp_path, cap
     assert proc.returncode == 0, output_of(proc)
     assert f"was locked by a process that is gone (pid {int(dead.stdout)}" in proc.stdout
     assert (out / ".lock").read_text() == ""  # released on purpose at the end
-
-
-def test_every_rank_resumes_from_the_checkpoint_the_main_process_found(tmp_path):
-    """Rank 1 is made to see no checkpoint (as when one lands between two ranks' looks): with each
-    rank resolving 'latest' alone, rank 1 would start from step 0 and the ranks would hang."""
-    args = ["--num_train_epochs", 1, "--per_device_train_batch_size", 8, "--checkpointing_steps", 20, "--seed", 4]
-    full, out = tmp_path / "full", tmp_path / "out"
-    proc = probe("cpu_2proc", [], *args, "--output_dir", full)
-    assert proc.returncode == 0, output_of(proc)
-    os.makedirs(out / "checkpoints")
-    shutil.copytree(full / "checkpoints" / "step_00000040", out / "checkpoints" / "step_00000040")
-    shutil.copy(full / "run.json", out / "run.json")
-    proc = probe("cpu_2proc", ["--stale_latest", "--rank", 1], *args, "--output_dir", out,
-                 "--resume_from_checkpoint", "latest", timeout=120)
-    assert proc.returncode == 0, output_of(proc)
-    assert "resumed from" in proc.stdout and "step_00000040" in proc.stdout
-    a, b = load_file(full / "model.safetensors"), load_file(out / "model.safetensors")
-    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 # ----------------------------------------------------------------------------- wrong numbers

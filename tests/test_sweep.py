@@ -143,14 +143,25 @@ def test_ctrl_c_stops_the_trial_with_a_checkpoint_and_the_same_command_goes_on(t
     assert launches(out, 0) == (1, 1)
 
 
-def test_three_failures_in_a_row_stop_the_sweep_with_the_last_error(tmp_path):
-    out = tmp_path / "sweep"
+def test_three_failures_in_a_row_stop_the_sweep_with_the_last_error(tmp_path, monkeypatch, capsys):
+    from train import sweep
+
+    # the sweep's counting, in this process; each trial a process that fails as a real one does, its
+    # error the last line of its log (a real failing launch: the test of two sweep processes above)
+    monkeypatch.setattr(sweep, "trial_command", lambda *_: [
+        sys.executable, "-c", "print('error: the training set is smaller than one global batch'); raise SystemExit(1)"])
     path = sweep_file(tmp_path, 5, {"per_device_train_batch_size": [100000, 200000]},
                       args={"num_train_epochs": 1, "num_train_samples": 512})
-    code, text = finish(start(path, out))
-    assert code == 1 and text.count(": failed") == 3, text
-    assert text.strip().splitlines()[-1].startswith("error: 3 trials in a row failed, the last with: error: the "
-                                                    "training set is smaller than one global batch"), text
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(UserError) as raised:
+            sweep.main(sweep.parse_args([str(path), "--output_dir", str(tmp_path / "sweep")]))
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert capsys.readouterr().out.count(": failed") == 3
+    assert str(raised.value).startswith("3 trials in a row failed, the last with: error: the training set is smaller "
+                                        "than one global batch"), raised.value
 
 
 def test_a_sweep_folder_belongs_to_one_study(tmp_path):
