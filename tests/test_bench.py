@@ -63,6 +63,8 @@ def test_time_to_accuracy_pairs_each_seed_with_its_baseline_in_alternating_order
     assert made == [("run0", run, 3), ("baseline0", baseline, 3), ("baseline1", baseline, 4), ("run1", run, 4),
                     ("run2", run, 5), ("baseline2", baseline, 5)]
     out = capsys.readouterr().out
+    assert "\nbaseline: `make train-only MIXED_PRECISION=no MODEL=convnet_fast EPOCHS=1 EXTRA=--max_train_samples " \
+           "1280 --max_eval_samples 500` and other seeds, 3 run(s) (tiny)" in out  # the command its table ran
     assert "RATIO wall / baseline wall = 1.100 (per pair: 1.100, 1.100, 1.100); accuracy 0.9200 against 0.9000" in out
     assert re.findall(r"TARGET >= 91\.00% within 60 s: met by (\d) of 3 runs", out) == ["3", "0"]
 

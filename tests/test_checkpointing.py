@@ -155,7 +155,7 @@ def test_sigterm_saves_one_step_on_every_rank_and_the_resume_is_bit_identical(mn
     said = [line for line in output_of(proc).splitlines() if line.startswith("stopped on SIGTERM at step ")]
     assert len(said) == 1, output_of(proc)  # from the first process only
     step = int(said[0].split()[5])
-    assert 9 < step < 48, said[0]  # the ranks' next agreed check, at most 10 steps on
+    assert 9 < step < 24, said[0]  # the ranks' next agreed check, at most 10 steps on: mid-epoch 1 of 2
     checkpoint = out / "checkpoints" / f"step_{step:08d}"
     assert f"saved {checkpoint}; resume with: accelerate launch --config_file " in said[0]
     assert said[0].endswith(" --resume_from_checkpoint latest")

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -115,8 +116,15 @@ def test_a_second_run_on_a_folder_in_use_is_refused_and_the_first_finishes_intac
             time.sleep(0.05)
         os.kill(first.pid, signal.SIGSTOP)  # the first run holds the folder for as long as the second tries
         try:
-            # the second run in this process: the first, a real one, holds the lock (the subject)
-            second = run_as_script(capsys, "regression", "--max_train_steps", 3, "--output_dir", out)
+            # the second run in this process: the first, a real one, holds the lock (the subject). Were
+            # the lock to block rather than refuse, the first resumes after 120 s and this one then
+            # succeeds: a failure below, not a hang
+            resume = threading.Timer(120, os.kill, (first.pid, signal.SIGCONT))
+            resume.start()
+            try:
+                second = run_as_script(capsys, "regression", "--max_train_steps", 3, "--output_dir", out)
+            finally:
+                resume.cancel()
         finally:
             os.kill(first.pid, signal.SIGCONT)
         out_first, err_first = first.communicate(timeout=120)
