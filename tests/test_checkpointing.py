@@ -242,6 +242,15 @@ def test_resume_path_missing(tmp_path, capsys):
     assert proc.returncode != 0 and "is not a checkpoint (no meta.json there)" in proc.stderr
 
 
+def test_a_mistyped_checkpoint_path_names_the_checkpoints_there(one_checkpoint, tmp_path, capsys):
+    run = one_checkpoint.parent.parent
+    for typed in (run / "checkpoints" / "step_4", run):  # the step without its zeros; the run's folder itself
+        proc = run_as_script(capsys, "regression", "--resume_from_checkpoint", typed, "--output_dir", tmp_path / "out")
+        assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+            f"error: --resume_from_checkpoint {typed} is not a checkpoint (no meta.json there); pass one of "
+            f"{one_checkpoint} (the newest last) or 'latest'"], output_of(proc)
+
+
 def test_checkpoint_from_another_script(one_checkpoint, tmp_path, capsys):
     proc = run_as_script(capsys, "mnist", "--resume_from_checkpoint", one_checkpoint, "--max_train_samples", 64,
                          "--output_dir", tmp_path / "out")

@@ -210,7 +210,7 @@ def make_parser(doc):
     g["checkpoints"].add_argument("--checkpointing_steps", type=steps_or_epoch, default=None,
                                   help="Save a checkpoint every N optimizer steps, or 'epoch' at each epoch's end.")
     g["checkpoints"].add_argument("--resume_from_checkpoint", type=str, default=None,
-                                  help="A checkpoint folder (OUTPUT_DIR/checkpoints/step_N) or 'latest': the newest "
+                                  help="A checkpoint folder (OUTPUT_DIR/checkpoints/step_00000040, say) or 'latest': the newest "
                                        "complete one in --output_dir, or a fresh start if there is none yet.")
     g["checkpoints"].add_argument("--checkpoints_total_limit", type=positive_int, default=None,
                                   help="Keep only the newest N checkpoints.")

@@ -46,8 +46,11 @@ def check_output_dir(out, resume=None, overwrite=False):
     whether this run may go on. A finished run is never touched without --overwrite_output_dir:
     resuming it says so and exits 0, so a retry loop around a finished job ends well."""
     if resume not in (None, "latest") and not os.path.isfile(os.path.join(resume, "meta.json")):
-        fail(f"--resume_from_checkpoint {resume} is not a checkpoint (no meta.json there); pass an "
-             "OUTPUT_DIR/checkpoints/step_N folder or 'latest'")
+        # a step typed without its zeros (step_20 for step_00000020), or the run's folder itself
+        near = list_checkpoints(os.path.dirname(os.path.dirname(os.path.normpath(resume)))) or list_checkpoints(resume)
+        fail(f"--resume_from_checkpoint {resume} is not a checkpoint (no meta.json there); pass "
+             + (f"one of {', '.join(near[-3:])} (the newest last)" if near else "an OUTPUT_DIR/checkpoints/step_N folder")
+             + " or 'latest'")
     if os.path.exists(out) and not os.path.isdir(out):
         fail(f"--output_dir {out} is a file, not a folder; pass another --output_dir")
     if overwrite and resume:
