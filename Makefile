@@ -25,7 +25,7 @@ IMAGES_DIR ?= runs/images/fashion_mnist
 GCIDE_DIR := runs/corpora/gcide/usr/share/dictd
 LM_RECIPE := --config train/configs/lm_gcide.yaml
 
-.PHONY: setup train train-only test images train-images gcide train-lm
+.PHONY: setup config-file train train-only test images train-images gcide train-lm
 
 # apt for the offline Fashion-MNIST copy (Debian's dataset-fashion-mnist), pip for the Python packages.
 setup:
@@ -36,10 +36,15 @@ setup:
 	fi
 	PIP_ROOT_USER_ACTION=ignore $(PYTHON) -m pip install --disable-pip-version-check -q -r requirements.txt
 
-train: setup train-only
+# accelerate's own answer to a missing config file is a traceback: one line instead, before setup
+config-file:
+	@test -f "$(CONFIG)" || { echo "error: CONFIG=$(CONFIG) does not exist; pass one of accelerate_configs/*.yaml or \
+	your own (accelerate config --config_file my.yaml)" >&2; exit 1; }
+
+train: config-file setup train-only
 
 # The demo job replaces its own earlier run in OUTPUT_DIR; train/mnist.py itself never does unasked.
-train-only:
+train-only: config-file
 	$(PYTHON) -m accelerate.commands.launch --config_file $(CONFIG) train/mnist.py \
 	  --dataset $(DATASET) --model $(MODEL) --num_train_epochs $(EPOCHS) --mixed_precision $(MIXED_PRECISION) $(RECIPE) \
 	  --with_tracking --output_dir $(OUTPUT_DIR) --overwrite_output_dir $(EXTRA)
@@ -50,7 +55,7 @@ images: setup
 	@if [ ! -d $(IMAGES_DIR)/train ]; then $(PYTHON) -m data.prepare --dataset fashion_mnist --format images \
 	  --output_dir $(IMAGES_DIR); fi
 
-train-images: images
+train-images: config-file images
 	$(PYTHON) -m accelerate.commands.launch --config_file $(CONFIG) train/image_classification.py \
 	  --train_dir $(IMAGES_DIR)/train --validation_dir $(IMAGES_DIR)/validation --image_size 32 --num_train_epochs $(EPOCHS) \
 	  --with_tracking --output_dir runs/image_classification --overwrite_output_dir $(EXTRA)
@@ -62,7 +67,7 @@ gcide: setup
 	  mkdir -p runs/corpora/gcide && dpkg-deb -x $$tmp/dict-gcide_*.deb runs/corpora/gcide && rm -rf $$tmp; \
 	fi
 
-train-lm: gcide
+train-lm: config-file gcide
 	$(PYTHON) -m accelerate.commands.launch --config_file $(CONFIG) train/lm.py $(LM_RECIPE) \
 	  --with_tracking --output_dir runs/lm --overwrite_output_dir $(EXTRA)
 	$(PYTHON) train/lm.py --output_dir runs/lm --prompt "Serendipity, n." --max_new_tokens 120

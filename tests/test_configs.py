@@ -9,7 +9,7 @@ import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import DistributedType
 
-from conftest import CONFIGS, clean_env
+from conftest import CONFIGS, REPO, clean_env
 
 CONFIG_FILES = sorted(glob.glob(os.path.join(CONFIGS, "*.yaml")))
 EXPECTED = {  # name: (distributed_type, num_processes, num_machines)
@@ -63,3 +63,13 @@ def test_accelerate_test_with_the_readme_command_runs_one_two_process_world(tmp_
     assert code == 0 and "Test is a success" in output, output[-3000:]
     assert output.count("Distributed environment: DistributedType.MULTI_CPU  Backend: gloo") == 2, output[-3000:]
     assert output.count("Num processes: 2") == 2 and "Num processes: 1" not in output
+
+
+@pytest.mark.parametrize("target", ["train", "train-only", "train-images", "train-lm"])
+def test_make_with_a_config_that_does_not_exist_is_one_line_before_anything_runs(target):
+    proc = subprocess.run(["make", "--no-print-directory", target, "CONFIG=accelerate_configs/cpu_2procs.yaml"],
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and proc.stdout == "", proc.stdout[-2000:]  # no setup, no launch
+    assert proc.stderr.splitlines()[0] == ("error: CONFIG=accelerate_configs/cpu_2procs.yaml does not exist; pass one "
+                                           "of accelerate_configs/*.yaml or your own (accelerate config --config_file "
+                                           "my.yaml)"), proc.stderr
