@@ -183,14 +183,21 @@ def matmul_peak(accelerator, size=1024, seconds=1.0):
     """FLOP/s of square matmuls in the dtype that autocast gives the run's matmuls (fp32, or bf16/fp16
     under mixed precision, on a CPU too: with AMX a bf16 matmul is several times an fp32 one, so an
     fp32 peak would overstate a bf16 run's mfu), summed over processes, measured with every process
-    busy at once, as in training: the denominator of mfu."""
+    busy at once, as in training: the denominator of mfu. On a GPU the matrices are 8192 wide and
+    ten products share one sync: a 1024-wide product takes microseconds there, less than the sync
+    and the launch, which would understate the peak several times (and overstate mfu)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(accelerator.mixed_precision, torch.float32)
+    gpu = accelerator.device.type != "cpu"
+    size, per_sync = (8192, 10) if gpu else (size, 1)
     a = torch.randn(size, size, device=accelerator.device, dtype=dtype)
+    (a @ a).sum().item()  # the first product loads the library and picks its kernel: not timed
     accelerator.wait_for_everyone()
     runs, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        (a @ a).sum().item()
-        runs += 1
+        for _ in range(per_sync):
+            b = a @ a
+        b.sum().item()
+        runs += per_sync
     per_process = torch.tensor([2 * size ** 3 * runs / (time.perf_counter() - start)], device=accelerator.device)
     return accelerator.reduce(per_process, reduction="sum").item()
 
