@@ -153,6 +153,49 @@ def test_other_os_errors_are_not_disguised(tmp_path):
         run(main, types.SimpleNamespace(output_dir=str(tmp_path)))
 
 
+# ----------------------------------------------------------------------------- --full_determinism
+
+@pytest.fixture
+def restore_determinism():
+    import torch
+
+    before = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic, \
+        torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    yield
+    torch.use_deterministic_algorithms(before[0])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1:3]
+    if before[3] is None:
+        os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+
+def test_full_determinism_turns_on_deterministic_kernels_before_the_run(tmp_path, capsys, restore_determinism):
+    import torch
+
+    torch.use_deterministic_algorithms(False)
+    os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    proc = run_as_script(capsys, "regression", "--full_determinism", "--num_train_epochs", 1, "--output_dir",
+                         tmp_path / "run")
+    assert proc.returncode == 0, output_of(proc)
+    assert "full_determinism: deterministic kernels only" in proc.stdout
+    assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+    assert not torch.backends.cudnn.benchmark and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+
+
+def test_an_op_without_a_deterministic_kernel_is_one_line(tmp_path, capsys, restore_determinism):
+    import torch
+
+    def main(args):  # put_ without accumulate has no deterministic kernel on any device: torch's own error
+        torch.use_deterministic_algorithms(True)
+        torch.zeros(3).put_(torch.tensor([0]), torch.tensor([1.0]))
+
+    with pytest.raises(SystemExit) as stopped:
+        run(main, types.SimpleNamespace(output_dir=str(tmp_path)))
+    assert stopped.value.code == 1
+    assert capsys.readouterr().err == ("error: --full_determinism: put_ has no deterministic kernel on this device; "
+                                       "run without --full_determinism (a rerun then agrees to rounding, not to the "
+                                       "bit)\n")
+
+
 def test_check_writable(tmp_path, mount):
     check_writable(str(tmp_path / "new" / "deeper"))  # a folder still to be made: its parent is checked
     assert not (tmp_path / "new").exists() and os.listdir(tmp_path) == []  # and nothing is left behind

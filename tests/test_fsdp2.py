@@ -91,7 +91,7 @@ def test_a_sharded_checkpoint_resumes_at_other_process_counts_and_under_ddp(runs
     # and the sharded checkpoint that 1 process wrote at step 8, resumed by 2 FSDP2 processes
     two = resume_copy(one, 8, str(tmp_path / "two"))
     proc = lm("fsdp2_cpu_2proc", runs["shards"], two, "--resume_from_checkpoint", "latest")
-    assert "saved with 1 processes" in proc.stdout and "world_size=2 " in proc.stdout
+    assert "saved with 1 process)" in proc.stdout and "world_size=2 " in proc.stdout
     assert closest(weights(two), weights(runs["fsdp"])) < 1e-5
     # FSDP2's shards read by DDP, and DDP's full checkpoint read by FSDP2
     ddp = resume_copy(runs["fsdp"], 4, str(tmp_path / "ddp"))

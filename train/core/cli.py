@@ -248,6 +248,10 @@ def make_parser(doc):
                                     "AMX), else fp32, unless the accelerate config asks for fp16/bf16.")
     g["hardware"].add_argument("--cpu", action="store_true",
                                help="Train on the CPU even when a GPU is visible (the default when none is).")
+    g["hardware"].add_argument("--full_determinism", action="store_true",
+                               help="Deterministic kernels only (torch.use_deterministic_algorithms, cuDNN, cuBLAS), "
+                                    "so a rerun or a resume on a GPU repeats a run bit for bit; slower there. A CPU's "
+                                    "kernels already are.")
     g["hardware"].add_argument("--ddp_timeout", type=positive_int, default=300,
                                help="Seconds a collective may wait for a peer before the run fails (torch's default "
                                     "is 30 minutes, which is how long survivors of a dead rank would hang).")

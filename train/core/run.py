@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 
+import torch
 from accelerate.utils import set_seed
 
 from data.errors import UserError
@@ -22,11 +23,29 @@ def start_run(args, task, **accelerator_kwargs):
     any process waits on another), the accelerator built, the seed set (the same initial weights on
     every process), the header printed, and the folder claimed (its one writer from here on)."""
     check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
+    if args.full_determinism:
+        use_deterministic_kernels()
     accelerator = make_accelerator(args, **accelerator_kwargs)
     set_seed(args.seed)
     announce(accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.mixed_precision)
+    if args.full_determinism:
+        accelerator.print("full_determinism: deterministic kernels only (slower on GPUs)")
     claim_output_dir(accelerator, args.output_dir, task, args.resume_from_checkpoint, args.overwrite_output_dir)
     return accelerator
+
+
+def use_deterministic_kernels():
+    """--full_determinism. On a GPU several kernels sum in an order that changes from run to run (the
+    fp32 attention backward splits its keys, atomics in cuDNN's convolution backward), so two runs, or
+    a run and its resume, part in the last bits after a step and then further. torch refuses an op
+    with no deterministic kernel instead of running it; cuBLAS needs its workspace setting before
+    its first call, which is why this runs before the accelerator exists."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+
+
+NO_DETERMINISTIC_KERNEL = "does not have a deterministic implementation"  # torch's words
 
 
 # a file the run could not write, in words, by errno; EACCES/EPERM may also be a read (of --data_dir, say)
@@ -66,6 +85,12 @@ def run(main, args):
         if e.errno not in DISK_FAULTS:
             raise
         message, code = disk_fault(e, getattr(args, "output_dir", None)), 1
+    except RuntimeError as e:  # --full_determinism met an op that torch has no deterministic kernel for
+        if NO_DETERMINISTIC_KERNEL not in str(e):
+            raise
+        op = str(e).split(NO_DETERMINISTIC_KERNEL)[0].strip()
+        message, code = (f"error: --full_determinism: {op} has no deterministic kernel on this device; run without "
+                         "--full_determinism (a rerun then agrees to rounding, not to the bit)"), 1
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher forwards a second SIGINT
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # and the one-process launcher's exit sends SIGTERM
