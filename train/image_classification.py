@@ -133,11 +133,12 @@ def main(args):
                                      device=accelerator.device, seed=args.seed, train=False,
                                      num_workers=args.dataloader_num_workers)
     else:
+        pin = accelerator.device.type == "cuda"  # pinned: the copy to the GPU need not wait for the last step
         train_loader = DataLoader(train_set, args.per_device_train_batch_size, shuffle=True, drop_last=True,
-                                  num_workers=args.dataloader_num_workers,
+                                  num_workers=args.dataloader_num_workers, pin_memory=pin,
                                   worker_init_fn=own_process_group)  # a SIGTERM must reach the rank alone
         eval_loader = DataLoader(eval_set, args.per_device_eval_batch_size, num_workers=args.dataloader_num_workers,
-                                 worker_init_fn=own_process_group)
+                                 worker_init_fn=own_process_group, pin_memory=pin)
 
     # ---------------------------------------------------------------- model, optimizer, schedule
     model = build_classifier(args.model, len(train_files.classes), args.image_size)

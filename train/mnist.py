@@ -135,11 +135,13 @@ def main(args):
         train_set, eval_set = train_set.subset(args.max_train_samples), eval_set.subset(args.max_eval_samples)
         num_train, num_eval = len(train_set), len(eval_set)
         # drop_last: every optimizer step sees one full global batch; the dropped tail differs each epoch.
+        pin = accelerator.device.type == "cuda"  # pinned: the copy to the GPU need not wait for the last step
         train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True,
                                   drop_last=True, collate_fn=identity_collate, num_workers=args.dataloader_num_workers,
-                                  worker_init_fn=own_process_group)  # a SIGTERM must reach the rank alone
+                                  pin_memory=pin, worker_init_fn=own_process_group)  # a SIGTERM must reach the rank alone
         eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, collate_fn=identity_collate,
-                                 num_workers=args.dataloader_num_workers, worker_init_fn=own_process_group)
+                                 num_workers=args.dataloader_num_workers, worker_init_fn=own_process_group,
+                                 pin_memory=pin)
     accelerator.print(f"dataset={args.dataset} train={num_train} test={num_eval} source={source}")
 
     # ---------------------------------------------------------------- model, optimizer, schedule
