@@ -132,6 +132,7 @@ def worker(args):
                                   device=accelerator.device, seed=script_args.seed, train=True)
     loop = TrainingLoop(accelerator, script_args, "lm_throughput", model, optimizer, train_loader,
                         evaluate=dict)
+    loop.preemption.close()  # a bench saves nothing: a SIGTERM (a timeout's, the launcher's) ends it at once
     lm_batches = loop.batches()
 
     def lm_step():

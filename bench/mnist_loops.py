@@ -66,4 +66,5 @@ class MnistBench:
         model, optimizer, loader = self.accelerator.prepare(model, optimizer, loader)
         loop = TrainingLoop(self.accelerator, self.script_args, script, model, optimizer, loader,
                             evaluate=dict)  # no evaluation at the epoch ends: the raw loops have none either
+        loop.preemption.close()  # a bench saves nothing: a SIGTERM (a timeout's, the launcher's) ends it at once
         return model, optimizer, loop
