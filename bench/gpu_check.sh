@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# docs/gpu.md's checklist on a machine with one CUDA GPU, in one go (about 9 minutes on an H200):
+#
+#   bash bench/gpu_check.sh [LOG_DIR]          # LOG_DIR defaults to runs/gpu_check
+#
+# Needs Fashion-MNIST's idx files in /usr/share/datasets/fashion-mnist (FASHION_SRC=DIR copies them
+# there first) and the demo's token shards in runs/tokens/gcide-bpe8192-b256 (`make train-lm` writes
+# them). No network and no pip: the machine's own torch and accelerate run it. Each step has a time
+# limit and the whole a deadline (DEADLINE seconds, default 540); a step that would not fit is skipped
+# and says so. CONFIG=FILE runs the launches under another accelerate config (default 1gpu.yaml);
+# ONLY="STEP ..." runs those steps alone. Every step's output is in LOG_DIR/STEP.log, the list of
+# steps in LOG_DIR/summary.txt, and, where $OUT is set, all of it in $OUT/gpu_check.tgz after each step.
+set -u
+PY=${PYTHON:-python3}
+LOG=${1:-runs/gpu_check}
+DEADLINE=${DEADLINE:-540}
+TOKENS=runs/tokens/gcide-bpe8192-b256
+CONFIG=${CONFIG:-accelerate_configs/1gpu.yaml}
+LAUNCH="$PY -m accelerate.commands.launch --config_file $CONFIG"
+START=$(date +%s)
+rm -rf "$LOG" && mkdir -p "$LOG"
+export PYTHONUNBUFFERED=1 PY CONFIG LAUNCH TOKENS
+
+save() { if [ -n "${OUT:-}" ]; then tar czf "$OUT/gpu_check.tgz" -C "$(dirname "$LOG")" "$(basename "$LOG")"; fi; }
+
+# step NAME LIMIT COMMAND...: run it under min(LIMIT, time left), its output to LOG/NAME.log
+step() {
+  local name=$1 limit=$2 left t0 rc
+  shift 2
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
+  left=$((DEADLINE - ($(date +%s) - START) - 15))
+  if ((left < 20)); then
+    echo "$name: skipped, ${left}s left before the deadline" | tee -a "$LOG/summary.txt"
+    return
+  fi
+  ((limit > left)) && limit=$left
+  t0=$(date +%s%N)
+  timeout -k 10 "$limit" bash -c '"$@"' "$name" "$@" >"$LOG/$name.log" 2>&1  # bash: steps may be functions
+  rc=$?
+  echo "$name: exit $rc in $(((($(date +%s%N) - t0) / 10000000)))e-2 s (limit ${limit}s)" | tee -a "$LOG/summary.txt"
+  save
+}
+
+if [ ! -d /usr/share/datasets/fashion-mnist ] && [ -n "${FASHION_SRC:-}" ]; then
+  mkdir -p /usr/share/datasets/fashion-mnist && cp "$FASHION_SRC"/*.gz /usr/share/datasets/fashion-mnist/
+fi
+
+# 1. the machine, and the GPU configs' preflight (4- and 8-GPU configs must refuse one GPU)
+step machine 60 bash -c "nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv
+  $PY -c 'import torch, torchvision, accelerate; print(\"torch\", torch.__version__, \"torchvision\", torchvision.__version__,
+  \"accelerate\", accelerate.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())'
+  $PY -m accelerate.commands.accelerate_cli env"
+# the PNG class folders for step 5, on the CPU meanwhile
+($PY -m data.prepare --dataset fashion_mnist --format images --output_dir runs/images/fashion_mnist \
+  >"$LOG/images_prepare.log" 2>&1; echo "exit $?" >>"$LOG/images_prepare.log") &
+images=$!
+step check_config 60 bash -c "for c in 1gpu 4gpu 8gpu fsdp2_4gpu 2node_8gpu 2node_8gpu_c10d; do echo \"== \$c\";
+  $PY -m train.check_config accelerate_configs/\$c.yaml --machine_rank 0; echo \"exit \$?\"; done"
+
+# 2. the recipe on one GPU, auto (bf16) and fp32, launch to exit; the step's floor beside it
+for mp in auto no; do
+  step "mnist_$mp" 150 $LAUNCH train/mnist.py --dataset fashion_mnist --model convnet_mlp --num_train_epochs 4 \
+    --mixed_precision $mp --config train/configs/fashion_mnist.yaml --with_tracking --output_dir "runs/gpu_mnist_$mp" \
+    --overwrite_output_dir
+done
+step step_floor 90 $PY bench/gpu_step_floor.py --mixed_precision bf16
+
+# 3 and 6. the GPU-only tests: preflight, and SIGKILL + resume bit-identical (FSDP2 with one process,
+# plain one GPU; fp32 and bf16) with --full_determinism, the final weights loaded into a plain model
+step tests 240 $PY -m pytest -q -n 5 --dist load -p no:cacheprovider tests/test_gpu.py
+# what --full_determinism is for: two identical runs with the default kernels, compared
+det() {
+  local pids=() name
+  for name in lm-no-a lm-no-b lm-bf16-a lm-bf16-b mnist-bf16-a mnist-bf16-b; do
+    set -- ${name//-/ }
+    if [ "$1" = lm ]; then
+      $LAUNCH train/lm.py --dataset_dir $TOKENS --n_layer 2 --n_head 2 --n_embd 64 --max_train_steps 60 \
+        --mixed_precision "$2" --output_dir "runs/gpu_det/$name" --overwrite_output_dir >"runs/gpu_det/$name.log" 2>&1 &
+    else
+      $LAUNCH train/mnist.py --dataset fashion_mnist --max_train_samples 8192 --num_train_epochs 1 \
+        --mixed_precision "$2" --output_dir "runs/gpu_det/$name" --overwrite_output_dir >"runs/gpu_det/$name.log" 2>&1 &
+    fi
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  grep -L "^final " runs/gpu_det/*.log | while read -r f; do echo "== $f failed:"; tail -5 "$f"; done
+  $PY - <<'EOF'
+from safetensors.torch import load_file
+for pair in ("lm-no", "lm-bf16", "mnist-bf16"):
+    try:
+        a, b = (load_file(f"runs/gpu_det/{pair}-{r}/model.safetensors") for r in "ab")
+    except Exception as e:
+        print(f"{pair}: no result ({e})"); continue
+    diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    print(f"{pair}, default kernels, two runs: {'bit-identical' if diff == 0 else f'differ, max |a - b| = {diff:.3g}'}")
+EOF
+}
+mkdir -p runs/gpu_det
+export -f det
+step determinism 120 det
+
+# 4. the GPT's throughput: the demo's size, then GPT-2 small's shape (12 x 768) on the same tokens
+bench() { $PY bench/lm_throughput.py --config_file "$CONFIG" --mixed_precision bf16 "$@"; }
+export -f bench
+step lm_demo 90 bench --turns 200 --warmup 10
+step lm_demo_compile 150 bench --turns 200 --warmup 10 --torch_compile
+step lm_gpt2 90 bench --n_layer 12 --n_head 12 --n_embd 768 --per_device_train_batch_size 32 --turns 40 --warmup 5
+
+# 5. images: the convnet of make train-images (2 epochs), then resnet50 at 224 for one epoch, both
+# with 4 decoding workers (the default on a GPU)
+wait $images
+step images_convnet 120 $LAUNCH train/image_classification.py --train_dir runs/images/fashion_mnist/train \
+  --validation_dir runs/images/fashion_mnist/validation --image_size 32 --num_train_epochs 2 --with_tracking \
+  --output_dir runs/gpu_images_convnet --overwrite_output_dir
+step images_resnet50 150 $LAUNCH train/image_classification.py --train_dir runs/images/fashion_mnist/train \
+  --validation_dir runs/images/fashion_mnist/validation --model resnet50 --num_train_epochs 1 \
+  --per_device_train_batch_size 128 --output_dir runs/gpu_images_resnet50 --overwrite_output_dir
+step lm_gpt2_compile 150 bench --n_layer 12 --n_head 12 --n_embd 768 --per_device_train_batch_size 32 --turns 40 \
+  --warmup 5 --torch_compile
+
+# what the reply shows: the figures, then the end of anything that failed
+for f in runs/gpu_mnist_auto runs/gpu_mnist_no runs/gpu_images_convnet runs/gpu_images_resnet50; do
+  [ -f $f/all_results.json ] && cp $f/all_results.json "$LOG/$(basename $f).json"
+done
+save
+echo "==== summary"
+cat "$LOG/summary.txt"
+cat "$LOG"/mnist_*.log "$LOG"/images_*.log 2>/dev/null | tr '\r' '\n' | grep "^world_size=\|^final \|^ *epoch [0-9]*:" |
+  cut -c1-300
+grep -h "^|\|^lm.py tokens\|^matmul peak\|^MFU\|alternating" "$LOG"/step_floor.log "$LOG"/lm_*.log 2>/dev/null | cut -c1-300
+cat "$LOG/determinism.log" 2>/dev/null | tail -5
+tail -5 "$LOG/tests.log" 2>/dev/null
+grep -h "exit\|== " "$LOG/check_config.log" 2>/dev/null | tr '\n' ' '
+echo
+grep -h "^exit" "$LOG/images_prepare.log"
+grep -l "Traceback\|Error" "$LOG"/*.log 2>/dev/null | while read -r f; do
+  echo "== $f"; tr '\r' '\n' <"$f" | grep -v "it/s\]\|samples/s\]\|s/it\]" | tail -8 | cut -c1-400
+done
