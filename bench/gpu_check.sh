@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# docs/gpu.md's checklist on a machine with one CUDA GPU, in one go (about 9 minutes on an H200):
+# docs/gpu.md's checklist on a machine with one CUDA GPU, in one go (steps 1-5: about 8 minutes on an
+# H200; step 6 about 2 more, so it needs DEADLINE=660 or a call of its own with ONLY):
 #
 #   bash bench/gpu_check.sh [LOG_DIR]          # LOG_DIR defaults to runs/gpu_check
 #
@@ -8,8 +9,9 @@
 # them). No network and no pip: the machine's own torch and accelerate run it. Each step has a time
 # limit and the whole a deadline (DEADLINE seconds, default 540); a step that would not fit is skipped
 # and says so. CONFIG=FILE runs the launches under another accelerate config (default 1gpu.yaml);
-# ONLY="STEP ..." runs those steps alone. Every step's output is in LOG_DIR/STEP.log, the list of
-# steps in LOG_DIR/summary.txt, and, where $OUT is set, all of it in $OUT/gpu_check.tgz after each step.
+# ONLY="STEP ..." runs those steps alone (give it its own LOG_DIR: each call empties its LOG_DIR first).
+# Every step's output is in LOG_DIR/STEP.log, the list of steps in LOG_DIR/summary.txt, and, where $OUT
+# is set, all of it in $OUT/gpu_check.tgz after each step.
 set -u
 PY=${PYTHON:-python3}
 LOG=${1:-runs/gpu_check}
@@ -23,11 +25,13 @@ export PYTHONUNBUFFERED=1 PY CONFIG LAUNCH TOKENS
 
 save() { if [ -n "${OUT:-}" ]; then tar czf "$OUT/gpu_check.tgz" -C "$(dirname "$LOG")" "$(basename "$LOG")"; fi; }
 
+wanted() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
+
 # step NAME LIMIT COMMAND...: run it under min(LIMIT, time left), its output to LOG/NAME.log
 step() {
   local name=$1 limit=$2 left t0 rc
   shift 2
-  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
+  wanted "$name" || return 0
   left=$((DEADLINE - ($(date +%s) - START) - 15))
   if ((left < 20)); then
     echo "$name: skipped, ${left}s left before the deadline" | tee -a "$LOG/summary.txt"
@@ -51,9 +55,12 @@ step machine 60 bash -c "nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total
   \"accelerate\", accelerate.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())'
   $PY -m accelerate.commands.accelerate_cli env"
 # the PNG class folders for step 5, on the CPU meanwhile
-($PY -m data.prepare --dataset fashion_mnist --format images --output_dir runs/images/fashion_mnist \
-  >"$LOG/images_prepare.log" 2>&1; echo "exit $?" >>"$LOG/images_prepare.log") &
-images=$!
+images=
+if wanted images_convnet || wanted images_resnet50; then
+  ($PY -m data.prepare --dataset fashion_mnist --format images --output_dir runs/images/fashion_mnist \
+    >"$LOG/images_prepare.log" 2>&1; echo "exit $?" >>"$LOG/images_prepare.log") &
+  images=$!
+fi
 step check_config 60 bash -c "for c in 1gpu 4gpu 8gpu fsdp2_4gpu 2node_8gpu 2node_8gpu_c10d; do echo \"== \$c\";
   $PY -m train.check_config accelerate_configs/\$c.yaml --machine_rank 0; echo \"exit \$?\"; done"
 
@@ -65,7 +72,7 @@ for mp in auto no; do
 done
 step step_floor 90 $PY bench/gpu_step_floor.py --mixed_precision bf16
 
-# 3 and 6. the GPU-only tests: preflight, and SIGKILL + resume bit-identical (FSDP2 with one process,
+# 3. the GPU-only tests: preflight, and SIGKILL + resume bit-identical (FSDP2 with one process,
 # plain one GPU; fp32 and bf16) with --full_determinism, the final weights loaded into a plain model
 step tests 240 $PY -m pytest -q -n 5 --dist load -p no:cacheprovider tests/test_gpu.py
 # what --full_determinism is for: two identical runs with the default kernels, compared
@@ -108,7 +115,7 @@ step lm_gpt2 90 bench --n_layer 12 --n_head 12 --n_embd 768 --per_device_train_b
 
 # 5. images: the convnet of make train-images (2 epochs), then resnet50 at 224 for one epoch, both
 # with 4 decoding workers (the default on a GPU)
-wait $images
+[ -n "$images" ] && wait $images
 step images_convnet 120 $LAUNCH train/image_classification.py --train_dir runs/images/fashion_mnist/train \
   --validation_dir runs/images/fashion_mnist/validation --image_size 32 --num_train_epochs 2 --with_tracking \
   --output_dir runs/gpu_images_convnet --overwrite_output_dir
@@ -118,21 +125,43 @@ step images_resnet50 150 $LAUNCH train/image_classification.py --train_dir runs/
 step lm_gpt2_compile 150 bench --n_layer 12 --n_head 12 --n_embd 768 --per_device_train_batch_size 32 --turns 40 \
   --warmup 5 --torch_compile
 
+# 6. this machine's CPU as one more of the CPU kinds the recipe must hold on (docs/speed.md): the CPU
+# recipe of `make train` on 2 cores (taskset), the GPU hidden, with auto, fp32 and AVX2-only kernels
+cpu_recipe() {
+  local mp=$1 limit=()
+  [ "$1" = avx2 ] && mp=auto limit=(ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2)
+  # one thread per process, as on a 2-core machine: accelerate would size them by all the host's cores
+  env "${limit[@]}" CUDA_VISIBLE_DEVICES= taskset -c 0,1 $PY -m accelerate.commands.launch \
+    --config_file accelerate_configs/cpu_2proc.yaml --num_cpu_threads_per_process 1 train/mnist.py \
+    --dataset fashion_mnist --model convnet_mlp --num_train_epochs 4 --mixed_precision "$mp" \
+    --config train/configs/fashion_mnist.yaml --seed "${SEED:-42}" --output_dir "runs/gpu_host_cpu_$1" \
+    --overwrite_output_dir
+}
+export -f cpu_recipe
+step cpu_flags 30 bash -c "lscpu | grep -E 'Model name|^CPU\(s\)|Thread\(s\) per core'; grep -o -w -E 'avx512f|avx512_bf16|amx_bf16' /proc/cpuinfo |
+  sort | uniq -c"
+for kind in auto no avx2; do
+  step "cpu_$kind" 120 cpu_recipe $kind
+done
+
 # what the reply shows: the figures, then the end of anything that failed
-for f in runs/gpu_mnist_auto runs/gpu_mnist_no runs/gpu_images_convnet runs/gpu_images_resnet50; do
-  [ -f $f/all_results.json ] && cp $f/all_results.json "$LOG/$(basename $f).json"
+for name in mnist_auto mnist_no images_convnet images_resnet50 cpu_auto cpu_no cpu_avx2; do  # this call's runs only
+  f=runs/gpu_$name
+  [[ $name == cpu_* ]] && f=runs/gpu_host_$name
+  [ -f "$LOG/$name.log" ] && [ -f $f/all_results.json ] && cp $f/all_results.json "$LOG/$name.json"
 done
 save
 echo "==== summary"
 cat "$LOG/summary.txt"
-cat "$LOG"/mnist_*.log "$LOG"/images_*.log 2>/dev/null | tr '\r' '\n' | grep "^world_size=\|^final \|^ *epoch [0-9]*:" |
+cat "$LOG"/mnist_*.log "$LOG"/images_*.log "$LOG"/cpu_*.log 2>/dev/null | tr '\r' '\n' |
+  grep "^world_size=\|^final \|^ *epoch [0-9]*:\|Model name\|^CPU(s)\|Thread(s) per core\|avx512\|amx" |
   cut -c1-300
 grep -h "^|\|^lm.py tokens\|^matmul peak\|^MFU\|alternating" "$LOG"/step_floor.log "$LOG"/lm_*.log 2>/dev/null | cut -c1-300
 cat "$LOG/determinism.log" 2>/dev/null | tail -5
 tail -5 "$LOG/tests.log" 2>/dev/null
 grep -h "exit\|== " "$LOG/check_config.log" 2>/dev/null | tr '\n' ' '
 echo
-grep -h "^exit" "$LOG/images_prepare.log"
+grep -h "^exit" "$LOG/images_prepare.log" 2>/dev/null
 grep -l "Traceback\|Error" "$LOG"/*.log 2>/dev/null | while read -r f; do
   echo "== $f"; tr '\r' '\n' <"$f" | grep -v "it/s\]\|samples/s\]\|s/it\]" | tail -8 | cut -c1-400
 done

@@ -1,7 +1,7 @@
 """What only a GPU can show, skipped without one: the GPU configs' preflight, and a crash and resume
 that ends bit-identical to an uninterrupted run on one GPU, plain and under FSDP2, in fp32 and bf16.
 
-    python -m pytest -n 4 --dist load tests/test_gpu.py     # on a machine with a CUDA GPU (docs/gpu.md)
+    python -m pytest -n 5 --dist load tests/test_gpu.py     # on a machine with a CUDA GPU (docs/gpu.md)
 
 On a CPU the same behaviours are asserted by test_fsdp2.py and test_checkpointing.py."""
 import json
