@@ -64,12 +64,16 @@ fi
 step check_config 60 bash -c "for c in 1gpu 4gpu 8gpu fsdp2_4gpu 2node_8gpu 2node_8gpu_c10d; do echo \"== \$c\";
   $PY -m train.check_config accelerate_configs/\$c.yaml --machine_rank 0; echo \"exit \$?\"; done"
 
-# 2. the recipe on one GPU, auto (bf16) and fp32, launch to exit; the step's floor beside it
+# 2. the recipe on one GPU, auto (bf16) and fp32, then compiled into CUDA graphs, launch to exit; the
+# step's floor beside it
 for mp in auto no; do
   step "mnist_$mp" 150 $LAUNCH train/mnist.py --dataset fashion_mnist --model convnet_mlp --num_train_epochs 4 \
     --mixed_precision $mp --config train/configs/fashion_mnist.yaml --with_tracking --output_dir "runs/gpu_mnist_$mp" \
     --overwrite_output_dir
 done
+step mnist_compiled 150 $LAUNCH train/mnist.py --dataset fashion_mnist --model convnet_mlp --num_train_epochs 4 \
+  --torch_compile_mode reduce-overhead --config train/configs/fashion_mnist.yaml --output_dir runs/gpu_mnist_compiled \
+  --overwrite_output_dir
 step step_floor 90 $PY bench/gpu_step_floor.py --mixed_precision bf16
 
 # 3. the GPU-only tests: preflight, and SIGKILL + resume bit-identical (FSDP2 with one process,
@@ -145,7 +149,7 @@ for kind in auto no avx2; do
 done
 
 # what the reply shows: the figures, then the end of anything that failed
-for name in mnist_auto mnist_no images_convnet images_resnet50 cpu_auto cpu_no cpu_avx2; do  # this call's runs only
+for name in mnist_auto mnist_no mnist_compiled images_convnet images_resnet50 cpu_auto cpu_no cpu_avx2; do  # this call's runs only
   f=runs/gpu_$name
   [[ $name == cpu_* ]] && f=runs/gpu_host_$name
   [ -f "$LOG/$name.log" ] && [ -f $f/all_results.json ] && cp $f/all_results.json "$LOG/$name.json"

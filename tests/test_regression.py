@@ -62,3 +62,23 @@ def test_in_process_smoke(tmp_path):
     assert results["eval_mse"] < 0.05  # noise variance is 0.01: the fit converged
     assert set(weights(tmp_path)) == {"weight", "bias"}
     assert torch.isfinite(weights(tmp_path)["weight"]).all()
+
+
+def test_torch_compile_flags_compile_any_script_and_say_so(tmp_path, capsys, monkeypatch):
+    """--torch_compile (and --torch_compile_mode, which implies it) are every script's, through
+    accelerate's dynamo plugin; without them a launch config's dynamo backend is followed, and the
+    header names which decided. The compiled run saves plain weights."""
+    from conftest import run_as_script
+
+    proc = run_as_script(capsys, "regression", "--torch_compile_mode", "max-autotune-no-cudagraphs",
+                         "--num_train_epochs", 1, "--output_dir", tmp_path / "flag")
+    assert proc.returncode == 0, output_of(proc)
+    assert "torch_compile: inductor, mode max-autotune-no-cudagraphs (--torch_compile)" in proc.stdout
+    assert not any(k.startswith("_orig_mod") for k in weights(tmp_path / "flag"))
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")  # what a config's dynamo_backend exports
+    proc = run_as_script(capsys, "regression", "--num_train_epochs", 1, "--output_dir", tmp_path / "config")
+    assert proc.returncode == 0, output_of(proc)
+    assert "torch_compile: inductor, mode default (the accelerate config)" in proc.stdout
+    monkeypatch.delenv("ACCELERATE_DYNAMO_BACKEND")
+    proc = run_as_script(capsys, "regression", "--num_train_epochs", 1, "--output_dir", tmp_path / "eager")
+    assert proc.returncode == 0 and "torch_compile:" not in proc.stdout, output_of(proc)

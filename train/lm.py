@@ -59,7 +59,6 @@ def parse_args(argv=None):
     model.add_argument("--n_embd", type=positive_int, default=256)
     model.add_argument("--dropout", type=float, default=0.0)
     model.add_argument("--gradient_checkpointing", action="store_true", help="Recompute activations in backward.")
-    model.add_argument("--torch_compile", action="store_true", help="torch.compile through accelerate (inductor).")
     model.add_argument("--prompt", help="Instead of training: continue this text with the model in --output_dir.")
     model.add_argument("--max_new_tokens", type=positive_int, default=200)
     model.add_argument("--temperature", type=float, default=0.8)
@@ -115,7 +114,7 @@ def lm_tokenizer(folder, manifest):
 
 
 def main(args):
-    accelerator = start_run(args, TASK, dynamo_backend="inductor" if args.torch_compile else "no")
+    accelerator = start_run(args, TASK)
 
     # ---------------------------------------------------------------- data: tokenized once, then streamed
     manifest = main_process_first(accelerator, lambda: prepare_data(args), share=True)

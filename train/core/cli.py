@@ -248,6 +248,13 @@ def make_parser(doc):
                                     "AMX), else fp32, unless the accelerate config asks for fp16/bf16.")
     g["hardware"].add_argument("--cpu", action="store_true",
                                help="Train on the CPU even when a GPU is visible (the default when none is).")
+    g["hardware"].add_argument("--torch_compile", action="store_true",
+                               help="Compile the model with torch.compile (inductor) through accelerate's dynamo plugin; "
+                                    "the first steps wait for the compiler.")
+    g["hardware"].add_argument("--torch_compile_mode", choices=["default", "reduce-overhead", "max-autotune",
+                                                                "max-autotune-no-cudagraphs"], default=None,
+                               help="torch.compile's mode; reduce-overhead replays CUDA graphs on a GPU, for steps "
+                                    "bound by launching many small kernels (docs/gpu.md). Implies --torch_compile.")
     g["hardware"].add_argument("--full_determinism", action="store_true",
                                help="Deterministic kernels only (torch.use_deterministic_algorithms, cuDNN, cuBLAS), "
                                     "so a rerun or a resume on a GPU repeats a run bit for bit; slower there. A CPU's "

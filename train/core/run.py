@@ -25,11 +25,16 @@ def start_run(args, task, **accelerator_kwargs):
     check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
     if args.full_determinism:
         use_deterministic_kernels()
-    accelerator = make_accelerator(args, **accelerator_kwargs)
+    accelerator = make_accelerator(args, dynamo_plugin=dynamo_plugin(args), **accelerator_kwargs)
     set_seed(args.seed)
     announce(accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.mixed_precision)
     if args.full_determinism:
         accelerator.print("full_determinism: deterministic kernels only (slower on GPUs)")
+    compiled = accelerator.state.dynamo_plugin
+    if compiled.backend.value != "NO":
+        accelerator.print(f"torch_compile: {compiled.backend.value.lower()}, mode {compiled.mode} "
+                          f"({'--torch_compile' if args.torch_compile or args.torch_compile_mode else 'the accelerate config'}); "
+                          "the first steps wait for the compiler")
     claim_output_dir(accelerator, args.output_dir, task, args.resume_from_checkpoint, args.overwrite_output_dir)
     return accelerator
 
@@ -43,6 +48,16 @@ def use_deterministic_kernels():
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+
+
+def dynamo_plugin(args):
+    """--torch_compile / --torch_compile_mode as accelerate's plugin; without them None, and accelerate
+    follows the launch's config (the wizard's torch dynamo answer), as --mixed_precision auto does."""
+    from accelerate.utils import TorchDynamoPlugin
+
+    if not (args.torch_compile or args.torch_compile_mode):
+        return None
+    return TorchDynamoPlugin(backend="inductor", mode=args.torch_compile_mode or "default")
 
 
 NO_DETERMINISTIC_KERNEL = "does not have a deterministic implementation"  # torch's words
