@@ -57,7 +57,7 @@ def sharded_loader(source, per_device_batch_size, *, rank, world_size, device, s
                                      seed=seed, shuffle=train, policy="drop" if train else "pad")
     check_same_plan(dataset.identity(), gather)
     # pinned batches: the copy to a GPU is queued behind the steps before it; from pageable memory
-    # CUDA first waits for them (docs/gpu.md: no gain measured yet where the step is launch-bound)
+    # CUDA first waits for them (docs/gpu.md: the gain is not measured apart yet)
     pin = device is not None and torch.device(device).type == "cuda"
     return ShardedLoader(dataset, device, num_workers=num_workers, pin_memory=pin)
 

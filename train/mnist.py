@@ -136,9 +136,10 @@ def main(args):
         num_train, num_eval = len(train_set), len(eval_set)
         # drop_last: every optimizer step sees one full global batch; the dropped tail differs each epoch.
         pin = accelerator.device.type == "cuda"  # pinned: the copy to the GPU need not wait for the last step
+        # own_process_group: a SIGTERM must reach the rank alone
         train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True,
                                   drop_last=True, collate_fn=identity_collate, num_workers=args.dataloader_num_workers,
-                                  pin_memory=pin, worker_init_fn=own_process_group)  # a SIGTERM must reach the rank alone
+                                  pin_memory=pin, worker_init_fn=own_process_group)
         eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, collate_fn=identity_collate,
                                  num_workers=args.dataloader_num_workers, worker_init_fn=own_process_group,
                                  pin_memory=pin)

@@ -294,5 +294,6 @@ def load_checkpoint(accelerator, path, task, model, optimizer, lr_scheduler):
         for name, buffer in accelerator.unwrap_model(model).named_buffers():
             if name in rank_state["buffers"]:
                 buffer.copy_(rank_state["buffers"][name])
-    accelerator.print(f"resumed from {path} (step {meta['step']}, saved with {meta['world_size']} process{'es' if meta['world_size'] != 1 else ''})")
+    processes = f"{meta['world_size']} process" + ("es" if meta["world_size"] != 1 else "")
+    accelerator.print(f"resumed from {path} (step {meta['step']}, saved with {processes})")
     return meta

@@ -249,8 +249,8 @@ def make_parser(doc):
     g["hardware"].add_argument("--cpu", action="store_true",
                                help="Train on the CPU even when a GPU is visible (the default when none is).")
     g["hardware"].add_argument("--torch_compile", action="store_true",
-                               help="Compile the model with torch.compile (inductor) through accelerate's dynamo plugin; "
-                                    "the first steps wait for the compiler.")
+                               help="Compile the model with torch.compile (inductor) through accelerate's dynamo "
+                                    "plugin; the first steps wait for the compiler.")
     g["hardware"].add_argument("--torch_compile_mode", choices=["default", "reduce-overhead", "max-autotune",
                                                                 "max-autotune-no-cudagraphs"], default=None,
                                help="torch.compile's mode; reduce-overhead replays CUDA graphs on a GPU, for steps "

@@ -32,8 +32,8 @@ def start_run(args, task, **accelerator_kwargs):
         accelerator.print("full_determinism: deterministic kernels only (slower on GPUs)")
     compiled = accelerator.state.dynamo_plugin
     if compiled.backend.value != "NO":
-        accelerator.print(f"torch_compile: {compiled.backend.value.lower()}, mode {compiled.mode} "
-                          f"({'--torch_compile' if args.torch_compile or args.torch_compile_mode else 'the accelerate config'}); "
+        decided = "--torch_compile" if args.torch_compile or args.torch_compile_mode else "the accelerate config"
+        accelerator.print(f"torch_compile: {compiled.backend.value.lower()}, mode {compiled.mode} ({decided}); "
                           "the first steps wait for the compiler")
     claim_output_dir(accelerator, args.output_dir, task, args.resume_from_checkpoint, args.overwrite_output_dir)
     return accelerator
