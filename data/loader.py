@@ -47,6 +47,14 @@ def own_process_group(worker_id=None):
     threading.Thread(target=take_sigterm, name="sigterm-from-rank", daemon=True).start()
 
 
+def pinned(device):
+    """pin_memory for a DataLoader whose batches go to `device`: on a GPU, pinned batches are copied
+    behind the steps queued before them (make_accelerator asks accelerate for non_blocking copies),
+    while from pageable memory CUDA first waits for those steps (docs/gpu.md: the gain is not
+    measured apart yet)."""
+    return device is not None and torch.device(device).type == "cuda"
+
+
 def sharded_loader(source, per_device_batch_size, *, rank, world_size, device, seed, train, num_workers=0,
                    gather=gather_object):
     """This rank's batches of `source` (see data/sources.py): shuffled and `drop` for training, in
@@ -56,10 +64,7 @@ def sharded_loader(source, per_device_batch_size, *, rank, world_size, device, s
     dataset = ShardedIterableDataset(source, per_device_batch_size * world_size, rank=rank, world_size=world_size,
                                      seed=seed, shuffle=train, policy="drop" if train else "pad")
     check_same_plan(dataset.identity(), gather)
-    # pinned batches: the copy to a GPU is queued behind the steps before it; from pageable memory
-    # CUDA first waits for them (docs/gpu.md: the gain is not measured apart yet)
-    pin = device is not None and torch.device(device).type == "cuda"
-    return ShardedLoader(dataset, device, num_workers=num_workers, pin_memory=pin)
+    return ShardedLoader(dataset, device, num_workers=num_workers, pin_memory=pinned(device))
 
 
 class ShardedLoader(DataLoaderStateMixin):

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from data.image_pixels import image_transforms, keep_budget, normalize
 from data.images import ImageFileSource, ImageFolderDataset, decode_for_prediction, list_images, scan_image_folder
-from data.loader import own_process_group, sharded_loader
+from data.loader import own_process_group, pinned, sharded_loader
 from train.core.accelerator import main_process_first
 from train.core.cli import add_optimizer_args, make_parser, positive_float, positive_int
 from train.core.evaluation import evaluate_classifier
@@ -133,7 +133,7 @@ def main(args):
                                      device=accelerator.device, seed=args.seed, train=False,
                                      num_workers=args.dataloader_num_workers)
     else:
-        pin = accelerator.device.type == "cuda"  # pinned: the copy to the GPU need not wait for the last step
+        pin = pinned(accelerator.device)
         train_loader = DataLoader(train_set, args.per_device_train_batch_size, shuffle=True, drop_last=True,
                                   num_workers=args.dataloader_num_workers, pin_memory=pin,
                                   worker_init_fn=own_process_group)  # a SIGTERM must reach the rank alone

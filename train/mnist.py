@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from data import DATASETS, augment_images, check_data_dir, identity_collate, load_mnist, normalize_images
-from data.loader import own_process_group, sharded_loader
+from data.loader import own_process_group, pinned, sharded_loader
 from data.mnist import prepare_mnist_shards
 from data.shards import shards_in
 from data.sources import ParquetSource
@@ -135,7 +135,7 @@ def main(args):
         train_set, eval_set = train_set.subset(args.max_train_samples), eval_set.subset(args.max_eval_samples)
         num_train, num_eval = len(train_set), len(eval_set)
         # drop_last: every optimizer step sees one full global batch; the dropped tail differs each epoch.
-        pin = accelerator.device.type == "cuda"  # pinned: the copy to the GPU need not wait for the last step
+        pin = pinned(accelerator.device)
         # own_process_group: a SIGTERM must reach the rank alone
         train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True,
                                   drop_last=True, collate_fn=identity_collate, num_workers=args.dataloader_num_workers,

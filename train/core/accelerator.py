@@ -228,10 +228,7 @@ def make_accelerator(args, **kwargs):
         cpu=cpu,
         mixed_precision=choose_mixed_precision(args.mixed_precision, cpu)[0],
         gradient_accumulation_steps=args.gradient_accumulation_steps,
-        # non_blocking: with the scripts' pinned batches (pin_memory on a GPU) the copy to the GPU does
-        # not wait for the steps queued before it; from pageable memory CUDA syncs the stream per batch
-        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed,
-                                                  non_blocking=True),
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
         step_scheduler_with_optimizer=False,
         kwargs_handlers=[_process_group_kwargs(args.ddp_timeout), DistributedDataParallelKwargs(broadcast_buffers=False)],
         **{**tracking_kwargs(args.with_tracking, args.report_to, args.output_dir), **kwargs},
