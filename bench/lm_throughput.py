@@ -129,7 +129,8 @@ def worker(args):
     model, optimizer = accelerator.prepare(model, optimizer)
     train_loader = sharded_loader(ParquetSource(train_files, decode=decode), batch_size,
                                   rank=accelerator.process_index, world_size=accelerator.num_processes,
-                                  device=accelerator.device, seed=script_args.seed, train=True)
+                                  device=accelerator.device, seed=script_args.seed, train=True,
+                                  num_workers=args.dataloader_num_workers)
     loop = TrainingLoop(accelerator, script_args, "lm_throughput", model, optimizer, train_loader,
                         evaluate=dict)
     loop.preemption.close()  # a bench saves nothing: a SIGTERM (a timeout's, the launcher's) ends it at once
@@ -186,6 +187,8 @@ def main(argv=None):
     parser.add_argument("--logging_steps", type=int, default=20)
     parser.add_argument("--mixed_precision", choices=["auto", "no", "bf16", "fp16"], default="auto")
     parser.add_argument("--torch_compile", action="store_true")
+    parser.add_argument("--dataloader_num_workers", type=int, default=0, help="Processes reading lm.py's shards "
+                        "per rank (the raw loop reads from memory).")
     parser.add_argument("--tiny", action="store_true", help="A tiny model, 6 turns: checks the bench runs.")
     add_worker_flags(parser)
     args = parser.parse_args(argv)
@@ -204,6 +207,7 @@ def main(argv=None):
     result = run_workers(__file__, [
         "--dataset_dir", os.path.abspath(args.dataset_dir), "--turns", str(args.turns), "--warmup", str(args.warmup),
         "--logging_steps", str(args.logging_steps), "--mixed_precision", args.mixed_precision,
+        "--dataloader_num_workers", str(args.dataloader_num_workers),
         *[f"--{name}={getattr(args, name)}" for name in TINY], *flag("torch_compile", args.torch_compile),
         *flag("tiny", args.tiny)], config_file=args.config_file)
     ms, tokens = result["ms_per_step"], result["tokens_per_step"]
@@ -212,7 +216,8 @@ def main(argv=None):
           f"on {result['device']}, mixed_precision={result['mixed_precision']}, torch_compile={result['torch_compile']}; "
           f"GPT {args.n_layer}x{args.n_embd}, {args.n_head} heads, {result['parameters'] / 1e6:.2f}M parameters, "
           f"vocab {result['vocab_size']}, block {result['block_size']}, {args.per_device_train_batch_size} windows per "
-          f"process ({tokens} tokens per step); steps taken: raw {result['raw_steps']}, lm.py {result['lm_steps']}")
+          f"process ({tokens} tokens per step), {args.dataloader_num_workers} reading workers for lm.py; steps taken: "
+          f"raw {result['raw_steps']}, lm.py {result['lm_steps']}")
     print(f"matmul peak: {result['matmul_peak'][0] / 1e9:.1f} GFLOP/s before, {result['matmul_peak'][1] / 1e9:.1f} "
           "after (all processes)")
     print("| loop | ms/step (median) | ms/step (mean) | tokens/s | mfu |")
