@@ -153,20 +153,6 @@ def test_other_os_errors_are_not_disguised(tmp_path):
         run(main, types.SimpleNamespace(output_dir=str(tmp_path)))
 
 
-def test_a_finished_program_freezes_its_heap_for_a_fast_exit(tmp_path):
-    """A script's main, finished, freezes what is alive (gc.freeze: its exit then skips a full collection);
-    a main from elsewhere (these tests, a library caller) is left alone: its process goes on."""
-    before = __import__("gc").get_freeze_count()
-    assert run(lambda args: 7, types.SimpleNamespace(output_dir=str(tmp_path))) == 7
-    assert __import__("gc").get_freeze_count() == before
-    code = ("import gc, sys, types; sys.path.insert(0, sys.argv[1]); from train.core.run import run\n"
-            "def main(args):\n    return gc.get_freeze_count()\n"
-            "print(run(main, types.SimpleNamespace(output_dir=None)), gc.get_freeze_count())")
-    during, after = map(int, subprocess.run([sys.executable, "-c", code, REPO], capture_output=True, text=True,
-                                            check=True, env=clean_env()).stdout.split())
-    assert during == 0 and after > 10_000
-
-
 # ----------------------------------------------------------------------------- --full_determinism
 
 @pytest.fixture

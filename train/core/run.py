@@ -120,10 +120,6 @@ def run(main, args):
         # go before the process group, or interpreter exit can abort a finished run
         gc.collect()
         run_teardown()
-        if getattr(main, "__module__", None) == "__main__":
-            # the program ends here: what is alive now needs no collection, and interpreter exit then skips
-            # a full pass over torch's objects (0.6-1 s less from launch to exit on 2 cores, docs/speed.md)
-            gc.freeze()
         return result
     run_failure_hooks()  # e.g. an output folder this run created and never wrote a result into
     exit_once(message, code, quiet_others)
