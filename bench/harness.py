@@ -85,6 +85,29 @@ def turn_order(names, turn):
     return names if turn % 2 == 0 else names[::-1]
 
 
+class Phases:
+    """Wall seconds between named points of a step, summed over steps: `mark = phases.start()` where a
+    step starts, then `mark(name)` where each phase ends. No device sync in between: on a GPU a phase
+    is the CPU's time to queue its work (or to wait, once the queue is full or something syncs)."""
+
+    def __init__(self):
+        self.seconds, self.steps = {}, 0
+
+    def start(self):
+        self.steps += 1
+        last = [time.perf_counter()]
+
+        def mark(name):
+            now = time.perf_counter()
+            self.seconds[name] = self.seconds.get(name, 0.0) + now - last[0]
+            last[0] = now
+        return mark
+
+    def means(self):
+        """Milliseconds per step of each phase, in the order they were first marked."""
+        return {name: 1000 * s / max(self.steps, 1) for name, s in self.seconds.items()}
+
+
 def time_turns(loops, turns, synchronize, steps_per_turn=1, sync_after=False):
     """Milliseconds per step of each of `loops` (name -> a function taking one turn), per turn.
     `synchronize` runs before each turn's clock starts, so no loop inherits another's pending work;

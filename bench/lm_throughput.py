@@ -28,8 +28,8 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.harness import CPU_2PROC, REPO, Batches, add_worker_flags, flag, print_result, ratio_line, run_workers, \
-    time_turns
+from bench.harness import CPU_2PROC, REPO, Batches, Phases, add_worker_flags, flag, print_result, ratio_line, \
+    run_workers, time_turns
 
 # the demo of `make train-lm`: the Makefile's LM_RECIPE sizes
 DEMO = {"dataset_dir": os.path.join("runs", "tokens", "gcide-bpe8192-b256"), "n_layer": 4, "n_head": 4, "n_embd": 192,
@@ -110,19 +110,26 @@ def worker(args):
         return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
 
     def raw_step():
+        mark = phases["raw"].start()
         input_ids, labels = (t.to(device, non_blocking=True) for t in raw_batches.next())
+        mark("data")
         with autocast():
             loss = loss_fn(raw_model, {"input_ids": input_ids, "labels": labels})
+        mark("forward")
         raw_scaler.scale(loss).backward()
+        mark("backward")
         raw_scaler.unscale_(raw_optimizer)
         torch.nn.utils.clip_grad_norm_(raw_model.parameters(), script_args.max_grad_norm)
+        mark("clip")
         raw_scaler.step(raw_optimizer)
         raw_scaler.update()
         raw_optimizer.zero_grad(set_to_none=True)
+        mark("optimizer")
         raw_scheduler.step()
         raw_state["step"] += 1
         if raw_state["step"] % args.logging_steps == 0:
             loss.item()
+        mark("after")
 
     # ------------------------------------------------ lm.py: its objects, its step, TrainingLoop
     model, optimizer = model_and_optimizer()
@@ -137,15 +144,22 @@ def worker(args):
     lm_batches = loop.batches()
 
     def lm_step():
+        mark = phases["lm.py"].start()
         batch = next(lm_batches)
+        mark("data")
         with accelerator.accumulate(model):
             loss = loss_fn(model, batch)
+            mark("forward")
             accelerator.backward(loss)
+            mark("backward")
             if accelerator.sync_gradients and script_args.max_grad_norm > 0:
                 accelerator.clip_grad_norm_(model.parameters(), script_args.max_grad_norm)
+            mark("clip")
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        mark("optimizer")
         loop.after_batch(loss)
+        mark("after")
 
     def synchronize():
         if device.type == "cuda":
@@ -154,9 +168,11 @@ def worker(args):
 
     peak_before = matmul_peak(accelerator)
     loops = {"raw": raw_step, "lm.py": lm_step}
+    phases = {name: Phases() for name in loops}
     for step in loops.values():  # warm-up: DDP's bucket rebuild, kernels, compilation
         for _ in range(args.warmup):
             step()
+    phases = {name: Phases() for name in loops}  # the timed turns only
     ms_per_step = time_turns(loops, args.turns, synchronize, sync_after=True)
     peak_after = matmul_peak(accelerator)
     loop.progress.close()
@@ -167,7 +183,8 @@ def worker(args):
             "torch_compile": args.torch_compile, "ms_per_step": ms_per_step, "block_size": block_size,
             "tokens_per_step": world * batch_size * block_size, "flops_per_token": reference.flops_per_token(),
             "parameters": sum(p.numel() for p in reference.parameters()), "vocab_size": manifest["vocab_size"],
-            "matmul_peak": [peak_before, peak_after], "raw_steps": raw_state["step"], "lm_steps": loop.step})
+            "matmul_peak": [peak_before, peak_after], "raw_steps": raw_state["step"], "lm_steps": loop.step,
+            "phases": {name: p.means() for name, p in phases.items()}})
     if dist.is_initialized():
         dist.barrier()
     del model, optimizer, raw_model, raw_optimizer  # DDP reducers before the gloo group goes (TrainingLoop.close)
@@ -227,6 +244,15 @@ def main(argv=None):
         print(f"| {name} | {statistics.median(values):.1f} | {statistics.mean(values):.1f} | {tokens_per_second:.0f} | "
               f"{tokens_per_second * result['flops_per_token'] / peak:.1%} |")
     print(ratio_line("lm.py tokens/s / raw DDP tokens/s", ms, "lm.py", "raw"))
+    # where each loop's step goes, as the CPU sees it (main process): on a GPU the phases are the time
+    # to queue the work, and `wait` is the rest of the turn, the device finishing it
+    print("| phase, ms per step (clock between phases, no sync) | raw | lm.py | lm.py - raw |")
+    print("|---|---|---|---|")
+    raw_phases, lm_phases = result["phases"]["raw"], result["phases"]["lm.py"]
+    raw_phases["wait"] = statistics.mean(ms["raw"]) - sum(raw_phases.values())
+    lm_phases["wait"] = statistics.mean(ms["lm.py"]) - sum(lm_phases.values())
+    for phase in raw_phases:
+        print(f"| {phase} | {raw_phases[phase]:.2f} | {lm_phases[phase]:.2f} | {lm_phases[phase] - raw_phases[phase]:+.2f} |")
     for name, values in ms.items():
         print(f"MFU {name} = {tokens * len(values) / (sum(values) / 1000) * result['flops_per_token'] / peak:.3f} "
               f"of the measured matmul peak {peak / 1e9:.1f} GFLOP/s")

@@ -115,9 +115,15 @@ def test_lm_throughput_tiny_mode_runs_both_loops_in_two_processes(tmp_path):
                           cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # 1 warm-up + 6 turns each; 4 windows of 32 tokens per process, 2 processes
-    assert "world size 2 on cpu" in proc.stdout and "(256 tokens per step); steps taken: raw 7, lm.py 7" in proc.stdout
-    rows = [line.split(" | ")[0] for line in proc.stdout.splitlines() if line.startswith("| ")]
-    assert rows[1:] == ["| raw", "| lm.py"], rows
+    assert "world size 2 on cpu" in proc.stdout and \
+        "(256 tokens per step), 0 reading workers for lm.py; steps taken: raw 7, lm.py 7" in proc.stdout
+    rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert [r[0] for r in rows[1:3]] == ["| raw", "| lm.py"], rows
+    # where each step went: the phases between the clocks, then the wait for the turn's end, which no
+    # phase can exceed (the turn's clock encloses them)
+    phases = {r[0][2:]: [float(v) for v in r[1:3]] for r in rows[4:]}
+    assert list(phases) == ["data", "forward", "backward", "clip", "optimizer", "after", "wait"], rows
+    assert all(v >= 0 for values in phases.values() for v in values[:2]) and phases["forward"][0] > 0, phases
     assert re.search(r"RATIO lm\.py tokens/s / raw DDP tokens/s = \d+\.\d+ \(median of turns \d+\.\d+\)", proc.stdout)
     for name in ("raw", "lm.py"):
         assert 0 < float(re.search(rf"MFU {re.escape(name)} = (\d+\.\d+) of the measured matmul peak", proc.stdout)[1]) < 1

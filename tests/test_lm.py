@@ -95,6 +95,17 @@ def test_two_processes_score_every_validation_token_once_and_report_the_run(text
     assert sampled.returncode == 0 and sampled.stdout.startswith("the man") and len(sampled.stdout) > len("the man")
 
 
+def test_reading_workers_default_to_two_on_a_gpu_and_none_on_a_cpu(monkeypatch):
+    from train import lm
+
+    assert lm.parse_args(["--output_dir", "x"]).dataloader_num_workers == (2 if torch.cuda.is_available() else 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert lm.parse_args(["--output_dir", "x"]).dataloader_num_workers == 2
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert lm.parse_args(["--output_dir", "x"]).dataloader_num_workers == 0
+    assert lm.parse_args(["--output_dir", "x", "--dataloader_num_workers", "3"]).dataloader_num_workers == 3
+
+
 def test_a_short_text_says_what_to_try(text, tmp_path, capsys):
     _, shards = text
     args = [a if a != 4 else 32 for a in TINY]  # one epoch of the small text: about 18 steps
