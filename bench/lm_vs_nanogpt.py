@@ -24,6 +24,7 @@ import json
 import os
 import pickle
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -84,14 +85,14 @@ def run_nanogpt(nanogpt_dir, scratch, steps):
     return statistics.median(blocks(ms))
 
 
-def run_ours(scratch, steps):
+def run_ours(scratch, steps, extra=()):
     out = os.path.join(scratch, "ours_out")
     cmd = [sys.executable, "train/lm.py", "--train_file", os.path.join(scratch, "text.txt"), "--tokenizer", "bytes",
            "--dataset_dir", os.path.join(scratch, "tokens"), "--block_size", str(SHAPES["block_size"]),
            "--per_device_train_batch_size", str(SHAPES["batch_size"]), "--n_layer", str(SHAPES["n_layer"]),
            "--n_head", str(SHAPES["n_head"]), "--n_embd", str(SHAPES["n_embd"]), "--dropout", "0",
            "--max_train_steps", str(steps), "--logging_steps", str(BLOCK), "--cpu", "--mixed_precision", "no",
-           "--output_dir", out, "--overwrite_output_dir"]
+           "--output_dir", out, "--overwrite_output_dir", *extra]
     proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"error: train/lm.py failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
@@ -109,6 +110,9 @@ def main(argv=None):
     parser.add_argument("--megabytes", type=int, default=4, help="Without --text_file: this much GCIDE text.")
     parser.add_argument("--steps", type=int, default=300, help="Optimizer steps per run.")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ours", nargs="+", default=[""], metavar="FLAGS",
+                        help="train/lm.py's runs: one per string of extra flags (default: one, with none), e.g. "
+                             "--ours '' '--dataloader_num_workers 1' to time both beside nanoGPT.")
     args = parser.parse_args(argv)
     missing = [f for f in NANOGPT_FILES if not os.path.isfile(os.path.join(args.nanogpt_dir, f))]
     if missing:
@@ -123,21 +127,25 @@ def main(argv=None):
                    os.path.join(scratch, "configurator.py"))
         print(f"{len(text.encode('utf-8')):,} bytes of text; shapes {SHAPES}, vocab 257, {args.steps} steps per run, "
               f"1 process each, fp32, {os.cpu_count()} CPUs", flush=True)
-        ours, theirs = [], []
+        programs = [("nanoGPT", None)] + [(f"ours {flags}".strip(), shlex.split(flags)) for flags in args.ours]
+        results = {name: [] for name, _ in programs}
         for repeat in range(args.repeats):
-            order = [("nanoGPT", theirs), ("ours", ours)][::1 if repeat % 2 == 0 else -1]
-            for name, results in order:
-                results.append(run_nanogpt(os.path.abspath(args.nanogpt_dir), scratch, args.steps) if name == "nanoGPT"
-                               else run_ours(scratch, args.steps))
-                print(f"repeat {repeat + 1}: {name} {results[-1]:.1f} ms/step", flush=True)
+            for name, flags in programs[::1 if repeat % 2 == 0 else -1]:  # the order reversed every other repeat
+                results[name].append(run_nanogpt(os.path.abspath(args.nanogpt_dir), scratch, args.steps)
+                                     if flags is None else run_ours(scratch, args.steps, flags))
+                print(f"repeat {repeat + 1}: {name} {results[name][-1]:.1f} ms/step", flush=True)
 
     print("\n| program | ms/step (median of runs) | steps/s | runs |\n|---|---|---|---|")
-    for name, results in (("nanoGPT train.py", theirs), ("train/lm.py", ours)):
-        print(f"| {name} | {statistics.median(results):.1f} | {1000 / statistics.median(results):.2f} | "
-              f"{', '.join(f'{r:.1f}' for r in results)} |")
-    pairs = [t / o for t, o in zip(theirs, ours)]
-    print(f"\nRATIO train/lm.py steps/s / nanoGPT steps/s = {statistics.median(theirs) / statistics.median(ours):.3f} "
-          f"(per repeat: {', '.join(f'{p:.3f}' for p in pairs)})")
+    for name, ms in results.items():
+        shown = "nanoGPT train.py" if name == "nanoGPT" else f"train/lm.py{name[4:]}"
+        print(f"| {shown} | {statistics.median(ms):.1f} | {1000 / statistics.median(ms):.2f} | "
+              f"{', '.join(f'{r:.1f}' for r in ms)} |")
+    theirs = results["nanoGPT"]
+    for name, ms in list(results.items())[1:]:
+        pairs = [t / o for t, o in zip(theirs, ms)]
+        print(f"\nRATIO train/lm.py{name[4:]} steps/s / nanoGPT steps/s = "
+              f"{statistics.median(theirs) / statistics.median(ms):.3f} "
+              f"(per repeat: {', '.join(f'{p:.3f}' for p in pairs)})")
 
 
 if __name__ == "__main__":
