@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # docs/gpu.md's checklist on a machine with one CUDA GPU (steps 1-5: about 8 minutes on an H200; step 6,
-# the host's own CPU, runs right after step 1 and takes about 5 more, so split a whole run into two calls
+# the host's own CPU, runs right after step 1 and takes about 5.5 more, so split a whole run into two calls
 # with ONLY):
 #
 #   bash bench/gpu_check.sh [LOG_DIR]          # LOG_DIR defaults to runs/gpu_check
@@ -74,6 +74,7 @@ cpu_recipe() {  # KIND [SEED [CORES [TAG]]]
 }
 cpu_seeds() {
   local lanes=$(($(nproc) / 2)) lane jobs=() seed kind pids=()
+  ((lanes > 0)) || lanes=1
   for seed in ${SEEDS:-1 2 3 4 42}; do for kind in auto no avx2; do jobs+=("$kind $seed"); done; done
   for ((lane = 0; lane < lanes; lane++)); do
     (for ((i = lane; i < ${#jobs[@]}; i += lanes)); do
@@ -101,9 +102,11 @@ PY
   grep -L "^final " runs/gpu_host_cpu/*.log | while read -r f; do echo "== $f failed:"; tail -5 "$f"; done
 }
 export -f cpu_recipe cpu_seeds
-for name in cpu_auto cpu_no cpu_avx2 cpu_seeds cpu_no_2 cpu_auto_2; do
-  wanted $name && rm -rf runs/gpu_host_cpu && mkdir -p runs/gpu_host_cpu && break
+# fresh results when seed 0 runs again; ONLY="cpu_seeds" alone adds to the seed-0 runs already there
+for name in cpu_auto cpu_no cpu_avx2; do
+  wanted $name && rm -rf runs/gpu_host_cpu && break
 done
+mkdir -p runs/gpu_host_cpu
 step cpu_flags 30 bash -c "lscpu | grep -E 'Model name|^CPU\(s\)|Thread\(s\) per core|L3'
   grep -o -w -E 'avx512f|avx512_bf16|amx_bf16' /proc/cpuinfo | sort | uniq -c"
 for kind in auto no avx2; do
@@ -172,7 +175,8 @@ bench() { $PY bench/lm_throughput.py --config_file "$CONFIG" --mixed_precision b
 export -f bench
 step lm_demo 90 bench --turns 200 --warmup 10
 step lm_demo_compile 150 bench --turns 200 --warmup 10 --torch_compile
-step lm_gpt2 90 bench --n_layer 12 --n_head 12 --n_embd 768 --per_device_train_batch_size 32 --turns 40 --warmup 5
+step lm_gpt2 90 bench --n_layer 12 --n_head 12 --n_embd 768 --per_device_train_batch_size 32 --turns 40 --warmup 5 \
+  --dataloader_num_workers 0
 step lm_gpt2_workers 90 bench --n_layer 12 --n_head 12 --n_embd 768 --per_device_train_batch_size 32 --turns 40 \
   --warmup 5 --dataloader_num_workers 2
 
@@ -195,8 +199,11 @@ step cpu_auto_2 120 cpu_recipe auto 0 0,1 -again
 # what the reply shows: the figures, then the end of anything that failed
 for name in mnist_auto mnist_no mnist_compiled images_convnet images_resnet50 cpu_auto cpu_no cpu_avx2 cpu_no_2 \
   cpu_auto_2; do  # this call's runs only
-  f=runs/gpu_$name
-  [[ $name == cpu_* ]] && f=runs/gpu_host_cpu/${name#cpu_}-0 && f=${f/_2-0/-0-again}
+  case $name in
+    cpu_no_2 | cpu_auto_2) f=runs/gpu_host_cpu/${name:4:-2}-0-again ;;
+    cpu_*) f=runs/gpu_host_cpu/${name#cpu_}-0 ;;
+    *) f=runs/gpu_$name ;;
+  esac
   [ -f "$LOG/$name.log" ] && [ -f $f/all_results.json ] && cp $f/all_results.json "$LOG/$name.json"
 done
 save

@@ -55,6 +55,7 @@ def worker(args):
     from data.text import decode_windows
     from train import lm
     from train.core.accelerator import make_accelerator
+    from train.core.cli import reading_workers
     from train.models.gpt import GPT, GPTConfig, next_token_loss
     from train.core.loop import TrainingLoop
     from train.core.schedule import make_scheduler
@@ -134,10 +135,11 @@ def worker(args):
     # ------------------------------------------------ lm.py: its objects, its step, TrainingLoop
     model, optimizer = model_and_optimizer()
     model, optimizer = accelerator.prepare(model, optimizer)
+    workers = reading_workers(args.dataloader_num_workers, device, on_gpu=2)  # as train/lm.py decides
     train_loader = sharded_loader(ParquetSource(train_files, decode=decode), batch_size,
                                   rank=accelerator.process_index, world_size=accelerator.num_processes,
                                   device=accelerator.device, seed=script_args.seed, train=True,
-                                  num_workers=args.dataloader_num_workers)
+                                  num_workers=workers)
     loop = TrainingLoop(accelerator, script_args, "lm_throughput", model, optimizer, train_loader,
                         evaluate=dict)
     loop.preemption.close()  # a bench saves nothing: a SIGTERM (a timeout's, the launcher's) ends it at once
@@ -184,6 +186,7 @@ def worker(args):
             "tokens_per_step": world * batch_size * block_size, "flops_per_token": reference.flops_per_token(),
             "parameters": sum(p.numel() for p in reference.parameters()), "vocab_size": manifest["vocab_size"],
             "matmul_peak": [peak_before, peak_after], "raw_steps": raw_state["step"], "lm_steps": loop.step,
+            "reading_workers": workers,
             "phases": {name: p.means() for name, p in phases.items()}})
     if dist.is_initialized():
         dist.barrier()
@@ -204,8 +207,9 @@ def main(argv=None):
     parser.add_argument("--logging_steps", type=int, default=20)
     parser.add_argument("--mixed_precision", choices=["auto", "no", "bf16", "fp16"], default="auto")
     parser.add_argument("--torch_compile", action="store_true")
-    parser.add_argument("--dataloader_num_workers", type=int, default=0, help="Processes reading lm.py's shards "
-                        "per rank (the raw loop reads from memory).")
+    parser.add_argument("--dataloader_num_workers", type=int, default=None, help="Processes reading lm.py's "
+                        "shards per rank (default: train/lm.py's, 2 on a GPU, 0 on a CPU; the raw loop reads from "
+                        "memory).")
     parser.add_argument("--tiny", action="store_true", help="A tiny model, 6 turns: checks the bench runs.")
     add_worker_flags(parser)
     args = parser.parse_args(argv)
@@ -224,7 +228,8 @@ def main(argv=None):
     result = run_workers(__file__, [
         "--dataset_dir", os.path.abspath(args.dataset_dir), "--turns", str(args.turns), "--warmup", str(args.warmup),
         "--logging_steps", str(args.logging_steps), "--mixed_precision", args.mixed_precision,
-        "--dataloader_num_workers", str(args.dataloader_num_workers),
+        *([] if args.dataloader_num_workers is None else
+          ["--dataloader_num_workers", str(args.dataloader_num_workers)]),
         *[f"--{name}={getattr(args, name)}" for name in TINY], *flag("torch_compile", args.torch_compile),
         *flag("tiny", args.tiny)], config_file=args.config_file)
     ms, tokens = result["ms_per_step"], result["tokens_per_step"]
@@ -233,7 +238,7 @@ def main(argv=None):
           f"on {result['device']}, mixed_precision={result['mixed_precision']}, torch_compile={result['torch_compile']}; "
           f"GPT {args.n_layer}x{args.n_embd}, {args.n_head} heads, {result['parameters'] / 1e6:.2f}M parameters, "
           f"vocab {result['vocab_size']}, block {result['block_size']}, {args.per_device_train_batch_size} windows per "
-          f"process ({tokens} tokens per step), {args.dataloader_num_workers} reading workers for lm.py; steps taken: "
+          f"process ({tokens} tokens per step), {result['reading_workers']} reading workers for lm.py; steps taken: "
           f"raw {result['raw_steps']}, lm.py {result['lm_steps']}")
     print(f"matmul peak: {result['matmul_peak'][0] / 1e9:.1f} GFLOP/s before, {result['matmul_peak'][1] / 1e9:.1f} "
           "after (all processes)")
@@ -252,7 +257,8 @@ def main(argv=None):
     raw_phases["wait"] = statistics.mean(ms["raw"]) - sum(raw_phases.values())
     lm_phases["wait"] = statistics.mean(ms["lm.py"]) - sum(lm_phases.values())
     for phase in raw_phases:
-        print(f"| {phase} | {raw_phases[phase]:.2f} | {lm_phases[phase]:.2f} | {lm_phases[phase] - raw_phases[phase]:+.2f} |")
+        raw_ms, lm_ms = raw_phases[phase], lm_phases[phase]
+        print(f"| {phase} | {raw_ms:.2f} | {lm_ms:.2f} | {lm_ms - raw_ms:+.2f} |")
     for name, values in ms.items():
         print(f"MFU {name} = {tokens * len(values) / (sum(values) / 1000) * result['flops_per_token'] / peak:.3f} "
               f"of the measured matmul peak {peak / 1e9:.1f} GFLOP/s")

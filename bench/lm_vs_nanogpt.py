@@ -112,7 +112,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ours", nargs="+", default=[""], metavar="FLAGS",
                         help="train/lm.py's runs: one per string of extra flags (default: one, with none), e.g. "
-                             "--ours '' '--dataloader_num_workers 1' to time both beside nanoGPT.")
+                             "--ours '' '--dataloader_num_workers 1' to time both beside nanoGPT. argparse takes "
+                             "a string that is one bare flag for an option: write it with a trailing space.")
     args = parser.parse_args(argv)
     missing = [f for f in NANOGPT_FILES if not os.path.isfile(os.path.join(args.nanogpt_dir, f))]
     if missing:
@@ -130,7 +131,8 @@ def main(argv=None):
         programs = [("nanoGPT", None)] + [(f"ours {flags}".strip(), shlex.split(flags)) for flags in args.ours]
         results = {name: [] for name, _ in programs}
         for repeat in range(args.repeats):
-            for name, flags in programs[::1 if repeat % 2 == 0 else -1]:  # the order reversed every other repeat
+            # the order reversed every other repeat, so the host's drift does not favour the first program
+            for name, flags in programs[::1 if repeat % 2 == 0 else -1]:
                 results[name].append(run_nanogpt(os.path.abspath(args.nanogpt_dir), scratch, args.steps)
                                      if flags is None else run_ours(scratch, args.steps, flags))
                 print(f"repeat {repeat + 1}: {name} {results[name][-1]:.1f} ms/step", flush=True)

@@ -95,15 +95,17 @@ def test_two_processes_score_every_validation_token_once_and_report_the_run(text
     assert sampled.returncode == 0 and sampled.stdout.startswith("the man") and len(sampled.stdout) > len("the man")
 
 
-def test_reading_workers_default_to_two_on_a_gpu_and_none_on_a_cpu(monkeypatch):
-    from train import lm
+def test_reading_workers_follow_the_runs_device_not_the_machine():
+    from train import image_classification, lm
+    from train.core.cli import reading_workers
 
-    assert lm.parse_args(["--output_dir", "x"]).dataloader_num_workers == (2 if torch.cuda.is_available() else 0)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert lm.parse_args(["--output_dir", "x"]).dataloader_num_workers == 2
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert lm.parse_args(["--output_dir", "x"]).dataloader_num_workers == 0
-    assert lm.parse_args(["--output_dir", "x", "--dataloader_num_workers", "3"]).dataloader_num_workers == 3
+    # left open at parse time: `--cpu` on a GPU machine is a CPU run, with no workers
+    assert lm.parse_args(["--output_dir", "x"]).dataloader_num_workers is None
+    assert image_classification.parse_args(["--train_dir", "x", "--output_dir", "x"]).dataloader_num_workers is None
+    assert reading_workers(None, torch.device("cuda", 0), on_gpu=2) == 2
+    assert reading_workers(None, torch.device("cpu"), on_gpu=2) == 0
+    assert reading_workers(3, torch.device("cpu"), on_gpu=2) == 3
+    assert reading_workers(0, torch.device("cuda", 0), on_gpu=4) == 0
 
 
 def test_a_short_text_says_what_to_try(text, tmp_path, capsys):

@@ -21,7 +21,7 @@ from data.image_pixels import image_transforms, keep_budget, normalize
 from data.images import ImageFileSource, ImageFolderDataset, decode_for_prediction, list_images, scan_image_folder
 from data.loader import own_process_group, pinned, sharded_loader
 from train.core.accelerator import main_process_first
-from train.core.cli import add_optimizer_args, make_parser, positive_float, positive_int
+from train.core.cli import add_optimizer_args, make_parser, positive_float, positive_int, reading_workers
 from train.core.evaluation import evaluate_classifier
 from train.core.fsdp import fsdp_launch
 from train.core.loop import TrainingLoop
@@ -54,8 +54,9 @@ def parse_args(argv=None):
     data.add_argument("--max_eval_samples", type=positive_int, help="Validate on a random N images only.")
     data.add_argument("--streaming", action="store_true",
                       help="Read through the exactly-once sharded iterable path (resumes with any process count).")
-    data.add_argument("--dataloader_num_workers", type=int, default=4 if torch.cuda.is_available() else 0,
-                      help="Processes decoding images per rank (0: in the training process, fastest on a CPU).")
+    data.add_argument("--dataloader_num_workers", type=int, default=None,
+                      help="Processes decoding images per rank (default 4 on a GPU, 0 on a CPU: in the training "
+                           "process, fastest there).")
     model.add_argument("--model", type=str, default="convnet",
                        help="convnet (built in, small) or a torchvision classification model: resnet18, ...")
     model.add_argument("--pretrained_weights", type=str, help="A local state dict to start from (what does not fit "
@@ -98,6 +99,7 @@ def main(args):
     # One task top to bottom; a line over 60 because it holds both data paths (map-style and --streaming).
     check_model_args(args.model, args.pretrained_weights)  # before a scan of the folders that can take minutes
     accelerator = start_run(args, TASK)
+    args.dataloader_num_workers = reading_workers(args.dataloader_num_workers, accelerator.device, on_gpu=4)
 
     # ---------------------------------------------------------------- data: scanned once, shared with every rank
     def scan():  # on the main process only: the others receive its lists

@@ -26,7 +26,7 @@ from data.shards import read_manifest, shards_in
 from data.sources import ParquetSource
 from data.text import ByteTokenizer, decode_windows, load_tokenizer, prepare_gcide, prepare_text
 from train.core.accelerator import main_process_first
-from train.core.cli import add_optimizer_args, make_parser, positive_float, positive_int
+from train.core.cli import add_optimizer_args, make_parser, positive_float, positive_int, reading_workers
 from train.core.evaluation import evaluate_language_model
 from train.core.loop import TrainingLoop
 from train.core.run import run, start_run
@@ -52,9 +52,7 @@ def parse_args(argv=None):
     data.add_argument("--vocab_size", type=positive_int, default=8192, help="--tokenizer bpe: vocabulary size.")
     data.add_argument("--dataset_dir", help="Prepared window shards (python -m data.prepare --tokenizer ...); "
                       "the cache for --train_file (default: runs/tokens/NAME-TOKENIZER-bBLOCK, e.g. gcide-bpe8192-b256).")
-    # on a GPU the step is queued from the CPU, and reading its windows in the training process comes first
-    # (4.99 -> 0.47 ms per step with 2 workers at GPT-2 small's shape on an H200: docs/gpu.md)
-    data.add_argument("--dataloader_num_workers", type=int, default=2 if torch.cuda.is_available() else 0,
+    data.add_argument("--dataloader_num_workers", type=int, default=None,
                       help="Processes reading shards per rank (default 2 on a GPU, 0 on a CPU).")
     model.add_argument("--block_size", type=positive_int, default=256, help="Tokens of context.")
     model.add_argument("--n_layer", type=positive_int, default=4)
@@ -118,6 +116,9 @@ def lm_tokenizer(folder, manifest):
 
 def main(args):
     accelerator = start_run(args, TASK)
+    # on an H200 at GPT-2 small's shape the read took 4.99 ms of a 43.5 ms step in-process, 0.47 ms with 2
+    # workers (docs/gpu.md); on 2 CPU cores a worker made the step slower (docs/lm.md)
+    args.dataloader_num_workers = reading_workers(args.dataloader_num_workers, accelerator.device, on_gpu=2)
 
     # ---------------------------------------------------------------- data: tokenized once, then streamed
     manifest = main_process_first(accelerator, lambda: prepare_data(args), share=True)

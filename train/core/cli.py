@@ -283,3 +283,9 @@ def add_optimizer_args(parser, learning_rate, train_batch_size, eval_batch_size,
         g.add_argument("--label_smoothing", type=float, default=label_smoothing, help="Cross-entropy label smoothing.")
 
 
+def reading_workers(requested, device, on_gpu):
+    """--dataloader_num_workers once the device is known: as asked, else `on_gpu` on a GPU, where the CPU
+    queues every step and a read in the training process delays it, and 0 on a CPU, where workers would
+    take cores from the training processes (docs/gpu.md, docs/lm.md). Decided from the run's device,
+    not from whether a GPU exists: `--cpu` on a GPU machine is a CPU run."""
+    return requested if requested is not None else (on_gpu if device.type == "cuda" else 0)
