@@ -59,8 +59,8 @@ step machine 60 bash -c "nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total
 # 6. this machine's CPU as one more of the CPU kinds the recipe must hold on (docs/speed.md), first, while
 # nothing else runs on it: `make train`'s CPU recipe on 2 cores (taskset), the GPU hidden, timed alone
 # with auto, fp32 and AVX2-only kernels at seed 0 (at the end of the script fp32 and auto again, the other
-# way round, so auto's choice is seen both first and second). Then seeds 1-4 and 42 of each kind at once,
-# one run per pair of cores, for their accuracy only: accuracy is deterministic for a seed and a kernel
+# way round, so auto's choice is seen both first and second). Then seeds 1-4 and 42 of each kind side by
+# side, one run per pair of cores (8 at a time on 16), for their accuracy only: accuracy is deterministic for a seed and a kernel
 # set, and those runs' seconds are not the recipe's.
 cpu_recipe() {  # KIND [SEED [CORES [TAG]]]
   local kind=$1 mp=$1 limit=()
@@ -212,7 +212,7 @@ cat "$LOG/summary.txt"
 cat "$LOG"/mnist_*.log "$LOG"/images_*.log "$LOG"/cpu_*.log 2>/dev/null | tr '\r' '\n' |
   grep "^world_size=\|^final \|^ *epoch [0-9]*:\|Model name\|^CPU(s)\|Thread(s) per core\|avx512\|amx\|lowest\|failed" |
   cut -c1-300
-grep "^|\|^lm.py tokens\|^matmul peak\|^MFU\|alternating" "$LOG"/step_floor.log "$LOG"/lm_*.log 2>/dev/null |
+grep "^|\|^RATIO\|^matmul peak\|^MFU\|alternating" "$LOG"/step_floor.log "$LOG"/lm_*.log 2>/dev/null |
   cut -c1-300
 cat "$LOG/determinism.log" 2>/dev/null | tail -5
 tail -5 "$LOG/tests.log" 2>/dev/null
