@@ -103,6 +103,21 @@ def test_step_phases_tiny_mode_times_every_phase_on_both_ranks(fashion_dir):
                      r"rank 1: logging steps 1 x \d+\.\d, other steps 19 x \d+\.\d$", proc.stdout, re.M), proc.stdout
 
 
+def test_ddp_comm_tiny_mode_times_the_step_with_and_without_its_all_reduce(fashion_dir):
+    proc = subprocess.run([sys.executable, "bench/ddp_comm.py", "--tiny"], cwd=REPO, env=clean_env(),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 processes (gloo), 64 samples per process, mixed_precision=no, 2 turns of 20 steps each" in proc.stdout
+    rows = {line.split(" | ")[0].strip("| "): float(line.split(" | ")[1]) for line in proc.stdout.splitlines()
+            if line.startswith("| with") or line.startswith("| without")}
+    assert list(rows) == ["with all-reduce", "without"] and min(rows.values()) > 0, proc.stdout
+    # the hook really kept the gradients local: only the model with the all-reduce stayed in step
+    assert "the processes' weights after training: with all-reduce the same, without different" in proc.stdout
+    assert re.search(r"all_reduce alone, 1 number: \d+\.\d\d ms", proc.stdout)
+    assert re.search(r"RATIO steps/s without the all-reduce / with it = \d+\.\d+ \(median of turns \d+\.\d+\)",
+                     proc.stdout)
+
+
 def test_lm_throughput_tiny_mode_runs_both_loops_in_two_processes(tmp_path):
     from data.prepare import main as prepare_main
 

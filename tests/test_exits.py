@@ -106,6 +106,61 @@ def test_workers_die_with_their_launcher(tmp_path, config, processes):
                 os.kill(pid, signal.SIGKILL)
 
 
+# ----------------------------------------------------------------------------- a finished run's exit
+
+FINISHED_PROGRAM = """
+import atexit, os, sys, threading, time
+sys.path.insert(0, {repo!r})
+from train.core.run import run
+
+class Teardown:  # a module global's finalizer: runs only in the interpreter's own teardown
+    path, open = os.path.join({out!r}, "teardown"), open  # builtins are gone by then
+
+    def __del__(self):
+        self.open(self.path, "w").close()
+
+keep = Teardown()
+
+def main(args):
+    atexit.register(lambda: open(os.path.join({out!r}, "atexit"), "w").close())
+    unclosed = open(os.path.join({out!r}, "unclosed"), "w")  # never closed: its buffer is written at exit
+    unclosed.write("x" * 1000)
+    main.unclosed = unclosed
+    def late():
+        time.sleep(0.5)
+        open(os.path.join({out!r}, "thread"), "w").close()
+    threading.Thread(target=late).start()  # not a daemon: the interpreter would wait for it
+    return "done"
+
+if __name__ == "__main__":
+    run(main, None)
+"""
+
+
+@pytest.mark.parametrize("how", ["program", "wrapped"])
+def test_a_finished_run_skips_only_the_interpreters_teardown(tmp_path, how):
+    """Started for the run (`python x.py`), a finished run's process leaves without the teardown but
+    with everything it would have saved: atexit handlers run, threads finish, open files are written.
+    Started for something else (a wrapper script here, pytest in-process), run() returns as before."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "program.py").write_text(FINISHED_PROGRAM.format(repo=REPO, out=str(out)))
+    (tmp_path / "wrapper.py").write_text("import program\nprogram.run(program.main, None)\n")
+    cmd = [sys.executable, tmp_path / "program.py"] if how == "program" else \
+        [sys.executable, tmp_path / "wrapper.py"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, output_of(proc)
+    assert (out / "atexit").exists() and (out / "thread").exists(), output_of(proc)
+    assert (out / "unclosed").read_text() == "x" * 1000
+    assert (out / "teardown").exists() == (how == "wrapped")
+
+
+def test_a_run_inside_another_program_returns():
+    from train.core.process import started_for
+
+    assert not started_for(test_a_run_inside_another_program_returns)  # pytest's process, this test's file
+
+
 # ----------------------------------------------------------------------------- Ctrl-C
 
 def test_ctrl_c_of_a_plain_run_is_the_resume_line_and_130(tmp_path):

@@ -5,11 +5,15 @@ Every process of an `accelerate launch` parses the same argv and meets the same 
 error printed by each would appear N times; before any process group exists, the only way to pick
 one printer is the LOCAL_RANK that torchrun sets (absent outside torchrun: a single process).
 """
+import atexit
+import gc
+import io
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 
@@ -170,3 +174,38 @@ def run_teardown():
     _on_failure.clear()
     while _on_success:
         _on_success.pop()()
+
+
+def started_for(main):
+    """True when this interpreter was started to run main's own file as its program (`python
+    train/x.py ...`, or the `python -u train/x.py ...` that torchrun starts): the process then ends
+    with the run. Not under a tool that runs the file and works after it (python -m cProfile or pdb,
+    coverage run, pytest through runpy, a wrapper script), nor with a tracer or profiler set."""
+    if sys.gettrace() is not None or sys.getprofile() is not None:
+        return False
+    argv, i = getattr(sys, "orig_argv", [])[1:], 0  # the interpreter's own options come first
+    while i < len(argv) and argv[i].startswith("-") and argv[i] not in ("-", "-c", "-m"):
+        i += 2 if argv[i] in ("-X", "-W", "--check-hash-based-pycs") else 1
+    return i < len(argv) and os.path.realpath(argv[i]) == os.path.realpath(main.__code__.co_filename)
+
+
+def leave_finished():
+    """Exit 0 without the interpreter's teardown, which a finished run does not need: with torch and
+    torch._dynamo loaded (every torch optimizer imports it), freeing it all module by module made a
+    2-process run on 2 cores end about 2 s later (docs/speed.md), and prints triton's leak reports.
+    What that teardown would save is saved first: threads the interpreter would wait for are waited
+    for (their work would be cut off), the atexit handlers run (DataLoader workers, logging,
+    trackers), and every open file's buffer is written, as the files' finalizers would."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    buffered = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
+    # type(), not isinstance(): isinstance reads __class__, and some of torch's objects warn when read
+    for obj in [o for o in gc.get_objects() if type(o) in buffered] + [sys.stdout, sys.stderr]:
+        try:
+            if not obj.closed and obj.writable():
+                obj.flush()
+        except (OSError, ValueError):  # a pipe with no reader, a file closed meanwhile: as at teardown
+            pass
+    os._exit(0)

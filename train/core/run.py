@@ -14,8 +14,8 @@ from data.errors import UserError
 from train.core.accelerator import announce, make_accelerator
 from train.core.output_dir import check_output_dir, claim_output_dir, list_checkpoints
 from train.core.preemption import Preempted
-from train.core.process import (die_with_launcher, exit_once, first_local_process, resume_command, run_failure_hooks,
-                                run_teardown)
+from train.core.process import (die_with_launcher, exit_once, first_local_process, leave_finished, resume_command,
+                                run_failure_hooks, run_teardown, started_for)
 
 
 def start_run(args, task, **accelerator_kwargs):
@@ -120,6 +120,8 @@ def run(main, args):
         # go before the process group, or interpreter exit can abort a finished run
         gc.collect()
         run_teardown()
+        if started_for(main):  # the process ends with the run: skip the interpreter's teardown
+            leave_finished()
         return result
     run_failure_hooks()  # e.g. an output folder this run created and never wrote a result into
     exit_once(message, code, quiet_others)
