@@ -192,7 +192,7 @@ def started_for(main):
 def leave_finished():
     """Exit 0 without the interpreter's teardown, which a finished run does not need: with torch and
     torch._dynamo loaded (every torch optimizer imports it), freeing it all module by module made a
-    2-process run on 2 cores end about 2 s later (docs/speed.md), and prints triton's leak reports.
+    2-process run on 2 cores end about 2 s later (docs/speed.md).
     What that teardown would save is saved first: threads the interpreter would wait for are waited
     for (their work would be cut off), the atexit handlers run (DataLoader workers, logging,
     trackers), and every open file's buffer is written, as the files' finalizers would."""
