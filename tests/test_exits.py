@@ -126,10 +126,11 @@ def main(args):
     unclosed = open(os.path.join({out!r}, "unclosed"), "w")  # never closed: its buffer is written at exit
     unclosed.write("x" * 1000)
     main.unclosed = unclosed
-    def late():
-        time.sleep(0.5)
-        open(os.path.join({out!r}, "thread"), "w").close()
-    threading.Thread(target=late).start()  # not a daemon: the interpreter would wait for it
+    if os.environ.get("LEAVE_A_THREAD"):
+        def late():
+            time.sleep(0.5)
+            open(os.path.join({out!r}, "thread"), "w").close()
+        threading.Thread(target=late).start()  # not a daemon: the interpreter would wait for it
     return "done"
 
 if __name__ == "__main__":
@@ -137,22 +138,23 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("how", ["program", "wrapped"])
+@pytest.mark.parametrize("how", ["program", "wrapped", "thread left"])
 def test_a_finished_run_skips_only_the_interpreters_teardown(tmp_path, how):
     """Started for the run (`python x.py`), a finished run's process leaves without the teardown but
-    with everything it would have saved: atexit handlers run, threads finish, open files are written.
-    Started for something else (a wrapper script here, pytest in-process), run() returns as before."""
+    with everything it would have saved: atexit handlers run, open files are written. With a thread
+    still running, or started for something else (a wrapper script here, pytest in-process), the
+    interpreter's own exit as before: the thread finishes, the finalizers run."""
     out = tmp_path / "out"
     out.mkdir()
     (tmp_path / "program.py").write_text(FINISHED_PROGRAM.format(repo=REPO, out=str(out)))
     (tmp_path / "wrapper.py").write_text("import program\nprogram.run(program.main, None)\n")
-    cmd = [sys.executable, tmp_path / "program.py"] if how == "program" else \
-        [sys.executable, tmp_path / "wrapper.py"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=120)
+    cmd = [sys.executable, tmp_path / ("wrapper.py" if how == "wrapped" else "program.py")]
+    env = {**clean_env(), **({"LEAVE_A_THREAD": "1"} if how == "thread left" else {})}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, output_of(proc)
-    assert (out / "atexit").exists() and (out / "thread").exists(), output_of(proc)
+    assert (out / "atexit").exists() and (out / "thread").exists() == (how == "thread left"), output_of(proc)
     assert (out / "unclosed").read_text() == "x" * 1000
-    assert (out / "teardown").exists() == (how == "wrapped")
+    assert (out / "teardown").exists() == (how != "program")
 
 
 def test_a_run_inside_another_program_returns():

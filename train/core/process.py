@@ -193,12 +193,12 @@ def leave_finished():
     """Exit 0 without the interpreter's teardown, which a finished run does not need: with torch and
     torch._dynamo loaded (every torch optimizer imports it), freeing it all module by module made a
     2-process run on 2 cores end about 2 s later (docs/speed.md).
-    What that teardown would save is saved first: threads the interpreter would wait for are waited
-    for (their work would be cut off), the atexit handlers run (DataLoader workers, logging,
+    While a thread the interpreter would wait for is alive (a user's, an executor's), it returns and
+    leaves the exit to the interpreter, which first tells executors to stop. Otherwise what the
+    teardown would save is saved first: the atexit handlers run (DataLoader workers, logging,
     trackers), and every open file's buffer is written, as the files' finalizers would."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    if any(t is not threading.main_thread() and not t.daemon and t.is_alive() for t in threading.enumerate()):
+        return
     atexit._run_exitfuncs()
     buffered = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
     # type(), not isinstance(): isinstance reads __class__, and some of torch's objects warn when read
