@@ -14,6 +14,7 @@ included. The same processes then time all_reduce alone: of one number (the late
 tensor the size of the model's gradients.
 """
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -101,7 +102,10 @@ def worker(args):
               "processes": accelerator.num_processes, "batch": batch, "backend": dist.get_backend()}
     if accelerator.is_main_process:
         print_result(result)
-    del model, local_model, with_all_reduce, without  # DDP's reducers before the process group goes
+    # DDP's reducers hold gloo state: every reference (the accelerator keeps its own) goes before the group
+    del model, local_model, with_all_reduce, without
+    accelerator.free_memory()
+    gc.collect()
     accelerator.end_training()
 
 

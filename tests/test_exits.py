@@ -126,6 +126,7 @@ def main(args):
     unclosed = open(os.path.join({out!r}, "unclosed"), "w")  # never closed: its buffer is written at exit
     unclosed.write("x" * 1000)
     main.unclosed = unclosed
+    print("the last line", end="")  # still in stdout's buffer when the run ends
     if os.environ.get("LEAVE_A_THREAD"):
         def late():
             time.sleep(0.5)
@@ -153,14 +154,31 @@ def test_a_finished_run_skips_only_the_interpreters_teardown(tmp_path, how):
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, output_of(proc)
     assert (out / "atexit").exists() and (out / "thread").exists() == (how == "thread left"), output_of(proc)
-    assert (out / "unclosed").read_text() == "x" * 1000
+    assert (out / "unclosed").read_text() == "x" * 1000 and proc.stdout.endswith("the last line")
     assert (out / "teardown").exists() == (how != "program")
 
 
-def test_a_run_inside_another_program_returns():
+@pytest.mark.parametrize("options, started", [
+    ([], True), (["-u"], True), (["-X", "importtime"], True), (["-Ximporttime"], True),
+    (["-uX", "importtime"], True), (["-W", "ignore", "-OO", "-I"], True), (["--check-hash-based-pycs", "always"], True),
+    (["-m", "pdb"], False), (["-mpdb"], False), (["-mcProfile", "-o", "x.prof"], False), (["-cimport x"], False),
+    (["/usr/bin/coverage", "run"], False),
+])
+def test_only_a_run_started_for_its_file_ends_the_process(monkeypatch, tmp_path, options, started):
     from train.core.process import started_for
 
-    assert not started_for(test_a_run_inside_another_program_returns)  # pytest's process, this test's file
+    def main():
+        pass
+
+    script = main.__code__.co_filename
+    link = tmp_path / "link.py"  # the script by another name: the same file
+    link.symlink_to(script)
+    for path in (script, str(link)):
+        monkeypatch.setattr(sys, "orig_argv", [sys.executable, *options, path, "--output_dir", "x"])
+        assert started_for(main) is started, (options, path)
+    monkeypatch.setattr(sys, "orig_argv", [sys.executable, "-i", script])
+    monkeypatch.setattr(sys, "flags", types.SimpleNamespace(inspect=1))  # -i: the prompt comes after the script
+    assert not started_for(main)
 
 
 # ----------------------------------------------------------------------------- Ctrl-C

@@ -80,7 +80,9 @@ def disk_fault(error, output_dir):
 
 
 def run(main, args):
-    """main(args), then the teardown, with the ways out that users meet most made short: a user's
+    """main(args), then the teardown, with the ways out that users meet most made short. A finished
+    run's process started for the script itself ends here (process.leave_finished), without the
+    interpreter's slow teardown; elsewhere run() returns main's result. A user's
     error (data.errors.UserError and its kinds) or a full, read-only or unwritable disk is one line
     from one process and exit 1; Ctrl-C is one line with the last checkpoint and the command that
     resumes from it, and exit 130. Under a launcher that line comes after the launcher's own report,
