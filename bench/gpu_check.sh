@@ -61,7 +61,8 @@ step machine 60 bash -c "nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total
 # with auto, fp32 and AVX2-only kernels at seed 0 (at the end of the script fp32 and auto again, the other
 # way round, so auto's choice is seen both first and second). Then seeds 1-4 and 42 of each kind side by
 # side, one run per pair of cores (8 at a time on 16), for their accuracy only: accuracy is deterministic for a seed and a kernel
-# set, and those runs' seconds are not the recipe's.
+# set, and those runs' seconds are not the recipe's. RECIPE_FLAGS="--num_train_epochs 3" (say) tries a
+# variant of the recipe in all of them: its flags come last and win.
 cpu_recipe() {  # KIND [SEED [CORES [TAG]]]
   local kind=$1 mp=$1 limit=()
   [ "$kind" = avx2 ] && mp=auto limit=(ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2)
@@ -70,7 +71,7 @@ cpu_recipe() {  # KIND [SEED [CORES [TAG]]]
     --config_file accelerate_configs/cpu_2proc.yaml --num_cpu_threads_per_process 1 train/mnist.py \
     --dataset fashion_mnist --model convnet_mlp --num_train_epochs 4 --mixed_precision "$mp" \
     --config train/configs/fashion_mnist.yaml --seed "${2:-0}" --output_dir "runs/gpu_host_cpu/$kind-${2:-0}${4:-}" \
-    --overwrite_output_dir
+    --overwrite_output_dir ${RECIPE_FLAGS:-}
 }
 cpu_seeds() {
   local lanes=$(($(nproc) / 2)) lane jobs=() seed kind pids=()
