@@ -1,6 +1,8 @@
 """Shared fixtures: paths, an `accelerate launch` runner, and accelerate state isolation for
 in-process runs of the scripts' main()."""
 import os
+import shutil
+import signal
 import subprocess
 import sys
 
@@ -51,10 +53,71 @@ def clean_env(**extra):
 
 def launch(config, script, *args, timeout=300, **env):
     """`accelerate launch --config_file accelerate_configs/CONFIG.yaml train/SCRIPT.py ARGS` from the
-    repo root, as users run it. The timeout is the failure mode of a hang."""
+    repo root, as users run it. The timeout is the failure mode of a hang: see run_or_dump."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            os.path.join(CONFIGS, config + ".yaml"), os.path.join("train", script + ".py"), *map(str, args)]
-    return subprocess.run(cmd, cwd=REPO, env=clean_env(**env), capture_output=True, text=True, timeout=timeout)
+    return run_or_dump(cmd, timeout, env=clean_env(**env))
+
+
+def descendants(pid):
+    """Every process below pid (ranks, their DataLoader workers), parents first, from /proc."""
+    children = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(0), [])
+        found += below
+        todo += below
+    return found
+
+
+def run_or_dump(cmd, timeout, env):
+    """subprocess.run(cmd, capture_output=True, text=True) from the repo root; past the timeout (a
+    hang), the test fails with the Python and native stacks of every process of the run (py-spy,
+    from requirements.txt) and its output's tail, and the whole process tree is killed, not the
+    launcher alone, whose orphaned ranks would hold the machine for the rest of the suite."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    except subprocess.TimeoutExpired:
+        tree = [proc.pid] + descendants(proc.pid)
+        stacks = [stack_of(pid) for pid in tree]
+        for pid in reversed(tree):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        stdout, stderr = proc.communicate()
+    except BaseException:  # Ctrl-C, as subprocess.run does
+        proc.kill()
+        proc.wait()
+        raise
+    pytest.fail(f"timed out after {timeout} s (a hang?): {' '.join(cmd)}\n" + "\n".join(stacks)
+                + f"\n--- stdout (tail)\n{stdout[-3000:]}\n--- stderr (tail)\n{stderr[-3000:]}", pytrace=False)
+
+
+def stack_of(pid):
+    """What a process of a hung run is doing: its command line and every thread's stack."""
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            what = f.read().replace("\0", " ")[:160]
+    except OSError:
+        return f"--- pid {pid}: gone"
+    if not shutil.which("py-spy"):
+        return f"--- pid {pid}: {what}\n(py-spy is not installed: pip install -r requirements.txt)"
+    try:
+        dump = subprocess.run(["py-spy", "dump", "--native", "--pid", str(pid)], capture_output=True, text=True,
+                              timeout=60)
+        return f"--- pid {pid}: {what}\n{dump.stdout or dump.stderr}"
+    except subprocess.TimeoutExpired:
+        return f"--- pid {pid}: {what}\n(py-spy took over 60 s)"
 
 
 def probe(config, fault, *args, timeout=240):
@@ -64,13 +127,13 @@ def probe(config, fault, *args, timeout=240):
     if config:
         cmd += ["-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config + ".yaml")]
     cmd += [os.path.join("tests", "fault_probe.py"), "regression", *map(str, fault), "--", *map(str, args)]
-    return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    return run_or_dump(cmd, timeout, env=clean_env())
 
 
 def run_script(script, *args, timeout=120):
     """`python train/SCRIPT.py ARGS` in one process, without accelerate launch."""
     cmd = [sys.executable, os.path.join("train", script + ".py"), *map(str, args)]
-    return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    return run_or_dump(cmd, timeout, env=clean_env())
 
 
 def run_as_script(capsys, script, *args):

@@ -3,14 +3,14 @@ refusing planted pickles and bad input, and not overwriting an earlier run."""
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, REPO, clean_env, launch, output_of, probe, reset_accelerate_state, run_as_script
+from conftest import (CONFIGS, clean_env, launch, output_of, probe, reset_accelerate_state, run_as_script,
+                      run_or_dump)
 from train import mnist, regression
 from train.core.output_dir import list_checkpoints
 
@@ -42,7 +42,7 @@ def kill_launch(config, script, kill, *args, timeout=300, max_restarts=None):
     if max_restarts is not None:
         cmd += ["--max_restarts", str(max_restarts), "--monitor_interval", "0.5"]
     cmd += [os.path.join("tests", "kill_at_step.py"), script, *map(str, kill), "--", *map(str, args)]
-    return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    return run_or_dump(cmd, timeout, env=clean_env())
 
 
 # ----------------------------------------------------------------------------- exact resume
