@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 import threading
-import weakref
 
 import torch
 from accelerate.data_loader import (BatchSamplerShard, DataLoaderDispatcher, DataLoaderShard, DataLoaderStateMixin,
@@ -132,30 +131,17 @@ def check_loader(loader):
                             "not prepare that loader")
 
 
-# The queue threads still alive when settle_loader_threads last returned: those of iterators that
-# were open then (a persistent_workers loader, an iterator kept aside) and may never exit.
-_open_at_last_settle = weakref.WeakSet()
-
-
-def settle_loader_threads(timeout=1.0, exiting_timeout=30.0):
+def settle_loader_threads(timeout=1.0):
     """Wait for the queue threads of DataLoader iterators that just finished to exit, before the next
-    iterator forks its workers. Call it once the iterators started since its last call are
-    exhausted or dropped (TrainingLoop: after each epoch and each evaluation).
+    iterator forks its workers.
 
     CPython 3.11's fork() can hang the child forever when another thread is exiting at that instant
     (the exiting thread holds the lock on the list of thread states, which the child takes again
     before re-initialising it). A finished iterator's queue feeder threads exit a moment after it
     closes them, which is when the next epoch or evaluation forks; docs/data.md has the evidence.
-    A thread started since the last call belongs to such an iterator and is waited for up to
-    `exiting_timeout`: on a loaded machine it can wait over a second to be scheduled (with a single
-    1-second wait for every thread, a full test run on 2026-11-26 still hung once at an epoch's
-    end, the one cause in sight). One that was already there at the last call
-    belongs to an iterator still open and costs at most `timeout`. Python >= 3.12 re-initialises
-    the lock first: nothing to wait for."""
+    Joining a thread that is not exiting costs `timeout`; python >= 3.12 re-initialises the lock first."""
     if sys.version_info >= (3, 12):
         return
     for thread in threading.enumerate():
         if thread.name == "QueueFeederThread":  # multiprocessing.Queue's writer thread
-            thread.join(timeout if thread in _open_at_last_settle else exiting_timeout)
-    _open_at_last_settle.clear()
-    _open_at_last_settle.update(t for t in threading.enumerate() if t.name == "QueueFeederThread" and t.is_alive())
+            thread.join(timeout)

@@ -112,12 +112,15 @@ def stack_of(pid):
         return f"--- pid {pid}: gone"
     if not shutil.which("py-spy"):
         return f"--- pid {pid}: {what}\n(py-spy is not installed: pip install -r requirements.txt)"
-    try:
-        dump = subprocess.run(["py-spy", "dump", "--native", "--pid", str(pid)], capture_output=True, text=True,
-                              timeout=60)
-        return f"--- pid {pid}: {what}\n{dump.stdout or dump.stderr}"
-    except subprocess.TimeoutExpired:
-        return f"--- pid {pid}: {what}\n(py-spy took over 60 s)"
+    for native in (["--native"], []):  # native frames where py-spy can unwind them (it cannot always)
+        try:
+            dump = subprocess.run(["py-spy", "dump", *native, "--pid", str(pid)], capture_output=True, text=True,
+                                  timeout=60)
+        except subprocess.TimeoutExpired:
+            continue
+        if dump.returncode == 0:
+            return f"--- pid {pid}: {what}\n{dump.stdout}"
+    return f"--- pid {pid}: {what}\n(py-spy could not read its stacks)"
 
 
 def probe(config, fault, *args, timeout=240):
