@@ -95,6 +95,11 @@ class ParquetSource:
         self._files, self._cache = {}, (None, None)
         self.rows_read = self.bytes_read = 0
 
+    def __getstate__(self):
+        # open files and the last row group stay behind: DataLoader workers that are not forked get
+        # this source pickled (data.loader.loader_workers), and a ParquetFile does not pickle
+        return {**self.__dict__, "_files": {}, "_cache": (None, None)}
+
     def _unit_tensors(self, unit):
         """The decoded columns of one row group. The last one is kept: a unit cut by a batch
         boundary is read once, not twice."""

@@ -77,14 +77,17 @@ def descendants(pid):
     return found
 
 
-def run_or_dump(cmd, timeout, env):
+def run_or_dump(cmd, timeout, env, forked_workers=False):
     """subprocess.run(cmd, capture_output=True, text=True) from the repo root; past the timeout (a
     hang), the test fails with the Python and native stacks of every process of the run (py-spy,
     from requirements.txt) and its output's tail, and the whole process tree is killed, not the
-    launcher alone, whose orphaned ranks would hold the machine for the rest of the suite."""
+    launcher alone, whose orphaned ranks would hold the machine for the rest of the suite. A run whose
+    DataLoader workers fell back to a fork fails too, unless `forked_workers`."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
+        # DataLoader workers start from their server, never forked from a training process (docs/data.md)
+        assert forked_workers or "DataLoader workers are forked" not in stderr, stderr[-3000:]
         return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     except subprocess.TimeoutExpired:
         tree = [proc.pid] + descendants(proc.pid)

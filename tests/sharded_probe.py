@@ -20,7 +20,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object
 
-from data.loader import ShardedLoader, settle_loader_threads
+from data.loader import ShardedLoader
 from data.shards import shards_in
 from data.sharding import ShardedIterableDataset, check_same_plan
 from data.sources import ParquetSource
@@ -57,7 +57,6 @@ def main(folder, out_path, workers, stream=False):
     for epoch in range(EPOCHS):
         loader.set_epoch(epoch)
         ids, batches, steps = [], 0, 0
-        settle_loader_threads()  # as TrainingLoop does before each epoch forks its workers (data/loader.py)
         for batch in loader:
             assert batch["x"].device.type == accelerator.device.type
             with accelerator.accumulate(model):
@@ -79,7 +78,6 @@ def main(folder, out_path, workers, stream=False):
     accelerator.load_state(os.path.join(os.path.dirname(out_path), "ckpt"))
     loader.set_epoch(1)
     rest = []
-    settle_loader_threads()
     for batch in loader:
         rest += accelerator.gather(torch.where(batch["valid"], batch["index"], -1)).tolist()
     report["resumed_rest"] = [i for i in rest if i >= 0]

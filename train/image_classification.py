@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from data.image_pixels import image_transforms, keep_budget, normalize
 from data.images import ImageFileSource, ImageFolderDataset, decode_for_prediction, list_images, scan_image_folder
-from data.loader import own_process_group, pinned, sharded_loader
+from data.loader import loader_workers, pinned, sharded_loader
 from train.core.accelerator import main_process_first
 from train.core.cli import add_optimizer_args, make_parser, positive_float, positive_int, reading_workers
 from train.core.evaluation import evaluate_classifier
@@ -136,11 +136,11 @@ def main(args):
                                      num_workers=args.dataloader_num_workers)
     else:
         pin = pinned(accelerator.device)
+        # loader_workers: workers not forked from this process, and a SIGTERM that reaches the rank alone
         train_loader = DataLoader(train_set, args.per_device_train_batch_size, shuffle=True, drop_last=True,
-                                  num_workers=args.dataloader_num_workers, pin_memory=pin,
-                                  worker_init_fn=own_process_group)  # a SIGTERM must reach the rank alone
-        eval_loader = DataLoader(eval_set, args.per_device_eval_batch_size, num_workers=args.dataloader_num_workers,
-                                 worker_init_fn=own_process_group, pin_memory=pin)
+                                  pin_memory=pin, **loader_workers(args.dataloader_num_workers, train_set))
+        eval_loader = DataLoader(eval_set, args.per_device_eval_batch_size, pin_memory=pin,
+                                 **loader_workers(args.dataloader_num_workers, eval_set))
 
     # ---------------------------------------------------------------- model, optimizer, schedule
     model = build_classifier(args.model, len(train_files.classes), args.image_size)

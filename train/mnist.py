@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from data import DATASETS, augment_images, check_data_dir, identity_collate, load_mnist, normalize_images
-from data.loader import own_process_group, pinned, sharded_loader
+from data.loader import loader_workers, pinned, sharded_loader
 from data.mnist import prepare_mnist_shards
 from data.shards import shards_in
 from data.sources import ParquetSource
@@ -136,13 +136,12 @@ def main(args):
         num_train, num_eval = len(train_set), len(eval_set)
         # drop_last: every optimizer step sees one full global batch; the dropped tail differs each epoch.
         pin = pinned(accelerator.device)
-        # own_process_group: a SIGTERM must reach the rank alone
+        # loader_workers: workers not forked from this process, and a SIGTERM that reaches the rank alone
         train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True,
-                                  drop_last=True, collate_fn=identity_collate, num_workers=args.dataloader_num_workers,
-                                  pin_memory=pin, worker_init_fn=own_process_group)
+                                  drop_last=True, collate_fn=identity_collate, pin_memory=pin,
+                                  **loader_workers(args.dataloader_num_workers, train_set, identity_collate))
         eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, collate_fn=identity_collate,
-                                 num_workers=args.dataloader_num_workers, worker_init_fn=own_process_group,
-                                 pin_memory=pin)
+                                 pin_memory=pin, **loader_workers(args.dataloader_num_workers, eval_set, identity_collate))
     accelerator.print(f"dataset={args.dataset} train={num_train} test={num_eval} source={source}")
 
     # ---------------------------------------------------------------- model, optimizer, schedule

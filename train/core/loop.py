@@ -15,7 +15,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from data.loader import ShardedLoader, check_loader, settle_loader_threads
+from data.loader import ShardedLoader, check_loader
 from train.core.best_model import BestModel, resolve_metric
 from train.core.checkpoint import (CheckpointWriter, data_position, find_checkpoint, load_checkpoint, model_weights,
                                    sharded_checkpoints)
@@ -115,7 +115,6 @@ class TrainingLoop:
             self.epoch, self.batches_done = epoch, skip
             # a resumed epoch counts its time before the checkpoint too, so its seconds and samples/s
             # describe the same work as an uninterrupted run's
-            settle_loader_threads()  # the last evaluation's loader, before this epoch's forks its workers
             self._t_epoch = time.perf_counter() - (self._resumed_seconds if epoch == first_epoch else 0.0)
             self._t_log = time.perf_counter()
             for batch in epoch_loader:
@@ -124,7 +123,6 @@ class TrainingLoop:
                 if self.step >= self.max_train_steps or self.best.stopped:
                     break
             self.epoch_seconds.append(time.perf_counter() - self._t_epoch)
-            settle_loader_threads()  # this epoch's loader, before the evaluation's forks its workers
             if not self.best.stopped:  # else it stopped at a step's evaluation: nothing new to evaluate
                 self._evaluate_and_save(epoch + 1, self.epoch_seconds[-1])
         if not self.history or self.history[-1]["step"] != self.step:  # resumed from a checkpoint at the last step
