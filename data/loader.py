@@ -14,15 +14,16 @@ This wrapper does the three things prepare would have done for us, and nothing e
 """
 import ast
 import functools
+import inspect
+import json
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.forkserver
+import multiprocessing.spawn
 import os
 import pickle
-import select
 import signal
-import site
 import sys
-import sysconfig
 import threading
 import warnings
 
@@ -37,42 +38,43 @@ from data.errors import PlanError
 from data.sharding import PREPARED_SHARDED, ShardedIterableDataset, check_same_plan
 
 
-# CPython gh-112275: a fork while another thread creates its thread state can hang the child forever
-FORK_CAN_HANG = sys.version_info < (3, 12) and sys.version_info[2] < {(3, 8): 20, (3, 9): 20, (3, 10): 15,
-                                                                      (3, 11): 10}.get(sys.version_info[:2], 99)
-
-
-SERVER_MAIN = "DATA_WORKER_SERVER_MAIN"  # the script's path, for data/worker_server.py
+# CPython gh-112275: a fork while another thread creates its thread state can hang the child forever.
+# The first fixed release of each line; 3.12 and later have the fix.
+FIXED_IN = {(3, 8): 20, (3, 9): 20, (3, 10): 15, (3, 11): 10}
+FORK_CAN_HANG = sys.version_info < (3, 12) and sys.version_info[2] < FIXED_IN.get(sys.version_info[:2], 1 << 30)
+MAX_PICKLED = 256 * 2 ** 20  # bytes of state (besides tensors) copied to every worker at every epoch
+MAX_STORAGES = 200  # forkserver passes at most 252 file descriptors to a new process, one per shared tensor
+SERVER = "DATA_WORKER_SERVER"  # what the worker server is started with (data/worker_server.py reads it)
 _server = None  # the forkserver context, once its server is started
+_shared_memory_planned = 0  # bytes of tensors this process's loaders will move to /dev/shm
 
 
-def loader_workers(num_workers, dataset, collate_fn=None):
+def loader_workers(num_workers, dataset, collate_fn=None, worker_init_fn=None):
     """DataLoader keyword arguments for `num_workers` worker processes: `num_workers`, how they start
-    (`multiprocessing_context`) and `worker_init_fn`. Pass them as `DataLoader(dataset, ...,
-    **loader_workers(n, dataset, collate_fn))`.
+    (`multiprocessing_context`) and `worker_init_fn` (own_process_group, then yours). Pass them as
+    `DataLoader(dataset, ..., **loader_workers(n, dataset, collate_fn))`.
 
     The workers are not forked from the training process. Its gloo threads (NCCL's on GPUs) take the
     GIL from C++ whenever they free a finished collective, creating a Python thread state under the
     interpreter's lock of thread states; a fork at that instant leaves the child waiting forever for
-    that lock on CPython before 3.12, 3.11.10 and 3.10.15 (gh-112275; docs/data.md), and Python warns
-    against forking a threaded process on every version since. The workers start instead from
-    multiprocessing's forkserver: one single-threaded server per training process, started at once
+    that lock on CPython before 3.12, 3.11.10 and 3.10.15 (gh-112275; docs/data.md). The workers start
+    instead from multiprocessing's forkserver: a server process per training process, started at once
     here, which has imported torch and the script (data/worker_server.py) and forks each worker in
-    milliseconds. What a worker needs (the dataset, the collate function) travels to it pickled,
-    tensors through shared memory. Where that cannot work the workers are forked as before, with a
-    warning on the Pythons that can hang, saying why and what would fix it: a script without
-    `if __name__ == "__main__":` (every worker imports the script), something that does not pickle,
-    tensors larger than the free shared memory."""
+    milliseconds. What a worker needs (the dataset, the collate function) travels to it pickled at
+    every epoch, tensors through shared memory; like spawned workers, it sees the script as it was at
+    import, not globals the training process changed later. Where that cannot work the workers are
+    forked as before, with a warning on the Pythons that can hang, saying why and what would fix it."""
     if not num_workers:
         return {"num_workers": 0}
-    return {"num_workers": num_workers, "multiprocessing_context": _start_method(dataset, collate_fn),
-            "worker_init_fn": functools.partial(own_process_group, rank=os.getpid())}
+    if os.name != "posix":  # Windows: spawn, and none of own_process_group's signals
+        return {"num_workers": num_workers, "worker_init_fn": worker_init_fn}
+    init = functools.partial(own_process_group, then=worker_init_fn) if worker_init_fn else own_process_group
+    return {"num_workers": num_workers, "multiprocessing_context": _start_method(dataset, collate_fn, init),
+            "worker_init_fn": init}
 
 
 def _start_method(*sent):
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return None  # Windows: spawn, the only method there
-    problem = _main_problem() or _pickle_problem(sent)
+    problem = _main_problem() or _flags_problem() or _pickle_problem(sent)
     if not problem:
         return _worker_server()
     if FORK_CAN_HANG:
@@ -82,53 +84,85 @@ def _start_method(*sent):
     return multiprocessing.get_context("fork")
 
 
+def _is_main_guard(node):
+    """`if __name__ == "__main__":` (either way round)."""
+    if not (isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and len(node.test.ops) == 1
+            and isinstance(node.test.ops[0], ast.Eq)):
+        return False
+    sides = [node.test.left, node.test.comparators[0]]
+    names = [side.id for side in sides if isinstance(side, ast.Name)]
+    values = [side.value for side in sides if isinstance(side, ast.Constant)]
+    return names == ["__name__"] and values == ["__main__"]
+
+
 def _main_problem():
-    """Why the training script cannot be imported again by each worker, as forkserver needs, or None."""
+    """Why the worker server cannot import the training script, or None. It runs the script's code
+    outside `if __name__ == "__main__":` once more, as each spawned worker would: the loader must be
+    built under that guard, or the server would build it (and train) too."""
     main = sys.modules["__main__"]
     path = getattr(main, "__file__", None)
     if path is None:
         return ("this process has no script file to start them from (an interactive session)",
                 "run the training from a script")
     try:
-        with open(path, encoding="utf-8") as f:
-            tree = ast.parse(f.read())
-    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        with open(path, "rb") as f:  # bytes: ast reads the file's own coding declaration
+            guards = [node for node in ast.parse(f.read()).body if _is_main_guard(node)]
+    except (OSError, SyntaxError, ValueError):
         return None  # a zipapp, a frozen or compiled main: multiprocessing imports it as it can
-    for node in tree.body:
-        if (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
-                and {ast.dump(node.test.left), ast.dump(node.test.comparators[0])}
-                == {ast.dump(ast.Name("__name__", ast.Load())), ast.dump(ast.Constant("__main__"))}):
-            return None
-    return (f"{path} runs its code at import (it has no `if __name__ == \"__main__\":`), and every worker "
-            "imports the script", "put the script's top-level code under `if __name__ == \"__main__\":`")
+    frame = inspect.currentframe()
+    while frame is not None and not (frame.f_globals is vars(main) and frame.f_code.co_name == "<module>"):
+        frame = frame.f_back
+    if guards and (frame is None or any(g.body[0].lineno <= frame.f_lineno <= g.end_lineno for g in guards)):
+        return None
+    guard = "`if __name__ == \"__main__\":`"
+    where = f"has no {guard}" if not guards else f"builds the DataLoader outside {guard}"
+    return (f"{path} {where}, and a worker server runs the script's other code once more",
+            "put the script's training code under `if __name__ == \"__main__\":`")
+
+
+def _flags_problem():
+    if sys.flags.ignore_environment or sys.flags.isolated:
+        return ("Python runs with -E or -I, and the worker server would not find the project's modules",
+                "run Python without -E and -I")
+    return None
 
 
 class _Discard:
+    """A file that keeps only the count of what was written to it."""
+
+    def __init__(self):
+        self.size = 0
+
     def write(self, data):  # bytes, or a PickleBuffer (protocol 5)
-        pass
+        self.size += memoryview(data).nbytes
 
 
 class _Probe(pickle.Pickler):
     """Pickles what the workers are sent, into nothing: tensors are counted, not written (they travel
-    through shared memory, and the ones already there travel as a file descriptor)."""
+    through shared memory, each as a file descriptor), and multiprocessing's own locks, queues and
+    shared values, which pickle only while a process starts, are taken as they are."""
 
     def __init__(self):
-        super().__init__(_Discard(), protocol=pickle.HIGHEST_PROTOCOL)
+        self.file = _Discard()
+        super().__init__(self.file, protocol=pickle.HIGHEST_PROTOCOL)
         self.storages, self.new_bytes = set(), 0
 
     def persistent_id(self, obj):
-        if not isinstance(obj, torch.Tensor):
-            return None
-        storage = obj.untyped_storage()
-        if storage.data_ptr() not in self.storages:
-            self.storages.add(storage.data_ptr())
-            if storage.device.type == "cpu" and not storage.is_shared():
-                self.new_bytes += storage.nbytes()
-        return storage.data_ptr()
+        if isinstance(obj, torch.Tensor):
+            if obj.layout == torch.strided and obj.device.type == "cpu":
+                storage = obj.untyped_storage()
+                if storage.data_ptr() not in self.storages:
+                    self.storages.add(storage.data_ptr())
+                    self.new_bytes += 0 if storage.is_shared() else storage.nbytes()
+            return id(obj)
+        if type(obj).__module__.startswith("multiprocessing."):
+            return id(obj)
+        return None
 
 
 def _pickle_problem(sent):
     """Why `sent` cannot go to workers that are not forked, or None."""
+    global _shared_memory_planned
     probe = _Probe()
     for obj in sent:
         try:
@@ -137,33 +171,46 @@ def _pickle_problem(sent):
             return (f"{type(obj).__name__} cannot be pickled ({type(e).__name__}: {e})",
                     "keep the dataset's state picklable (module-level functions and classes, no open files "
                     "or lambdas)")
+    if probe.file.size > MAX_PICKLED:
+        return (f"what the workers need pickles to {probe.file.size / 2 ** 20:,.0f} MiB besides tensors, copied to "
+                "each worker at every epoch", "hold large arrays as torch tensors (they travel through shared "
+                "memory), and open big files (np.memmap) in the dataset's __getitem__ or __iter__")
+    if len(probe.storages) > MAX_STORAGES and torch.multiprocessing.get_sharing_strategy() == "file_descriptor":
+        return (f"its {len(probe.storages)} tensors would each take a file descriptor to reach a worker, more "
+                "than a worker's start can pass", "keep the data in a few large tensors (torch.stack), or call "
+                "torch.multiprocessing.set_sharing_strategy(\"file_system\")")
     try:
         free = os.statvfs("/dev/shm")
-        free = free.f_bavail * free.f_frsize
     except OSError:
         return None
-    if probe.new_bytes > free // 2:
-        return (f"its tensors ({probe.new_bytes / 2 ** 20:,.0f} MiB) do not fit in the free shared memory "
-                f"(/dev/shm: {free / 2 ** 20:,.0f} MiB)", "give the machine more shared memory "
-                "(docker run --shm-size=...), or use 0 workers for data held in memory")
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the other ranks of this machine do the same
+    budget = free.f_bavail * free.f_frsize // 2 // max(1, local_processes)
+    if _shared_memory_planned + probe.new_bytes > budget:
+        return (f"its tensors ({probe.new_bytes / 2 ** 20:,.0f} MiB, {local_processes} process(es) on this machine) "
+                f"do not fit in the free shared memory (/dev/shm: {free.f_bavail * free.f_frsize / 2 ** 20:,.0f} MiB)",
+                "give the machine more shared memory (docker run --shm-size=...), or use 0 workers for data held "
+                "in memory")
+    _shared_memory_planned += probe.new_bytes
     return None
 
 
 def _worker_server():
-    """multiprocessing's forkserver context, its server started (once per process) with what
-    data/worker_server.py imports. The server is a new interpreter: it finds the project's modules and
-    the script only through its environment, which holds them just while it starts."""
+    """multiprocessing's forkserver context, its server started (once per process) to import
+    data/worker_server.py. The server is a new interpreter: it finds that module, and learns what
+    multiprocessing tells every new process about this one (import path, argv, working folder,
+    script), through its environment, which holds them just while it starts."""
     global _server
     if _server is None:
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["data.worker_server"])
-        env = {"PYTHONPATH": os.pathsep.join(_import_path() + [p for p in os.environ.get("PYTHONPATH", "").split(
-            os.pathsep) if p])}
-        main = getattr(sys.modules["__main__"], "__file__", None)
-        if main:
-            env[SERVER_MAIN] = os.path.normpath(os.path.abspath(main))  # as multiprocessing names it
+        context.set_forkserver_preload(["worker_server"])  # data/worker_server.py, as a top-level module
+        keep = ("sys_path", "sys_argv", "dir", "orig_dir", "init_main_from_path", "init_main_from_name")
+        start = {k: v for k, v in multiprocessing.spawn.get_preparation_data("worker-server").items() if k in keep}
+        start["python_path"] = os.environ.get("PYTHONPATH")  # the server puts it back for its workers
+        here = os.path.dirname(os.path.abspath(__file__))
+        env = {"PYTHONPATH": os.pathsep.join([here, *filter(None, [start["python_path"]])]),
+               SERVER: json.dumps(start)}
         saved = {name: os.environ.get(name) for name in env}
-        os.environ.update(env)
+        os.environ.update(env)  # once per process: children started meanwhile would see it too
         try:
             multiprocessing.forkserver.ensure_running()  # starts it now; it imports while this process goes on
         finally:
@@ -176,56 +223,42 @@ def _worker_server():
     return _server
 
 
-def _import_path():
-    """The entries of sys.path that a new interpreter would not have: the script's folder, the
-    project's root a script added, PYTHONPATH's; not the standard library or site-packages."""
-    standard = [os.path.normpath(p) for p in {*(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib",
-                                                                                  "platlib")),
-                                              *site.getsitepackages(), site.getusersitepackages()}]
-    return [p for p in dict.fromkeys(os.path.abspath(p or os.curdir) for p in sys.path)
-            if os.path.isdir(p) and not any(p == s or p.startswith(s + os.sep) for s in standard)]
-
-
-def own_process_group(worker_id=None, rank=None):
-    """worker_init_fn for the DataLoaders here (loader_workers passes `rank`, the training process's
-    pid): each worker in a process group of its own, deaf to a SIGTERM from anyone but its rank, and
-    gone within a second of its rank.
+def own_process_group(worker_id=None, then=None):
+    """worker_init_fn for the DataLoaders here (then `then(worker_id)`): each worker in a process
+    group of its own, deaf to a SIGTERM from anyone but its rank, and gone within a second of its
+    rank.
 
     On a SIGTERM torch elastic's agent signals every rank's whole process group (os.killpg), and
     SLURM's `scancel --signal` every process of a job step: a worker that dies of it makes its rank
-    fail ("DataLoader worker ... is killed by signal: Terminated") instead of saving the checkpoint
-    the signal asks for (train/core/preemption.py). Its rank's own SIGTERM (multiprocessing ends
-    workers with one when the rank exits, torch a stuck one) still ends it: ignoring that one too hung
-    a rank exiting on an error (tests/test_image_classification.py). torch's workers end when their
-    parent does, which for a worker from the worker server is the server, not the rank; the server
-    in turn lives as long as a worker does, so a rank killed with SIGKILL would leave both behind."""
-    rank = os.getppid() if rank is None else rank  # a forked worker's parent is its rank; a served one's is not
+    fail ("DataLoader worker ... exited unexpectedly") instead of saving the checkpoint the signal
+    asks for (train/core/preemption.py). Its rank's own SIGTERM (multiprocessing ends workers with one
+    when the rank exits, torch a stuck one) still ends it: ignoring that one too hung a rank exiting
+    on an error (tests/test_image_classification.py). torch's workers end when their parent does,
+    which for a worker from the worker server is the server, not the rank; and the server lives while
+    a worker does, so a rank killed with SIGKILL would leave both behind. Without sigtimedwait
+    (macOS) a worker keeps SIGTERM's default: it cannot tell who sent one."""
+    rank = multiprocessing.parent_process()  # the training process, however the worker started
     os.setpgid(0, 0)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # taken by the thread below, with its sender
+    if hasattr(signal, "sigtimedwait"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # taken by the thread below, with its sender
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the worker server ignores it (data/worker_server.py)
+    if rank is not None:
+        threading.Thread(target=_follow_rank, args=(rank,), name="follow-rank", daemon=True).start()
+    if then is not None:
+        then(worker_id)
+
+
+def _follow_rank(rank):
     try:
-        rank_fd = os.pidfd_open(rank)  # readable once the rank has exited; immune to pid reuse
-    except (AttributeError, OSError):  # Linux before 5.3
-        rank_fd = None
-
-    def rank_is_gone():
-        if rank_fd is not None:
-            return bool(select.select([rank_fd], [], [], 0)[0])
-        try:
-            os.kill(rank, 0)
-        except ProcessLookupError:
-            return True
-        return False
-
-    def follow_rank():
         while True:
-            sender = signal.sigtimedwait({signal.SIGTERM}, 1.0)
-            if sender is not None and sender.si_pid == rank:
-                os._exit(128 + signal.SIGTERM)
-            if rank_is_gone():
-                os._exit(1)
-
-    threading.Thread(target=follow_rank, name="follow-rank", daemon=True).start()
+            if hasattr(signal, "sigtimedwait"):
+                sender = signal.sigtimedwait({signal.SIGTERM}, 1.0)
+                if sender is not None and sender.si_pid == rank.pid:
+                    os._exit(128 + signal.SIGTERM)
+            if multiprocessing.connection.wait([rank.sentinel], 0 if hasattr(signal, "sigtimedwait") else 1.0):
+                os._exit(1)  # the rank's end of the pipe closed: it exited
+    except BaseException:  # noqa: BLE001  a worker that cannot follow its rank must not outlive it either
+        os._exit(1)
 
 
 def pinned(device):

@@ -2,10 +2,12 @@
 CPython before 3.12 can hang a child forked while another thread (gloo's, freeing a collective)
 creates its Python thread state (data.loader.loader_workers, docs/data.md)."""
 import json
+import multiprocessing
 import os
 import sys
 import time
 
+import pytest
 import torch
 
 from conftest import REPO, clean_env, run_or_dump
@@ -15,21 +17,27 @@ from data.loader import loader_workers
 PROBE = os.path.join(REPO, "tests", "worker_start_probe.py")
 
 
-def probe(*args):
-    proc = run_or_dump([sys.executable, PROBE, *map(str, args)], 180, env=clean_env(), forked_workers=True)
+def probe(*args, module=False):
+    """worker_start_probe.py run as a script, or with -m (multiprocessing then imports it by name)."""
+    how = ["-m", "tests.worker_start_probe"] if module else [PROBE]
+    proc = run_or_dump([sys.executable, *how, *map(str, args)], 180, env=clean_env(), forked_workers=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
-def test_workers_start_from_a_server_that_ignores_sigterm_while_c_threads_take_the_gil():
-    # 30 epochs, a new worker each, while a native thread creates thread states without a pause:
-    # forked from the probe, such workers hang within a few hundred forks on CPython 3.11.7
-    report, stderr = probe(30)
+@pytest.mark.parametrize("module,epochs", [(False, 30), (True, 3)], ids=["script", "module"])
+def test_workers_start_from_a_server_that_ignores_sigterm_while_c_threads_take_the_gil(module, epochs):
+    # a new worker every epoch while a native thread creates thread states without a pause: forked
+    # from the probe, such workers hang within a few hundred forks on CPython 3.11.7
+    report, stderr = probe(epochs, module=module)
     assert report["method"] == "forkserver" and "RuntimeWarning" not in stderr, stderr
     workers = report["workers"]
-    assert len(workers) == 60 and len({w["pid"] for w in workers}) == 30  # 2 samples an epoch, a worker each
+    assert len(workers) == 2 * epochs and len({w["pid"] for w in workers}) == epochs  # 2 samples, a worker an epoch
     servers = {w["parent"] for w in workers}
     assert len(servers) == 1 and report["pid"] not in servers  # one server, and not the training process
+    assert {w["body_ran_in"] for w in workers} == servers  # the server imported the script, no worker again
+    assert all(w["argv"] == [str(epochs)] for w in workers)  # as the training process was started
+    assert all(w["own_init_ran"] for w in workers)  # a worker_init_fn of the caller's runs too
     assert all(w["parent_ignores_sigterm"] for w in workers)  # torch elastic's killpg must not end the server
     assert not any(w["ignores_sigterm"] for w in workers)  # a worker takes its rank's SIGTERM
     assert all(w["group"] == w["pid"] for w in workers)  # and nobody else's: a process group of its own
@@ -62,24 +70,35 @@ def test_an_unpicklable_dataset_gets_forked_workers_and_a_warning_that_names_the
         assert "WhoAmI cannot be pickled" in stderr and "Fix: keep the dataset's state picklable" in stderr, stderr
 
 
-def test_a_script_without_a_main_guard_gets_forked_workers(tmp_path):
-    # every worker imports the script: one that trains at import would train again in each
+@pytest.mark.parametrize("guard", ["none", "elsewhere"])
+def test_a_script_that_builds_its_loader_outside_a_main_guard_gets_forked_workers(tmp_path, guard):
+    # the worker server runs the script's code outside the guard once more: it would build (and train) too
     script = tmp_path / "unguarded.py"
-    script.write_text(f"import sys\nsys.path.insert(0, {REPO!r})\nimport torch\nfrom data.loader import loader_workers\n"
+    script.write_text(f"import sys\nsys.path.insert(0, {REPO!r})\n"
+                      "import torch\nfrom data.loader import loader_workers\n"
                       "kwargs = loader_workers(1, torch.arange(4))\n"
-                      "print(kwargs['multiprocessing_context'].get_start_method())\n")
+                      "print(kwargs['multiprocessing_context'].get_start_method())\n"
+                      + ('if __name__ == "__main__":\n    pass\n' if guard == "elsewhere" else ""))
     proc = run_or_dump([sys.executable, str(script)], 120, env=clean_env(), forked_workers=True)
     assert proc.returncode == 0 and proc.stdout.split() == ["fork"], proc.stderr[-3000:]
     if loader.FORK_CAN_HANG:
-        assert 'has no `if __name__ == "__main__":`' in proc.stderr, proc.stderr
+        said = {"none": 'has no `if __name__ == "__main__":`', "elsewhere": 'builds the DataLoader outside'}[guard]
+        assert said in proc.stderr, proc.stderr
 
 
-def test_what_the_workers_are_sent_is_checked_without_copying_its_tensors(monkeypatch):
+def test_what_the_workers_are_sent_is_checked_without_moving_or_copying_its_tensors(monkeypatch):
+    monkeypatch.setattr(loader, "_shared_memory_planned", 0)
     images = torch.zeros(1000, 1024, dtype=torch.uint8)
-    assert loader._pickle_problem([images, images[:10], len]) is None
+    shared_at_start = [multiprocessing.get_context("forkserver").Queue(), multiprocessing.Value("i", 0)]
+    assert loader._pickle_problem([images, images[:10], len, torch.eye(3).to_sparse(), shared_at_start]) is None
+    assert not images.is_shared()  # counted, not moved to shared memory
     assert loader._pickle_problem([lambda: None])[0].startswith("function cannot be pickled")
+    # each tensor reaches a worker as a file descriptor; a worker's start passes at most 252
+    assert "would each take a file descriptor" in loader._pickle_problem([[torch.zeros(1) for _ in range(300)]])[0]
+    monkeypatch.setattr(loader, "MAX_PICKLED", 1000)  # pickled state is copied to each worker at every epoch
+    assert "pickles to" in loader._pickle_problem([bytes(2000)])[0]
 
-    class Free:  # 1 MiB of shared memory left: the 1,000 images (~1 MiB) need half of it at most
+    class Free:  # 1 MiB of shared memory left: the 1,000 images (~1 MiB) may take half of it at most
         f_bavail, f_frsize = 256, 4096
 
     monkeypatch.setattr(os, "statvfs", lambda path: Free)

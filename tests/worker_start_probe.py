@@ -4,7 +4,7 @@ GIL from C the way gloo's threads do when they free a finished collective (a new
 time). Prints one JSON line: the start method, this process's pid, and for every worker its pid,
 parent, process group and whether it ignores SIGTERM, and the parent's.
 
-    python tests/worker_start_probe.py EPOCHS [--unpicklable]
+    python tests/worker_start_probe.py EPOCHS [--unpicklable]    (or python -m tests.worker_start_probe ...)
     python tests/worker_start_probe.py --sigkill_midway     # prints the first worker's sample, then SIGKILLs itself
 """
 import ctypes
@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 from data.loader import loader_workers
 
 SIGTERM_BIT = 1 << 14  # SIGTERM (15) in /proc/PID/status's signal masks
+BODY_RAN_IN = os.getpid()  # which process ran this module's code: a worker sees the server's, not its own
 
 
 def ignores_sigterm(pid):
@@ -40,7 +41,12 @@ class WhoAmI(Dataset):
     def __getitem__(self, i):
         pid, parent = os.getpid(), os.getppid()
         return {"pid": pid, "parent": parent, "group": os.getpgid(0), "ignores_sigterm": ignores_sigterm(pid),
-                "parent_ignores_sigterm": ignores_sigterm(parent)}
+                "parent_ignores_sigterm": ignores_sigterm(parent), "body_ran_in": BODY_RAN_IN, "argv": sys.argv[1:],
+                "own_init_ran": os.environ.get("PROBE_INIT") == str(pid)}
+
+
+def own_init(worker_id):
+    os.environ["PROBE_INIT"] = str(os.getpid())
 
 
 def take_the_gil_from_c(stop):
@@ -83,7 +89,7 @@ if __name__ == "__main__":
         os.kill(os.getpid(), 9)
     epochs, unpicklable = int(sys.argv[1]), "--unpicklable" in sys.argv
     dataset = WhoAmI(2, unpicklable)
-    kwargs = loader_workers(1, dataset)
+    kwargs = loader_workers(1, dataset, worker_init_fn=own_init)
     loader = DataLoader(dataset, batch_size=None, **kwargs)
     stop = threading.Event()
     threading.Thread(target=take_the_gil_from_c, args=(stop,), daemon=True).start()

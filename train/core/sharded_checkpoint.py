@@ -11,6 +11,7 @@ values by torch.load(weights_only=True). The metadata is checked against the mod
 tensor is read, so another model's checkpoint, a missing shard or a cut-short one is one line.
 """
 import contextlib
+import functools
 import io
 import os
 import pickle
@@ -19,8 +20,6 @@ import threading
 import warnings
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from data.errors import UserError, fail
 
@@ -46,35 +45,45 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
 
 
-class CheckedReader(FileSystemReader):
-    """DCP's file reader, reading `.metadata` through the allowlist above."""
+@functools.cache
+def _checked():
+    """DCP's file reader and load planner with the checks above, as classes. Defined on first use:
+    importing DCP takes over a second (DTensor, sympy), paid by every process that imports a script,
+    the server of its DataLoader workers included (data/worker_server.py)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    def read_metadata(self, *args, **kwargs):
-        path = os.path.join(self.path, ".metadata")
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except pickle.UnpicklingError as e:
-            fail(f"refused to load {path}: {e}; it was not written by these scripts; delete that checkpoint")
-        except Exception as e:  # a damaged file meets the unpickler as EOFError, ValueError, ...
-            fail(f"{path} is unreadable ({type(e).__name__}); delete that checkpoint and resume from an earlier one")
-        if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
-            from torch.distributed.checkpoint.metadata import StorageMeta
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+    class CheckedReader(FileSystemReader):
+        """DCP's file reader, reading `.metadata` through the allowlist above."""
 
+        def read_metadata(self, *args, **kwargs):
+            path = os.path.join(self.path, ".metadata")
+            try:
+                with open(path, "rb") as f:
+                    metadata = _MetadataUnpickler(f).load()
+            except pickle.UnpicklingError as e:
+                fail(f"refused to load {path}: {e}; it was not written by these scripts; delete that checkpoint")
+            except Exception as e:  # a damaged file meets the unpickler as EOFError, ValueError, ...
+                fail(f"{path} is unreadable ({type(e).__name__}); delete that checkpoint and resume from an "
+                     "earlier one")
+            if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
+                from torch.distributed.checkpoint.metadata import StorageMeta
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
 
-class CheckedPlanner(DefaultLoadPlanner):
-    """DCP's planner, loading non-tensor values with torch.load(weights_only=True)."""
+    class CheckedPlanner(DefaultLoadPlanner):
+        """DCP's planner, loading non-tensor values with torch.load(weights_only=True)."""
 
-    def load_bytes(self, read_item, value):
-        try:
-            loaded = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            fail(f"refused a value of {read_item.dest_index.fqn} in a checkpoint: it holds pickled objects "
-                 f"({str(e).splitlines()[0]}); delete that checkpoint")
-        super().load_bytes(read_item, io.BytesIO(_as_bytes(loaded)))
+        def load_bytes(self, read_item, value):
+            try:
+                loaded = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as e:
+                fail(f"refused a value of {read_item.dest_index.fqn} in a checkpoint: it holds pickled objects "
+                     f"({str(e).splitlines()[0]}); delete that checkpoint")
+            super().load_bytes(read_item, io.BytesIO(_as_bytes(loaded)))
+
+    return CheckedReader, CheckedPlanner
 
 
 def _as_bytes(obj):
@@ -114,8 +123,7 @@ def save_sharded(folder, model, optimizer, writer=None, group=None):
     With `writer` (a one-thread executor that lives as long as the run) this call copies the state
     and returns a Future: the writer thread saves the copy through DCP on `group`, a process group
     of its own so its collectives never meet the training's, while training changes the model.
-    Not DCP's async_save: it starts a thread per save that exits at some moment after the write,
-    and CPython 3.11's fork() hangs a DataLoader worker forked as a thread exits (docs/data.md)."""
+    Not DCP's async_save, which starts a thread per save: one writer also keeps the saves in order."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -201,6 +209,7 @@ def load_sharded(checkpoint_path, model, optimizer):
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
+    CheckedReader, CheckedPlanner = _checked()
     reader = CheckedReader(os.path.join(checkpoint_path, STATE))
     if not os.path.isfile(os.path.join(checkpoint_path, STATE, ".metadata")):
         fail(f"{checkpoint_path} has no {STATE}/.metadata: it is not a complete sharded checkpoint; delete it and "
