@@ -24,6 +24,7 @@ import os
 import pickle
 import signal
 import sys
+import tempfile
 import threading
 import warnings
 
@@ -45,7 +46,7 @@ FORK_CAN_HANG = sys.version_info < (3, 12) and sys.version_info[2] < FIXED_IN.ge
 MAX_PICKLED = 256 * 2 ** 20  # bytes of state (besides tensors) copied to every worker at every epoch
 MAX_STORAGES = 200  # forkserver passes at most 252 file descriptors to a new process, one per shared tensor
 SERVER = "DATA_WORKER_SERVER"  # what the worker server is started with (data/worker_server.py reads it)
-_server = None  # the forkserver context, once its server is started
+_server_started = False
 _shared_memory_planned = 0  # bytes of tensors this process's loaders will move to /dev/shm
 
 
@@ -58,9 +59,9 @@ def loader_workers(num_workers, dataset, collate_fn=None, worker_init_fn=None):
     GIL from C++ whenever they free a finished collective, creating a Python thread state under the
     interpreter's lock of thread states; a fork at that instant leaves the child waiting forever for
     that lock on CPython before 3.12, 3.11.10 and 3.10.15 (gh-112275; docs/data.md). The workers start
-    instead from multiprocessing's forkserver: a server process per training process, started at once
-    here, which has imported torch and the script (data/worker_server.py) and forks each worker in
-    milliseconds. What a worker needs (the dataset, the collate function) travels to it pickled at
+    instead from multiprocessing's forkserver: a server process per training process, started here,
+    which imports torch, the script and what the training process has imported by now
+    (data/worker_server.py), and forks each worker in milliseconds. What a worker needs (the dataset, the collate function) travels to it pickled at
     every epoch, tensors through shared memory; like spawned workers, it sees the script as it was at
     import, not globals the training process changed later. Where that cannot work the workers are
     forked as before, with a warning on the Pythons that can hang, saying why and what would fix it."""
@@ -76,7 +77,8 @@ def loader_workers(num_workers, dataset, collate_fn=None, worker_init_fn=None):
 def _start_method(*sent):
     problem = _main_problem() or _flags_problem() or _pickle_problem(sent)
     if not problem:
-        return _worker_server()
+        _start_server()  # now: it imports while this process builds its model
+        return multiprocessing.get_context("forkserver")
     if FORK_CAN_HANG:
         warnings.warn(f"DataLoader workers are forked from the training process because {problem[0]}; on this "
                       f"Python such a fork can hang a worker forever (docs/data.md). Fix: {problem[1]}",
@@ -194,33 +196,37 @@ def _pickle_problem(sent):
     return None
 
 
-def _worker_server():
-    """multiprocessing's forkserver context, its server started (once per process) to import
-    data/worker_server.py. The server is a new interpreter: it finds that module, and learns what
-    multiprocessing tells every new process about this one (import path, argv, working folder,
-    script), through its environment, which holds them just while it starts."""
-    global _server
-    if _server is None:
-        context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["worker_server"])  # data/worker_server.py, as a top-level module
-        keep = ("sys_path", "sys_argv", "dir", "orig_dir", "init_main_from_path", "init_main_from_name")
-        start = {k: v for k, v in multiprocessing.spawn.get_preparation_data("worker-server").items() if k in keep}
-        start["python_path"] = os.environ.get("PYTHONPATH")  # the server puts it back for its workers
-        here = os.path.dirname(os.path.abspath(__file__))
-        env = {"PYTHONPATH": os.pathsep.join([here, *filter(None, [start["python_path"]])]),
-               SERVER: json.dumps(start)}
-        saved = {name: os.environ.get(name) for name in env}
-        os.environ.update(env)  # once per process: children started meanwhile would see it too
-        try:
-            multiprocessing.forkserver.ensure_running()  # starts it now; it imports while this process goes on
-        finally:
-            for name, value in saved.items():
-                if value is None:
-                    del os.environ[name]
-                else:
-                    os.environ[name] = value
-        _server = context
-    return _server
+def _start_server():
+    """Start this process's worker server (once) to import data/worker_server.py. The server is a new
+    interpreter: it finds that module, learns what multiprocessing tells every new process about this
+    one (import path, argv, working folder, script), and which modules this one has imported, through
+    its environment, which holds them just while the server starts."""
+    global _server_started
+    if _server_started:
+        return
+    _server_started = True
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["worker_server"])  # data/worker_server.py, as a top-level module
+    keep = ("sys_path", "sys_argv", "dir", "orig_dir", "init_main_from_path", "init_main_from_name")
+    start = {k: v for k, v in multiprocessing.spawn.get_preparation_data("worker-server").items() if k in keep}
+    start["python_path"] = os.environ.get("PYTHONPATH")  # the server puts it back for its workers
+    # the workers need most of what is imported by now (the data's modules, some imported on first
+    # use: torchvision's transforms, PIL, pyarrow): imported by the server, not by each worker at
+    # every epoch. Taken before the model is built and prepared, which import torch._dynamo.
+    with tempfile.NamedTemporaryFile("w", prefix="worker-server-", suffix=".json", delete=False) as f:
+        json.dump(sorted(sys.modules), f)
+    start["modules"] = f.name
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {"PYTHONPATH": os.pathsep.join([here, *filter(None, [start["python_path"]])]), SERVER: json.dumps(start)}
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)  # once per process: children started meanwhile would see it too
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def own_process_group(worker_id=None, then=None):

@@ -11,12 +11,14 @@ its preload list), as the top-level module `worker_server`.
   its training process (data.loader.own_process_group).
 - torch's DataLoader worker loop and the training script, with everything the script imports, are
   imported here once, as multiprocessing prepares every new process of the training process (its
-  import path, argv, working folder): each worker, forked from this process, starts in milliseconds
-  instead of the seconds an import of torch takes. multiprocessing's forkserver was meant to import
+  import path, argv, working folder), and then every other module the training process had imported
+  when it started this server (torchvision's transforms, PIL, imported on first use): each worker,
+  forked from this process, starts in milliseconds instead of the seconds those imports take. multiprocessing's forkserver was meant to import
   the script by itself, but CPython 3.11-3.13 never pass it the script's path. The launcher's rank
   variables are hidden meanwhile: code of the script outside `if __name__ == "__main__":` that
   starts a process group must not join the training's as one rank too many.
 """
+import importlib
 import json
 import os
 import signal
@@ -46,11 +48,22 @@ def _import_the_script():
               if name in RANK_VARIABLES or name.startswith("TORCHELASTIC_")}
     from multiprocessing import spawn
 
+    modules = start.pop("modules")
     try:
         spawn.prepare(start)
     except BaseException as e:  # noqa: BLE001  each worker then imports the script itself, and fails where it shows
         print(f"worker server: importing the script failed ({type(e).__name__}: {e}); each DataLoader worker "
               "imports it instead", file=sys.stderr, flush=True)
+    try:
+        with open(modules) as f:
+            names = json.load(f)
+        os.remove(modules)
+        for name in names:  # sorted: a package before its modules
+            if name not in sys.modules:
+                try:
+                    importlib.import_module(name)
+                except BaseException:  # noqa: BLE001  an alias, a module made at run time: a worker that needs it imports it
+                    pass
     finally:
         os.environ.update(hidden)
 

@@ -1,5 +1,5 @@
-"""DataLoader workers start from a single-threaded server, not by forking the training process:
-CPython before 3.12 can hang a child forked while another thread (gloo's, freeing a collective)
+"""DataLoader workers start from a server process, not by forking the training process: CPython
+before 3.11.10 and 3.12 can hang a child forked while another thread (gloo's, freeing a collective)
 creates its Python thread state (data.loader.loader_workers, docs/data.md)."""
 import json
 import multiprocessing
