@@ -205,7 +205,9 @@ def _start_server():
     if _server_started:
         return
     _server_started = True
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["worker_server"])  # data/worker_server.py, as a top-level module
+    # data/worker_server.py, imported as a top-level module: a folder named data in the working
+    # folder, which comes first on the server's path, cannot hide it
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["worker_server"])
     keep = ("sys_path", "sys_argv", "dir", "orig_dir", "init_main_from_path", "init_main_from_name")
     start = {k: v for k, v in multiprocessing.spawn.get_preparation_data("worker-server").items() if k in keep}
     start["python_path"] = os.environ.get("PYTHONPATH")  # the server puts it back for its workers
