@@ -61,9 +61,10 @@ def loader_workers(num_workers, dataset, collate_fn=None, worker_init_fn=None):
     that lock on CPython before 3.12, 3.11.10 and 3.10.15 (gh-112275; docs/data.md). The workers start
     instead from multiprocessing's forkserver: a server process per training process, started here,
     which imports torch, the script and what the training process has imported by now
-    (data/worker_server.py), and forks each worker in milliseconds. What a worker needs (the dataset, the collate function) travels to it pickled at
-    every epoch, tensors through shared memory; like spawned workers, it sees the script as it was at
-    import, not globals the training process changed later. Where that cannot work the workers are
+    (data/worker_server.py), and forks each worker in milliseconds. What a worker needs (the dataset,
+    the collate function) travels to it pickled at every epoch, tensors through shared memory; like
+    spawned workers, it sees the script as it was at import, not globals the training process
+    changed later. Where that cannot work the workers are
     forked as before, with a warning on the Pythons that can hang, saying why and what would fix it."""
     if not num_workers:
         return {"num_workers": 0}

@@ -13,8 +13,9 @@ its preload list), as the top-level module `worker_server`.
   imported here once, as multiprocessing prepares every new process of the training process (its
   import path, argv, working folder), and then every other module the training process had imported
   when it started this server (torchvision's transforms, PIL, imported on first use): each worker,
-  forked from this process, starts in milliseconds instead of the seconds those imports take. multiprocessing's forkserver was meant to import
-  the script by itself, but CPython 3.11-3.13 never pass it the script's path. The launcher's rank
+  forked from this process, starts in milliseconds instead of the seconds those imports take.
+  multiprocessing's forkserver was meant to import the script by itself, but CPython 3.11-3.13
+  never pass it the script's path. The launcher's rank
   variables are hidden meanwhile: code of the script outside `if __name__ == "__main__":` that
   starts a process group must not join the training's as one rank too many.
 """
@@ -62,7 +63,7 @@ def _import_the_script():
             if name not in sys.modules:
                 try:
                     importlib.import_module(name)
-                except BaseException:  # noqa: BLE001  an alias, a module made at run time: a worker that needs it imports it
+                except BaseException:  # noqa: BLE001  an alias, a module made at run time: left to the workers
                     pass
     finally:
         os.environ.update(hidden)
