@@ -59,6 +59,9 @@ def _import_the_script():
         with open(modules) as f:
             names = json.load(f)
         os.remove(modules)
+    except (OSError, ValueError):  # an exception here would end the server, and every worker's start with it
+        names = []
+    try:
         for name in names:  # sorted: a package before its modules
             if name not in sys.modules:
                 try:
