@@ -3,8 +3,8 @@
 Layout (arrows point down; tests/test_imports.py keeps them so):
   prepare.py       python -m data.prepare: the command line only
   local_files.py, images.py, text.py, mnist.py: each kind of input, read and written as shards
-  loader.py        ShardedLoader, sharded_loader, check_loader: the sharded dataset under accelerate;
-                   loader_workers: how every DataLoader's workers start (not forked from the rank)
+  loader.py        ShardedLoader, sharded_loader, check_loader: the sharded dataset under accelerate
+  workers.py       loader_workers: how every DataLoader's workers start (not forked from the rank)
   worker_server.py imported only by the server those workers start from
   sharding.py      BatchPlan, epoch_order, ShardedIterableDataset, check_same_plan
   sources.py       TensorSource, ParquetSource, DatasetsSource, as_source, Arrow -> columns

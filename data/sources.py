@@ -97,7 +97,7 @@ class ParquetSource:
 
     def __getstate__(self):
         # open files and the last row group stay behind: DataLoader workers that are not forked get
-        # this source pickled (data.loader.loader_workers), and a ParquetFile does not pickle
+        # this source pickled (data.workers.loader_workers), and a ParquetFile does not pickle
         return {**self.__dict__, "_files": {}, "_cache": (None, None)}
 
     def _unit_tensors(self, unit):

@@ -1,6 +1,6 @@
 """What the worker server of a training process imports once, before it starts that process's
 DataLoader workers. Never imported by a training process: only by the server that
-data.loader.loader_workers starts (multiprocessing's forkserver, which imports the modules named in
+data.workers.loader_workers starts (multiprocessing's forkserver, which imports the modules named in
 its preload list), as the top-level module `worker_server`.
 
 - SIGTERM is ignored. The server shares its training process's process group, which torch elastic's
@@ -8,7 +8,7 @@ its preload list), as the top-level module `worker_server`.
   server that died of it would end the workers (torch's workers end when their parent does) and the
   training process would fail instead of saving the checkpoint the signal asks for. The server ends
   once its training process and its workers have (it watches a pipe they hold); each worker follows
-  its training process (data.loader.own_process_group).
+  its training process (data.workers.own_process_group).
 - torch's DataLoader worker loop and the training script, with everything the script imports, are
   imported here once, as multiprocessing prepares every new process of the training process (its
   import path, argv, working folder), and then every other module the training process had imported
@@ -31,7 +31,7 @@ signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 import torch.utils.data  # noqa: E402,F401  (after the signal: an import of torch takes seconds)
 
-SERVER = "DATA_WORKER_SERVER"  # data.loader.SERVER
+SERVER = "DATA_WORKER_SERVER"  # data.workers.SERVER
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                   "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

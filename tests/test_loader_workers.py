@@ -1,6 +1,6 @@
 """DataLoader workers start from a server process, not by forking the training process: CPython
 before 3.11.10 and 3.12 can hang a child forked while another thread (gloo's, freeing a collective)
-creates its Python thread state (data.loader.loader_workers, docs/data.md)."""
+creates its Python thread state (data.workers.loader_workers, docs/data.md)."""
 import json
 import multiprocessing
 import os
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import REPO, clean_env, run_or_dump
-from data import loader
-from data.loader import loader_workers
+from data import workers
+from data.workers import loader_workers
 
 PROBE = os.path.join(REPO, "tests", "worker_start_probe.py")
 
@@ -66,7 +66,7 @@ def alive(pid):
 def test_an_unpicklable_dataset_gets_forked_workers_and_a_warning_that_names_the_fix():
     report, stderr = probe(2, "--unpicklable")
     assert report["method"] == "fork" and {w["parent"] for w in report["workers"]} == {report["pid"]}
-    if loader.FORK_CAN_HANG:
+    if workers.FORK_CAN_HANG:
         assert "WhoAmI cannot be pickled" in stderr and "Fix: keep the dataset's state picklable" in stderr, stderr
 
 
@@ -75,34 +75,34 @@ def test_a_script_that_builds_its_loader_outside_a_main_guard_gets_forked_worker
     # the worker server runs the script's code outside the guard once more: it would build (and train) too
     script = tmp_path / "unguarded.py"
     script.write_text(f"import sys\nsys.path.insert(0, {REPO!r})\n"
-                      "import torch\nfrom data.loader import loader_workers\n"
+                      "import torch\nfrom data.workers import loader_workers\n"
                       "kwargs = loader_workers(1, torch.arange(4))\n"
                       "print(kwargs['multiprocessing_context'].get_start_method())\n"
                       + ('if __name__ == "__main__":\n    pass\n' if guard == "elsewhere" else ""))
     proc = run_or_dump([sys.executable, str(script)], 120, env=clean_env(), forked_workers=True)
     assert proc.returncode == 0 and proc.stdout.split() == ["fork"], proc.stderr[-3000:]
-    if loader.FORK_CAN_HANG:
+    if workers.FORK_CAN_HANG:
         said = {"none": 'has no `if __name__ == "__main__":`', "elsewhere": 'builds the DataLoader outside'}[guard]
         assert said in proc.stderr, proc.stderr
 
 
 def test_what_the_workers_are_sent_is_checked_without_moving_or_copying_its_tensors(monkeypatch):
-    monkeypatch.setattr(loader, "_shared_memory_planned", 0)
+    monkeypatch.setattr(workers, "_shared_memory_planned", 0)
     images = torch.zeros(1000, 1024, dtype=torch.uint8)
     shared_at_start = [multiprocessing.get_context("forkserver").Queue(), multiprocessing.Value("i", 0)]
-    assert loader._pickle_problem([images, images[:10], len, torch.eye(3).to_sparse(), shared_at_start]) is None
+    assert workers._pickle_problem([images, images[:10], len, torch.eye(3).to_sparse(), shared_at_start]) is None
     assert not images.is_shared()  # counted, not moved to shared memory
-    assert loader._pickle_problem([lambda: None])[0].startswith("function cannot be pickled")
+    assert workers._pickle_problem([lambda: None])[0].startswith("function cannot be pickled")
     # each tensor reaches a worker as a file descriptor; a worker's start passes at most 252
-    assert "would each take a file descriptor" in loader._pickle_problem([[torch.zeros(1) for _ in range(300)]])[0]
-    monkeypatch.setattr(loader, "MAX_PICKLED", 1000)  # pickled state is copied to each worker at every epoch
-    assert "pickles to" in loader._pickle_problem([bytes(2000)])[0]
+    assert "would each take a file descriptor" in workers._pickle_problem([[torch.zeros(1) for _ in range(300)]])[0]
+    monkeypatch.setattr(workers, "MAX_PICKLED", 1000)  # pickled state is copied to each worker at every epoch
+    assert "pickles to" in workers._pickle_problem([bytes(2000)])[0]
 
     class Free:  # 1 MiB of shared memory left: the 1,000 images (~1 MiB) may take half of it at most
         f_bavail, f_frsize = 256, 4096
 
     monkeypatch.setattr(os, "statvfs", lambda path: Free)
-    problem = loader._pickle_problem([images])
+    problem = workers._pickle_problem([images])
     assert "do not fit in the free shared memory" in problem[0] and "--shm-size" in problem[1]
 
 

@@ -1,4 +1,4 @@
-"""Run by tests/test_loader_workers.py: starts DataLoader workers through data.loader.loader_workers
+"""Run by tests/test_loader_workers.py: starts DataLoader workers through data.workers.loader_workers
 for EPOCHS epochs, each epoch a new iterator (new workers), while a native thread keeps taking the
 GIL from C the way gloo's threads do when they free a finished collective (a new thread state each
 time). Prints one JSON line: the start method, this process's pid, and for every worker its pid,
@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from torch.utils.data import DataLoader, Dataset
 
-from data.loader import loader_workers
+from data.workers import loader_workers
 
 SIGTERM_BIT = 1 << 14  # SIGTERM (15) in /proc/PID/status's signal masks
 BODY_RAN_IN = os.getpid()  # which process ran this module's code: a worker sees the server's, not its own

@@ -19,7 +19,8 @@ from torch.utils.data import DataLoader
 
 from data.image_pixels import image_transforms, keep_budget, normalize
 from data.images import ImageFileSource, ImageFolderDataset, decode_for_prediction, list_images, scan_image_folder
-from data.loader import loader_workers, pinned, sharded_loader
+from data.loader import pinned, sharded_loader
+from data.workers import loader_workers
 from train.core.accelerator import main_process_first
 from train.core.cli import add_optimizer_args, make_parser, positive_float, positive_int, reading_workers
 from train.core.evaluation import evaluate_classifier

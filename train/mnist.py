@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from data import DATASETS, augment_images, check_data_dir, identity_collate, load_mnist, normalize_images
-from data.loader import loader_workers, pinned, sharded_loader
+from data.loader import pinned, sharded_loader
+from data.workers import loader_workers
 from data.mnist import prepare_mnist_shards
 from data.shards import shards_in
 from data.sources import ParquetSource

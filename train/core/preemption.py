@@ -11,7 +11,7 @@ therefore comes within max(0.5 s, one step) of training after the signal reaches
 since the last check, and an evaluation that falls in between), plus one checkpoint; torch elastic's
 agent allows its workers 30 s after passing on a SIGTERM before it kills them. Its SIGTERM goes to
 each rank's whole process group: DataLoader workers need a group of their own to survive it
-(data.loader.own_process_group).
+(data.workers.own_process_group).
 """
 import signal
 import threading
