@@ -86,9 +86,9 @@ def turn_order(names, turn):
 
 
 class Phases:
-    """Wall seconds between named points of a step, summed over steps: `mark = phases.start()` where a
-    step starts, then `mark(name)` where each phase ends. No device sync in between: on a GPU a phase
-    is the CPU's time to queue its work (or to wait, once the queue is full or something syncs)."""
+    """Wall seconds between named points of a step, per step: `mark = phases.start()` where a step
+    starts, then `mark(name)` where each phase ends. No device sync in between: on a GPU a phase is
+    the CPU's time to queue its work (or to wait, once the queue is full or something syncs)."""
 
     def __init__(self):
         self.seconds, self.steps = {}, 0
@@ -99,13 +99,21 @@ class Phases:
 
         def mark(name):
             now = time.perf_counter()
-            self.seconds[name] = self.seconds.get(name, 0.0) + now - last[0]
+            self.seconds.setdefault(name, []).append(now - last[0])
             last[0] = now
         return mark
 
     def means(self):
         """Milliseconds per step of each phase, in the order they were first marked."""
-        return {name: 1000 * s / max(self.steps, 1) for name, s in self.seconds.items()}
+        return {name: 1000 * sum(s) / max(self.steps, 1) for name, s in self.seconds.items()}
+
+    def medians(self):
+        """The same, the median step's: a phase that costs once (a first log, a lazily loaded
+        kernel) moves the mean, not this."""
+        return {name: 1000 * statistics.median(s) for name, s in self.seconds.items()}
+
+    def maxima(self):
+        return {name: 1000 * max(s) for name, s in self.seconds.items()}
 
 
 def time_turns(loops, turns, synchronize, steps_per_turn=1, sync_after=False):

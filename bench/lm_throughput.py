@@ -187,7 +187,9 @@ def worker(args):
             "parameters": sum(p.numel() for p in reference.parameters()), "vocab_size": manifest["vocab_size"],
             "matmul_peak": [peak_before, peak_after], "raw_steps": raw_state["step"], "lm_steps": loop.step,
             "reading_workers": workers,
-            "phases": {name: p.means() for name, p in phases.items()}})
+            "phases": {name: p.means() for name, p in phases.items()},
+            "phase_medians": {name: p.medians() for name, p in phases.items()},
+            "phase_maxima": {name: p.maxima() for name, p in phases.items()}})
     if dist.is_initialized():
         dist.barrier()
     del model, optimizer, raw_model, raw_optimizer  # DDP reducers before the gloo group goes (TrainingLoop.close)
@@ -251,14 +253,20 @@ def main(argv=None):
     print(ratio_line("lm.py tokens/s / raw DDP tokens/s", ms, "lm.py", "raw"))
     # where each loop's step goes, as the CPU sees it (main process): on a GPU the phases are the time
     # to queue the work, and `wait` is the rest of the turn, the device finishing it
-    print("| phase, ms per step (clock between phases, no sync) | raw | lm.py | lm.py - raw |")
-    print("|---|---|---|---|")
+    # the mean and the median step's: a cost paid once in the timed turns (a first log line, a kernel
+    # loaded at its first use) moves the one, not the other
+    print("| phase, ms per step (clock between phases, no sync) | raw mean | lm.py mean | lm.py - raw | raw median "
+          "| lm.py median | lm.py slowest |")
+    print("|---|---|---|---|---|---|---|")
     raw_phases, lm_phases = result["phases"]["raw"], result["phases"]["lm.py"]
     raw_phases["wait"] = statistics.mean(ms["raw"]) - sum(raw_phases.values())
     lm_phases["wait"] = statistics.mean(ms["lm.py"]) - sum(lm_phases.values())
+    medians, maxima = result["phase_medians"], result["phase_maxima"]
     for phase in raw_phases:
         raw_ms, lm_ms = raw_phases[phase], lm_phases[phase]
-        print(f"| {phase} | {raw_ms:.2f} | {lm_ms:.2f} | {lm_ms - raw_ms:+.2f} |")
+        extra = " | | |" if phase == "wait" else \
+            f" | {medians['raw'][phase]:.2f} | {medians['lm.py'][phase]:.2f} | {maxima['lm.py'][phase]:.2f} |"
+        print(f"| {phase} | {raw_ms:.2f} | {lm_ms:.2f} | {lm_ms - raw_ms:+.2f}{extra}")
     for name, values in ms.items():
         print(f"MFU {name} = {tokens * len(values) / (sum(values) / 1000) * result['flops_per_token'] / peak:.3f} "
               f"of the measured matmul peak {peak / 1e9:.1f} GFLOP/s")

@@ -139,6 +139,10 @@ def test_lm_throughput_tiny_mode_runs_both_loops_in_two_processes(tmp_path):
     phases = {r[0][2:]: [float(v) for v in r[1:3]] for r in rows[4:]}
     assert list(phases) == ["data", "forward", "backward", "clip", "optimizer", "after", "wait"], rows
     assert all(v >= 0 for values in phases.values() for v in values[:2]) and phases["forward"][0] > 0, phases
+    # each timed phase's median step beside the mean, and lm.py's slowest step, which no median exceeds
+    steps = {r[0][2:]: [float(v.strip(" |")) for v in r[4:7]] for r in rows[4:-1]}
+    assert all(raw_median >= 0 and 0 <= lm_median <= lm_slowest for raw_median, lm_median, lm_slowest in steps.values()), \
+        rows
     assert re.search(r"RATIO lm\.py tokens/s / raw DDP tokens/s = \d+\.\d+ \(median of turns \d+\.\d+\)", proc.stdout)
     for name in ("raw", "lm.py"):
         assert 0 < float(re.search(rf"MFU {re.escape(name)} = (\d+\.\d+) of the measured matmul peak", proc.stdout)[1]) < 1
