@@ -12,7 +12,7 @@
 # and says so. CONFIG=FILE runs the launches under another accelerate config (default 1gpu.yaml);
 # ONLY="STEP ..." runs those steps alone (give it its own LOG_DIR: each call empties its LOG_DIR first).
 # Every step's output is in LOG_DIR/STEP.log, the list of steps in LOG_DIR/summary.txt, and, where $OUT
-# is set, all of it in $OUT/gpu_check.tgz after each step.
+# is set, all of it in $OUT/LOG_DIR's name.tgz after each step.
 set -u
 PY=${PYTHON:-python3}
 LOG=${1:-runs/gpu_check}
@@ -24,7 +24,7 @@ START=$(date +%s)
 rm -rf "$LOG" && mkdir -p "$LOG"
 export PYTHONUNBUFFERED=1 PY CONFIG LAUNCH TOKENS
 
-save() { if [ -n "${OUT:-}" ]; then tar czf "$OUT/gpu_check.tgz" -C "$(dirname "$LOG")" "$(basename "$LOG")"; fi; }
+save() { if [ -n "${OUT:-}" ]; then tar czf "$OUT/$(basename "$LOG").tgz" -C "$(dirname "$LOG")" "$(basename "$LOG")"; fi; }
 
 wanted() { [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $1 "* ]]; }
 
@@ -59,28 +59,32 @@ step machine 60 bash -c "nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total
 # 6. this machine's CPU as one more of the CPU kinds the recipe must hold on (docs/speed.md), first, while
 # nothing else runs on it: `make train`'s CPU recipe on 2 cores (taskset), the GPU hidden, timed alone
 # with auto, fp32 and AVX2-only kernels at seed 0 (at the end of the script fp32 and auto again, the other
-# way round, so auto's choice is seen both first and second). Then seeds 1-4 and 42 of each kind side by
-# side, one run per pair of cores (8 at a time on 16), for their accuracy only: accuracy is deterministic for a seed and a kernel
-# set, and those runs' seconds are not the recipe's. RECIPE_FLAGS="--num_train_epochs 3" (say) tries a
-# variant of the recipe in all of them: its flags come last and win.
+# way round, so auto's choice is seen both first and second). KINDS="auto avx512bf16 no avx2" adds
+# AVX512-BF16 without AMX (bf16 kernels held below AMX). Then seeds 1-4 and 42 of each kind side by side,
+# one run per pair of cores (8 at a time on 16), for their accuracy only: accuracy is deterministic for a
+# seed and a kernel set, and those runs' seconds are not the recipe's. RECIPE_FLAGS="--num_train_epochs 4"
+# (say) tries a variant of the recipe in all of them: its flags come last and win.
 cpu_recipe() {  # KIND [SEED [CORES [TAG]]]
   local kind=$1 mp=$1 limit=()
   [ "$kind" = avx2 ] && mp=auto limit=(ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2)
+  # AVX512-BF16 without AMX (an AMD EPYC's kind) on an AMX Xeon: oneDNN's bf16 kernels stop at AVX512_CORE_BF16
+  [ "$kind" = avx512bf16 ] && mp=auto limit=(ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16)
   # one thread per process, as on a 2-core machine: accelerate would size them by all the host's cores
   env "${limit[@]}" CUDA_VISIBLE_DEVICES= taskset -c "${3:-0,1}" $PY -m accelerate.commands.launch \
     --config_file accelerate_configs/cpu_2proc.yaml --num_cpu_threads_per_process 1 train/mnist.py \
-    --dataset fashion_mnist --model convnet_mlp --num_train_epochs 4 --mixed_precision "$mp" \
+    --dataset fashion_mnist --model convnet_mlp --mixed_precision "$mp" \
     --config train/configs/fashion_mnist.yaml --seed "${2:-0}" --output_dir "runs/gpu_host_cpu/$kind-${2:-0}${4:-}" \
     --overwrite_output_dir ${RECIPE_FLAGS:-}
 }
 cpu_seeds() {
   local lanes=$(($(nproc) / 2)) lane jobs=() seed kind pids=()
   ((lanes > 0)) || lanes=1
-  for seed in ${SEEDS:-1 2 3 4 42}; do for kind in auto no avx2; do jobs+=("$kind $seed"); done; done
+  for seed in ${SEEDS:-1 2 3 4 42}; do for kind in ${KINDS:-auto no avx2}; do jobs+=("$kind $seed"); done; done
   for ((lane = 0; lane < lanes; lane++)); do
     (for ((i = lane; i < ${#jobs[@]}; i += lanes)); do
       set -- ${jobs[i]}
       cpu_recipe "$1" "$2" "$((2 * lane)),$((2 * lane + 1))" >"runs/gpu_host_cpu/$1-$2.log" 2>&1
+      echo "$1 seed $2: $(grep -h "^final " "runs/gpu_host_cpu/$1-$2.log" | cut -c1-60)"  # kept if the step times out
     done) &
     pids+=($!)
   done
@@ -104,13 +108,32 @@ PY
 }
 export -f cpu_recipe cpu_seeds
 # fresh results when seed 0 runs again; ONLY="cpu_seeds" alone adds to the seed-0 runs already there
-for name in cpu_auto cpu_no cpu_avx2; do
+for name in cpu_auto cpu_no cpu_avx2 cpu_avx512bf16; do
   wanted $name && rm -rf runs/gpu_host_cpu && break
 done
 mkdir -p runs/gpu_host_cpu
 step cpu_flags 30 bash -c "lscpu | grep -E 'Model name|^CPU\(s\)|Thread\(s\) per core|L3'
   grep -o -w -E 'avx512f|avx512_bf16|amx_bf16' /proc/cpuinfo | sort | uniq -c"
-for kind in auto no avx2; do
+# which kernels oneDNN runs a bf16 convolution and linear layer with, under each kind's limits
+cpu_isa() {
+  local kind
+  for kind in auto avx512bf16 avx2; do
+    echo "== $kind"
+    case $kind in
+      avx512bf16) export ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 ;;
+      avx2) export ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 ;;
+    esac
+    ONEDNN_VERBOSE=1 CUDA_VISIBLE_DEVICES= $PY -c "import torch
+m = torch.nn.Sequential(torch.nn.Conv2d(1, 16, 5, padding=2), torch.nn.Flatten(), torch.nn.Linear(16 * 28 * 28, 10))
+with torch.autocast('cpu', dtype=torch.bfloat16):
+    m(torch.randn(64, 1, 28, 28)).sum().backward()" | grep ',exec,' |
+      sed -E 's/.*,exec,([^,]*),([^,]*),([^,]*),([^,]*).*/\1 \2 \3 \4/' | sort | uniq -c
+    unset ONEDNN_MAX_CPU_ISA ATEN_CPU_CAPABILITY
+  done
+}
+export -f cpu_isa
+step cpu_isa 60 cpu_isa
+for kind in ${KINDS:-auto no avx2}; do
   step "cpu_$kind" 120 cpu_recipe $kind
 done
 step cpu_seeds 300 cpu_seeds
@@ -126,7 +149,7 @@ step check_config 60 bash -c "for c in 1gpu 4gpu 8gpu fsdp2_4gpu 2node_8gpu 2nod
   $PY -m train.check_config accelerate_configs/\$c.yaml --machine_rank 0; echo \"exit \$?\"; done"
 
 # 2. the recipe on one GPU, auto (bf16) and fp32, then compiled into CUDA graphs, launch to exit; the
-# step's floor beside it
+# step's floor beside it. 4 epochs, as docs/gpu.md's figures (make train's recipe has 3 since)
 for mp in auto no; do
   step "mnist_$mp" 150 $LAUNCH train/mnist.py --dataset fashion_mnist --model convnet_mlp --num_train_epochs 4 \
     --mixed_precision $mp --config train/configs/fashion_mnist.yaml --with_tracking --output_dir "runs/gpu_mnist_$mp" \
@@ -198,8 +221,8 @@ step cpu_no_2 120 cpu_recipe no 0 0,1 -again
 step cpu_auto_2 120 cpu_recipe auto 0 0,1 -again
 
 # what the reply shows: the figures, then the end of anything that failed
-for name in mnist_auto mnist_no mnist_compiled images_convnet images_resnet50 cpu_auto cpu_no cpu_avx2 cpu_no_2 \
-  cpu_auto_2; do  # this call's runs only
+for name in mnist_auto mnist_no mnist_compiled images_convnet images_resnet50 cpu_auto cpu_no cpu_avx2 \
+  cpu_avx512bf16 cpu_no_2 cpu_auto_2; do  # this call's runs only
   case $name in
     cpu_no_2 | cpu_auto_2) f=runs/gpu_host_cpu/${name:4:-2}-0-again ;;
     cpu_*) f=runs/gpu_host_cpu/${name#cpu_}-0 ;;
