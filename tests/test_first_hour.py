@@ -42,6 +42,15 @@ def test_native_bf16_detection(flags, capability, isa, native):
     assert cpu_has_native_bf16(flags, capability, isa)[0] is native
 
 
+def test_native_bf16_reason_names_amx_held_back_by_onednn():
+    # an AMX CPU with oneDNN held to AVX512-BF16 (how an AMX Xeon stands in for an AVX512-BF16 EPYC)
+    flags = ["avx2", "avx512f", "avx512_bf16", "amx_bf16"]
+    assert cpu_has_native_bf16(flags, "AVX512", "AVX512_CORE_BF16") == \
+        (True, "avx512_bf16, AVX512, ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16")
+    assert cpu_has_native_bf16(flags, "AVX512", "") == (True, "amx_bf16, AVX512")
+    assert cpu_has_native_bf16(flags, "AVX512", "AVX512_CORE_AMX") == (True, "amx_bf16, AVX512")
+
+
 def test_auto_picks_fp32_on_an_avx2_cpu_and_bf16_asked_there_warns(tmp_path, capsys, monkeypatch):
     # in this process: the choice reads ONEDNN_MAX_CPU_ISA when the run starts (ATEN_CPU_CAPABILITY acts
     # at torch's import: its reading is test_native_bf16_detection's AVX2 case)

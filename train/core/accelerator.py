@@ -75,6 +75,8 @@ def cpu_has_native_bf16(cpu_flags=None, capability=None, onednn_isa=None):
     if not capability.startswith("AVX512") or (onednn_isa and "BF16" not in onednn_isa and "AMX" not in onednn_isa):
         return False, f"{native[0]} present but kernels limited to {capability}" + (
             f", ONEDNN_MAX_CPU_ISA={onednn_isa}" if onednn_isa else "")
+    if onednn_isa and "AMX" not in onednn_isa and "avx512_bf16" in native:  # AMX present, held back
+        return True, f"avx512_bf16, {capability}, ONEDNN_MAX_CPU_ISA={onednn_isa}"
     return True, f"{native[0]}, {capability}"
 
 
