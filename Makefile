@@ -39,7 +39,7 @@ setup:
 
 # accelerate's own answer to a missing config file is a traceback: one line instead, before setup
 config-file:
-	@test -f "$(CONFIG)" || { echo "error: CONFIG=$(CONFIG) does not exist; pass one of accelerate_configs/*.yaml or \
+	@test -f "$(CONFIG)" || { echo "error: CONFIG=$(CONFIG) is not a file; pass one of accelerate_configs/*.yaml or \
 	your own (accelerate config --config_file my.yaml)" >&2; exit 1; }
 
 train: config-file setup train-only

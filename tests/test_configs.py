@@ -70,6 +70,6 @@ def test_make_with_a_config_that_does_not_exist_is_one_line_before_anything_runs
     proc = subprocess.run(["make", "--no-print-directory", target, "CONFIG=accelerate_configs/cpu_2procs.yaml"],
                           cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode != 0 and proc.stdout == "", proc.stdout[-2000:]  # no setup, no launch
-    assert proc.stderr.splitlines()[0] == ("error: CONFIG=accelerate_configs/cpu_2procs.yaml does not exist; pass one "
+    assert proc.stderr.splitlines()[0] == ("error: CONFIG=accelerate_configs/cpu_2procs.yaml is not a file; pass one "
                                            "of accelerate_configs/*.yaml or your own (accelerate config --config_file "
                                            "my.yaml)"), proc.stderr
