@@ -14,7 +14,7 @@ Layout (arrows point down; tests/test_imports.py keeps them so):
 """
 from data.errors import DataError, PlanError, UserError
 from data.mnist import (DATASETS, ImageClassificationTensors, augment_images, check_data_dir, identity_collate,
-                        load_mnist, normalize_images)
+                        load_mnist, mnist_on_disk, normalize_images)
 from data.shards import read_manifest, shards_in
 from data.sharding import BatchPlan, ShardedIterableDataset, check_same_plan
 from data.sources import DatasetsSource, ParquetSource, TensorSource, as_source
@@ -22,7 +22,7 @@ from data.sources import DatasetsSource, ParquetSource, TensorSource, as_source
 __all__ = ["BatchPlan", "DATASETS", "DataError", "DatasetsSource", "ImageClassificationTensors", "ParquetSource",
            "PlanError", "ShardedIterableDataset", "ShardedLoader", "TensorSource", "UserError", "as_source",
            "augment_images", "check_data_dir", "check_loader", "check_same_plan", "identity_collate", "load_mnist",
-           "normalize_images", "read_manifest", "shards_in", "sharded_loader"]
+           "mnist_on_disk", "normalize_images", "read_manifest", "shards_in", "sharded_loader"]
 
 
 def __getattr__(name):

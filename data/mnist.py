@@ -204,6 +204,18 @@ def check_data_dir(name, data_dir):
     return folder
 
 
+def mnist_on_disk(name, data_dir=None, download_root=DEFAULT_DOWNLOAD_ROOT):
+    """True when load_mnist(name, data_dir, download_root) would read files already there and download
+    nothing: then every process can read its own copy at once instead of waiting for the first."""
+    if name not in DATASETS:
+        return False
+    spec = DATASETS[name]
+    if data_dir is not None:
+        return _find_idx_folder(data_dir, spec) is not None
+    return any(root is not None and _find_idx_folder(root, spec) is not None
+               for root in (spec.system_dir, download_root))
+
+
 def load_mnist(name, data_dir=None, download_root=DEFAULT_DOWNLOAD_ROOT):
     """Return (train, test, source): two ImageClassificationTensors and a line saying where they came from.
 

@@ -82,6 +82,24 @@ def test_in_process_smoke_from_data_dir(tmp_path, fashion_dir, layout):
     assert (tmp_path / "out" / "model.safetensors").exists()
 
 
+def test_on_disk_only_when_nothing_is_left_to_download(tmp_path, fashion_dir):
+    """mnist_on_disk decides whether every process reads the idx files at once: only when all four are
+    there already (a --data_dir in either layout, the system copy, the download cache)."""
+    from data import mnist_on_disk
+
+    assert mnist_on_disk("fashion_mnist", fashion_dir)
+    assert mnist_on_disk("fashion_mnist", None, download_root=str(tmp_path))  # the system copy
+    assert not mnist_on_disk("mnist", None, download_root=str(tmp_path))  # no system copy: one process downloads
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    names = sorted(os.listdir(fashion_dir))
+    for name in names[:3]:
+        os.symlink(os.path.join(fashion_dir, name), partial / name)
+    assert not mnist_on_disk("fashion_mnist", str(partial))  # a file missing: one process reports it
+    os.symlink(os.path.join(fashion_dir, names[3]), partial / names[3])
+    assert mnist_on_disk("fashion_mnist", str(partial))
+
+
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_gradient_accumulation_is_one_step_per_n_batches(tmp_path, fashion_dir):
     args = mnist.parse_args(["--max_train_samples", "640", "--max_eval_samples", "10", "--num_train_epochs", "1",

@@ -19,7 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from data import DATASETS, augment_images, check_data_dir, identity_collate, load_mnist, normalize_images
+from data import (DATASETS, augment_images, check_data_dir, identity_collate, load_mnist, mnist_on_disk,
+                  normalize_images)
 from data.loader import pinned, sharded_loader
 from data.workers import loader_workers
 from data.mnist import prepare_mnist_shards
@@ -119,7 +120,10 @@ def main(args):
         if not shards_in(parquet_dir, "train") and accelerator.is_main_process:
             prepare_mnist_shards(args.dataset, parquet_dir, data_dir=args.data_dir)
 
-    loaded = main_process_first(accelerator, load)
+    # idx files already on disk: every process reads its own copy at once (in turn, the last one
+    # started training half a second late on 2 cores, and the first waited for it)
+    on_disk = not args.streaming and mnist_on_disk(args.dataset, args.data_dir)
+    loaded = load() if on_disk else main_process_first(accelerator, load)
     if args.streaming:
         source = f"{parquet_dir} (parquet shards, sharded iterable)"
         train_loader = sharded_loader(ParquetSource(shards_in(parquet_dir, "train"), max_rows=args.max_train_samples),
