@@ -1,7 +1,9 @@
 """What users see while training: header, metrics.jsonl, tensorboard events, curves.png, summary line;
 after a resume, one history in both logs."""
 import json
+import math
 import os
+import random
 import shutil
 
 import pytest
@@ -141,3 +143,40 @@ def test_resume_rewrites_the_log_without_repeating_or_losing_steps(fashion_dir, 
     for tag in ("train_loss", "eval_accuracy"):  # and TensorBoard shows one history, not the steps after 60 twice
         shown = tensorboard_history(crashed / "tensorboard", tag)
         assert shown == tensorboard_history(full / "tensorboard", tag) and len({s for s, _ in shown}) == len(shown)
+
+
+def test_curves_any_data_gives_a_png_of_the_asked_size(tmp_path):
+    """curves.png is drawn whatever the log holds: nothing, one point, a constant, a loss gone to nan or
+    inf (those points are left out), huge and tiny values, more lines than colours."""
+    from train.core.curves import draw_chart
+
+    nan, inf = float("nan"), float("inf")
+    cases = {"empty": [], "one": [(5, 0.25)], "constant": [(1, 3.0), (2, 3.0)],
+             "not_finite": [(1, 2.0), (2, nan), (3, inf), (4, 1.5)], "huge": [(0, 1e7), (10, 3e7)],
+             "tiny": [(0, 1e-7), (10, 3e-7)]}
+    for name, points in cases.items():
+        lines = [(f"line {i}", points, i % 2 == 1) for i in range(5)]
+        path = draw_chart(tmp_path / f"{name}.png", [{"title": name, "ylabel": "y", "lines": lines},
+                                                     {"title": "other", "ylabel": "z", "lines": lines[:1]}],
+                          xlabel="step", size=(700, 300))
+        with Image.open(path) as image:
+            image.verify()
+        with Image.open(path) as image:
+            assert image.format == "PNG" and image.size == (700, 300), name
+
+
+def test_curves_ticks_are_round_evenly_spaced_and_inside_the_axis():
+    from train.core.curves import axis_range, nice_ticks, tick_labels
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        values = [rng.uniform(-1, 1) * 10 ** rng.randint(-6, 7) for _ in range(rng.randint(1, 4))]
+        low, high = axis_range(values)
+        assert low < min(values) and max(values) < high
+        ticks, step = nice_ticks(low, high)
+        assert 3 <= len(ticks) <= 8 and all(low - 1e-9 * step <= t <= high + 1e-9 * step for t in ticks), values
+        mantissa = step / 10 ** math.floor(math.log10(step))
+        assert min(abs(mantissa - m) for m in (1, 2, 5)) < 1e-9, step
+        assert all(abs(b - a - step) < 1e-6 * step for a, b in zip(ticks, ticks[1:]))
+        labels = tick_labels(ticks, step)
+        assert len(set(labels)) == len(labels), labels  # enough decimals to tell every tick apart
