@@ -120,8 +120,12 @@ class Teardown:  # a module global's finalizer: runs only in the interpreter's o
         self.open(self.path, "w").close()
 
 keep = Teardown()
+early = open(os.path.join({out!r}, "early"), "w")  # opened before run(), which freezes what exists then
 
 def main(args):
+    import gc
+    open(os.path.join({out!r}, "frozen"), "w").write(str(gc.get_freeze_count()))
+    early.write("y" * 1000)
     atexit.register(lambda: open(os.path.join({out!r}, "atexit"), "w").close())
     unclosed = open(os.path.join({out!r}, "unclosed"), "w")  # never closed: its buffer is written at exit
     unclosed.write("x" * 1000)
@@ -155,7 +159,10 @@ def test_a_finished_run_skips_only_the_interpreters_teardown(tmp_path, how):
     assert proc.returncode == 0, output_of(proc)
     assert (out / "atexit").exists() and (out / "thread").exists() == (how == "thread left"), output_of(proc)
     assert (out / "unclosed").read_text() == "x" * 1000 and proc.stdout.endswith("the last line")
+    assert (out / "early").read_text() == "y" * 1000
     assert (out / "teardown").exists() == (how != "program")
+    # the objects loaded before main() are out of the collector's sight only where the process ends with the run
+    assert (int((out / "frozen").read_text()) > 0) == (how != "wrapped")
 
 
 @pytest.mark.parametrize("options, started", [

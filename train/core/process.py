@@ -209,8 +209,9 @@ def leave_finished():
     or stderr cannot be written (a full disk under `> file`), which the interpreter reports with
     exit 120. Otherwise what the teardown would save is saved first: the atexit handlers run
     (DataLoader workers, logging, trackers, TemporaryDirectory), the buffers of open files and of
-    C's stdio are written. Not saved: what only a finalizer writes (an unclosed GzipFile's trailer,
-    a file object kept out of gc by gc.freeze) or deletes (a NamedTemporaryFile)."""
+    C's stdio are written. Not saved: what only a finalizer writes (an unclosed GzipFile's trailer)
+    or deletes (a NamedTemporaryFile)."""
+    gc.unfreeze()  # gc.get_objects() skips frozen objects: run() froze what was loaded before main()
     if any(t is not threading.main_thread() and not t.daemon and t.is_alive() for t in threading.enumerate()):
         return
     atexit._run_exitfuncs()
