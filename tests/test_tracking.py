@@ -153,7 +153,9 @@ def test_curves_any_data_gives_a_png_of_the_asked_size(tmp_path):
     nan, inf = float("nan"), float("inf")
     cases = {"empty": [], "one": [(5, 0.25)], "constant": [(1, 3.0), (2, 3.0)],
              "not_finite": [(1, 2.0), (2, nan), (3, inf), (4, 1.5)], "huge": [(0, 1e7), (10, 3e7)],
-             "tiny": [(0, 1e-7), (10, 3e-7)]}
+             "tiny": [(0, 1e-7), (10, 3e-7)], "overflowing": [(0, -1e308), (1, 1e308), (2, 1.75e308)],
+             "denormal": [(0, 5e-324)], "not_numbers": [(0, None), (1, "x"), (2, 10 ** 400), (3, 1.0)],
+             "near_a_large_value": [(0, 1e6), (1, 1e6 + 1e-9)]}
     for name, points in cases.items():
         lines = [(f"line {i}", points, i % 2 == 1) for i in range(5)]
         path = draw_chart(tmp_path / f"{name}.png", [{"title": name, "ylabel": "y", "lines": lines},
@@ -180,3 +182,28 @@ def test_curves_ticks_are_round_evenly_spaced_and_inside_the_axis():
         assert all(abs(b - a - step) < 1e-6 * step for a, b in zip(ticks, ticks[1:]))
         labels = tick_labels(ticks, step)
         assert len(set(labels)) == len(labels), labels  # enough decimals to tell every tick apart
+
+
+def test_curves_from_a_log_with_null_losses(tmp_path):
+    """metrics.jsonl writes a nan or inf value as null (a window of skipped steps, a diverged
+    evaluation): the chart leaves those points out."""
+    from train.core.tracking import plot_metrics
+
+    records = [{"step": 10, "train_loss": None}, {"step": 20, "train_loss": 0.5},
+               {"step": 20, "eval_loss": None, "eval_accuracy": 0.5}, {"step": 30, "train_loss": 0.4},
+               {"step": 40, "eval_loss": 0.3, "eval_accuracy": None}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    with Image.open(plot_metrics(str(tmp_path))) as image:
+        assert image.format == "PNG" and image.size == (1000, 400)
+
+
+def test_a_chart_that_fails_is_a_warning_not_a_failed_run(fashion_dir, tmp_path, monkeypatch, capsys):
+    from train.core import loop
+
+    def broken(*args):
+        raise ValueError("no font")
+
+    monkeypatch.setattr(loop, "plot_metrics", broken)
+    results = mnist.main(mnist.parse_args([str(a) for a in RUN] + ["--output_dir", str(tmp_path)]))
+    assert results["step"] == 80 and (tmp_path / "model.safetensors").exists()
+    assert "warning: curves.png was not drawn (ValueError: no font)" in capsys.readouterr().out

@@ -12,10 +12,30 @@ COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"]  # matplotlib's first four
 SCALE = 2  # drawn at twice the size, then scaled down with a smoothing filter: lines without jagged edges
 
 
+LARGEST = 1e300  # beyond this a value is left out like a nan: the axis arithmetic would overflow
+
+
+def plottable(points):
+    """The (x, y) points that are finite numbers within +-LARGEST, as floats: metrics.jsonl writes a
+    nan or inf loss as null, and a chart must not fail a finished run."""
+    kept = []
+    for x, y in points:
+        try:
+            x, y = float(x), float(y)
+        except (TypeError, ValueError, OverflowError):
+            continue
+        if abs(x) <= LARGEST and abs(y) <= LARGEST:  # False for nan too
+            kept.append((x, y))
+    return kept
+
+
 def axis_range(values, margin=0.05):
-    """[low, high] around the values with a margin on each side (a constant gets a width of its own)."""
+    """[low, high] around the values with a margin on each side (a constant, or values too near zero
+    for the margin to show, get a width of their own)."""
     low, high = min(values, default=0.0), max(values, default=1.0)
-    pad = (high - low) * margin or (abs(low) or 1.0) * margin
+    pad = (high - low) * margin
+    if not (low - pad < low and high < high + pad):
+        pad = max(abs(low), abs(high), 1.0) * margin
     return low - pad, high + pad
 
 
@@ -43,8 +63,7 @@ def _panel(image, box, panel, xlabel, fonts):
     draw = ImageDraw.Draw(image)
     s = SCALE
     left, top, right, bottom = box[0] + 62 * s, box[1] + 28 * s, box[2] - 12 * s, box[3] - 44 * s
-    lines = [(label, [(x, y) for x, y in points if math.isfinite(x) and math.isfinite(y)], markers)
-             for label, points, markers in panel["lines"]]
+    lines = [(label, plottable(points), markers) for label, points, markers in panel["lines"]]
     xs = [x for _, points, _ in lines for x, _ in points]
     ys = [y for _, points, _ in lines for _, y in points]
     (x0, x1), (y0, y1) = axis_range(xs), axis_range(ys)

@@ -161,7 +161,8 @@ def plot_metrics(output_dir, metric="eval_accuracy"):
     if evals and "eval_loss" in evals[0]:
         loss.append(("eval", [(r["step"], r["eval_loss"]) for r in evals], True))
     percent = metric.endswith("accuracy")
-    headline = [(metric, [(r["step"], (100 if percent else 1) * r[metric]) for r in evals], True)]
+    scale = 100 if percent else 1  # a null (a nan written to the log) stays one, left out of the chart
+    headline = [(metric, [(r["step"], r[metric] and r[metric] * scale) for r in evals], True)]
     return draw_chart(os.path.join(output_dir, "curves.png"),
                       [{"title": "loss", "ylabel": "loss", "lines": loss},
                        {"title": metric.replace("_", " "), "ylabel": metric + (" (%)" if percent else ""),
