@@ -17,6 +17,7 @@ if __package__ in (None, ""):  # run as a file: Python put train/ on sys.path, n
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
 
 from data import (DATASETS, augment_images, check_data_dir, identity_collate, load_mnist, mnist_on_disk,
@@ -120,9 +121,10 @@ def main(args):
         if not shards_in(parquet_dir, "train") and accelerator.is_main_process:
             prepare_mnist_shards(args.dataset, parquet_dir, data_dir=args.data_dir)
 
-    # idx files already on disk: every process reads its own copy at once (in turn, the last one
-    # started training half a second late on 2 cores, and the first waited for it)
-    on_disk = not args.streaming and mnist_on_disk(args.dataset, args.data_dir)
+    # idx files already on disk for every process: each reads its own copy at once (in turn, the last
+    # one started training half a second late on 2 cores, and the first waited for it). Decided
+    # together: a process that took the other path would wait in a different collective.
+    on_disk = not args.streaming and all(gather_object([mnist_on_disk(args.dataset, args.data_dir)]))
     loaded = load() if on_disk else main_process_first(accelerator, load)
     if args.streaming:
         source = f"{parquet_dir} (parquet shards, sharded iterable)"
