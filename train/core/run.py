@@ -129,5 +129,7 @@ def run(main, args):
         if started_for(main):  # the process ends with the run: skip the interpreter's teardown
             leave_finished()
         return result
+    finally:  # where the interpreter's own exit follows, it finalizes what was frozen, as before
+        gc.unfreeze()
     run_failure_hooks()  # e.g. an output folder this run created and never wrote a result into
     exit_once(message, code, quiet_others)
