@@ -49,12 +49,13 @@ def nice_ticks(low, high, most=8):
 
 
 def tick_labels(ticks, step):
-    """The ticks as text, all with as many decimals as the step needs (scientific for tiny or huge)."""
+    """The ticks as text, all with as many decimals as the step needs; scientific where that would
+    take more than 6 decimals or the values reach a million."""
     largest = max(map(abs, ticks), default=0)
-    if step < 1e-4 or largest >= 1e6:
+    decimals = max(0, -math.floor(math.log10(step) + 1e-9))
+    if decimals > 6 or largest >= 1e6:
         digits = max(1, math.floor(math.log10(largest or step)) - math.floor(math.log10(step) + 1e-9))
         return [f"{value:.{digits}e}" for value in ticks]
-    decimals = max(0, -math.floor(math.log10(step) + 1e-9))
     return [f"{value:.{decimals}f}" for value in ticks]
 
 
@@ -62,21 +63,23 @@ def _panel(image, box, panel, xlabel, fonts):
     """One set of axes inside box = (left, top, right, bottom), in drawing pixels."""
     draw = ImageDraw.Draw(image)
     s = SCALE
-    left, top, right, bottom = box[0] + 62 * s, box[1] + 28 * s, box[2] - 12 * s, box[3] - 44 * s
     lines = [(label, plottable(points), markers) for label, points, markers in panel["lines"]]
     xs = [x for _, points, _ in lines for x, _ in points]
     ys = [y for _, points, _ in lines for _, y in points]
     (x0, x1), (y0, y1) = axis_range(xs), axis_range(ys)
     (xticks, xstep), (yticks, ystep) = nice_ticks(x0, x1), nice_ticks(y0, y1)
+    xtexts, ytexts = tick_labels(xticks, xstep), tick_labels(yticks, ystep)
+    widest = max(draw.textlength(text, font=fonts["tick"]) for text in ytexts)  # the y label goes left of it
+    left, top, right, bottom = box[0] + 34 * s + widest, box[1] + 28 * s, box[2] - 12 * s, box[3] - 44 * s
 
     def at(x, y):
         return (left + (x - x0) / (x1 - x0) * (right - left), bottom - (y - y0) / (y1 - y0) * (bottom - top))
 
-    for x, text in zip(xticks, tick_labels(xticks, xstep)):  # grid and tick labels
+    for x, text in zip(xticks, xtexts):  # grid and tick labels
         px = at(x, y0)[0]
         draw.line([(px, top), (px, bottom)], fill="#e6e6e6", width=s)
         draw.text((px, bottom + 5 * s), text, font=fonts["tick"], anchor="ma", fill="black")
-    for y, text in zip(yticks, tick_labels(yticks, ystep)):
+    for y, text in zip(yticks, ytexts):
         py = at(x0, y)[1]
         draw.line([(left, py), (right, py)], fill="#e6e6e6", width=s)
         draw.text((left - 5 * s, py), text, font=fonts["tick"], anchor="rm", fill="black")
