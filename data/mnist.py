@@ -204,16 +204,24 @@ def check_data_dir(name, data_dir):
     return folder
 
 
+def _on_disk(spec, download_root):
+    """(folder, where it is) of idx files already on disk, in load_mnist's order, or (None, None)."""
+    for root, where in ((spec.system_dir, "Debian package dataset-fashion-mnist"),
+                        (download_root, "torchvision download cache")):
+        folder = _find_idx_folder(root, spec) if root is not None else None
+        if folder is not None:
+            return folder, where
+    return None, None
+
+
 def mnist_on_disk(name, data_dir=None, download_root=DEFAULT_DOWNLOAD_ROOT):
     """True when load_mnist(name, data_dir, download_root) would read files already there and download
     nothing: then every process can read its own copy at once instead of waiting for the first."""
     if name not in DATASETS:
         return False
-    spec = DATASETS[name]
     if data_dir is not None:
-        return _find_idx_folder(data_dir, spec) is not None
-    return any(root is not None and _find_idx_folder(root, spec) is not None
-               for root in (spec.system_dir, download_root))
+        return _find_idx_folder(data_dir, DATASETS[name]) is not None
+    return _on_disk(DATASETS[name], download_root)[0] is not None
 
 
 def load_mnist(name, data_dir=None, download_root=DEFAULT_DOWNLOAD_ROOT):
@@ -229,25 +237,17 @@ def load_mnist(name, data_dir=None, download_root=DEFAULT_DOWNLOAD_ROOT):
         train, test = _load_folder(folder, spec)
         return train, test, f"{folder} (--data_dir)"
 
-    looked = []
-    if spec.system_dir is not None:
-        folder = _find_idx_folder(spec.system_dir, spec)
-        if folder is not None:
-            train, test = _load_folder(folder, spec)
-            return train, test, f"{folder} (Debian package dataset-fashion-mnist)"
-        looked.append(spec.system_dir)
-
-    folder = _find_idx_folder(download_root, spec)
+    folder, where = _on_disk(spec, download_root)
     why = None
     if folder is None:
         why = _download(spec, download_root)
-        folder = _find_idx_folder(download_root, spec)
+        folder, where = _find_idx_folder(download_root, spec), "torchvision download cache"
     if folder is None:
-        looked.append(download_root)
-        raise DataError(f"{name} not found (looked in {', '.join(looked)}; {why or 'download gave no files'}); "
+        looked = ", ".join(root for root in (spec.system_dir, download_root) if root is not None)
+        raise DataError(f"{name} not found (looked in {looked}; {why or 'download gave no files'}); "
                         f"{spec.how_to_get}")
     train, test = _load_folder(folder, spec)
-    return train, test, f"{folder} (torchvision download cache)"
+    return train, test, f"{folder} ({where})"
 
 
 # ---------------------------------------------------------------------------------------- written out
