@@ -198,12 +198,12 @@ def test_curves_from_a_log_with_null_losses(tmp_path):
 
 
 def test_a_chart_that_fails_is_a_warning_not_a_failed_run(fashion_dir, tmp_path, monkeypatch, capsys):
-    from train.core import loop
+    from train.core import tracking
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise ValueError("no font")
 
-    monkeypatch.setattr(loop, "plot_metrics", broken)
+    monkeypatch.setattr(tracking, "draw_chart", broken)
     results = mnist.main(mnist.parse_args([str(a) for a in RUN] + ["--output_dir", str(tmp_path)]))
     assert results["step"] == 80 and (tmp_path / "model.safetensors").exists()
     assert "warning: curves.png was not drawn (ValueError: no font)" in capsys.readouterr().out

@@ -263,12 +263,7 @@ class TrainingLoop:
         save_final(self.accelerator, weights, self.output_dir, results, vars(self.args))
         if self.accelerator.is_main_process:
             drop_replaced_run(self.output_dir)
-            try:
-                plot_metrics(self.output_dir, self.headline)
-            except OSError:  # a full or read-only disk: run()'s one line, as for any other file
-                raise
-            except Exception as e:  # a chart is a convenience: a fault in it costs a warning, not the run
-                self.accelerator.print(f"warning: curves.png was not drawn ({type(e).__name__}: {e})")
+            plot_metrics(self.output_dir, self.headline)  # on the main process only: a warning prints once
         headline = {k: results[k] for k in (self.headline, "eval_samples") if k in results}
         best = results.get("best_model", {"step": self.step})
         model = "" if best["step"] == self.step else f" model=step {best['step']}'s ({best['metric']}={best['value']:.4f})"

@@ -10,6 +10,8 @@ import time
 
 import torch
 
+from train.core.curves import draw_chart
+
 
 def fsync_path(path):
     fd = os.open(path, os.O_RDONLY)
@@ -152,9 +154,9 @@ def _read_jsonl(path):
 
 
 def plot_metrics(output_dir, metric="eval_accuracy"):
-    """OUTPUT_DIR/curves.png: training (and eval) loss and `metric` against optimizer steps, from metrics.jsonl."""
-    from train.core.curves import draw_chart
-
+    """OUTPUT_DIR/curves.png: training (and eval) loss and `metric` against optimizer steps, from
+    metrics.jsonl; its path, or None with a warning line when the chart failed: it is a convenience,
+    not worth a finished run. A full or read-only disk is raised, as for any other file."""
     records = _read_jsonl(os.path.join(output_dir, "metrics.jsonl"))
     evals = [r for r in records if metric in r]
     loss = [("train", [(r["step"], r["train_loss"]) for r in records if "train_loss" in r], False)]
@@ -163,10 +165,16 @@ def plot_metrics(output_dir, metric="eval_accuracy"):
     percent = metric.endswith("accuracy")
     scale = 100 if percent else 1  # a null (a nan written to the log) stays one, left out of the chart
     headline = [(metric, [(r["step"], r[metric] and r[metric] * scale) for r in evals], True)]
-    return draw_chart(os.path.join(output_dir, "curves.png"),
-                      [{"title": "loss", "ylabel": "loss", "lines": loss},
-                       {"title": metric.replace("_", " "), "ylabel": metric + (" (%)" if percent else ""),
-                        "lines": headline}], xlabel="optimizer step")
+    try:
+        return draw_chart(os.path.join(output_dir, "curves.png"),
+                          [{"title": "loss", "ylabel": "loss", "lines": loss},
+                           {"title": metric.replace("_", " "), "ylabel": metric + (" (%)" if percent else ""),
+                            "lines": headline}], xlabel="optimizer step")
+    except OSError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        print(f"warning: curves.png was not drawn ({type(e).__name__}: {e})", flush=True)
+        return None
 
 
 def matmul_peak(accelerator, size=1024, seconds=1.0):
