@@ -32,13 +32,14 @@ def pinned(device):
 
 
 def sharded_loader(source, per_device_batch_size, *, rank, world_size, device, seed, train, num_workers=0,
-                   gather=gather_object):
+                   lengths=None, gather=gather_object):
     """This rank's batches of `source` (see data/sources.py): shuffled and `drop` for training, in
-    order and `pad` (masked by `valid`) for evaluation. `gather` is the one collective that checks
+    order and `pad` (masked by `valid`) for evaluation; with `lengths` (one per row), grouped by
+    length (data/sharding.py: group_by_length). `gather` is the one collective that checks
     every rank built the same plan (accelerate's gather_object). Never pass the result to
     accelerator.prepare, which would shard it a second time."""
     dataset = ShardedIterableDataset(source, per_device_batch_size * world_size, rank=rank, world_size=world_size,
-                                     seed=seed, shuffle=train, policy="drop" if train else "pad")
+                                     seed=seed, shuffle=train, policy="drop" if train else "pad", lengths=lengths)
     check_same_plan(dataset.identity(), gather)
     return ShardedLoader(dataset, device, num_workers=num_workers, pin_memory=pinned(device))
 

@@ -12,6 +12,10 @@ Because nothing in the plan depends on W or K:
 - the shuffle changes per epoch and is the same on every rank without communication;
 - a position (epoch, next global batch) resumes exactly, also with a different W.
 
+With `lengths` (one per sample: tokens, say) the epoch's order is grouped by length before it is
+cut into global batches (group_by_length), so a batch padded to its longest row pads little. The
+grouping depends on the same four things plus the lengths, so all of the above still holds.
+
 Shuffling is two-level: whole read units (parquet row groups, or chunks of an in-memory tensor) are
 shuffled, then rows inside each unit. When the unit size divides the per-rank batch, every unit
 belongs to exactly one rank and one worker, so each rank reads only its 1/W of the rows. Units
@@ -62,10 +66,32 @@ def epoch_order(unit_sizes, seed, epoch, shuffle=True):
     return np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
 
 
-class BatchPlan:
-    """Which sample ids rank `rank` of `world_size` gets in each global batch of an epoch."""
+MEGABATCH = 50  # global batches sorted together: HF's LengthGroupedSampler's mega-batch of 50 batches
 
-    def __init__(self, unit_sizes, global_batch_size, world_size=1, rank=0, seed=0, shuffle=True, policy="drop"):
+
+def group_by_length(order, lengths, global_batch_size, num_batches, seed, epoch, shuffle):
+    """`order` regrouped so each global batch holds rows of similar length. Training (shuffle): the rows
+    the epoch uses, taken MEGABATCH global batches at a time in their shuffled order, sorted longest
+    first, cut into global batches, and the batches shuffled (seeded by seed and epoch); the dropped
+    tail stays last. Evaluation: every row sorted longest first, the least padding possible."""
+    lengths = np.asarray(lengths)
+    if not shuffle:
+        return order[np.argsort(-lengths[order], kind="stable")]
+    used, tail = order[:num_batches * global_batch_size], order[num_batches * global_batch_size:]
+    step = MEGABATCH * global_batch_size
+    used = np.concatenate([chunk[np.argsort(-lengths[chunk], kind="stable")]
+                           for chunk in np.split(used, range(step, len(used), step))] or [used])
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, 1])))
+    batches = used.reshape(num_batches, global_batch_size)[rng.permutation(num_batches)]
+    return np.concatenate([batches.reshape(-1), tail])
+
+
+class BatchPlan:
+    """Which sample ids rank `rank` of `world_size` gets in each global batch of an epoch; with
+    `lengths`, batches of similar lengths (group_by_length)."""
+
+    def __init__(self, unit_sizes, global_batch_size, world_size=1, rank=0, seed=0, shuffle=True, policy="drop",
+                 lengths=None):
         if global_batch_size < 1 or global_batch_size % world_size:
             raise PlanError(f"global batch size {global_batch_size} is not divisible by world size {world_size}; "
                             f"use a multiple of {world_size}")
@@ -81,6 +107,9 @@ class BatchPlan:
         self.global_batch_size, self.world_size, self.rank = global_batch_size, world_size, rank
         self.seed, self.shuffle, self.policy = seed, shuffle, policy
         self.per_rank_batch_size = global_batch_size // world_size
+        if lengths is not None and len(lengths) != self.num_samples:
+            raise PlanError(f"{len(lengths)} lengths for {self.num_samples} samples; pass one length per sample")
+        self.lengths = None if lengths is None else np.asarray(lengths)
 
     def num_batches(self):
         """Global batches per epoch, the same on every rank."""
@@ -91,6 +120,9 @@ class BatchPlan:
     def rank_batches(self, epoch, start=0):
         """Yield (global_batch_index, sample_ids, valid) for this rank, from global batch `start` on."""
         order = epoch_order(self.unit_sizes, self.seed, epoch, self.shuffle)
+        if self.lengths is not None:
+            order = group_by_length(order, self.lengths, self.global_batch_size, self.num_batches(), self.seed, epoch,
+                                    self.shuffle)
         n, g, b = self.num_samples, self.global_batch_size, self.per_rank_batch_size
         for batch in range(start, self.num_batches()):
             positions = np.arange(batch * g + self.rank * b, batch * g + (self.rank + 1) * b)
@@ -101,7 +133,8 @@ class BatchPlan:
     def identity(self):
         """What every rank must agree on for the plans to fit together."""
         return {"num_samples": self.num_samples, "global_batch_size": self.global_batch_size, "seed": self.seed,
-                "shuffle": self.shuffle, "policy": self.policy, "world_size": self.world_size}
+                "shuffle": self.shuffle, "policy": self.policy, "world_size": self.world_size,
+                "group_by_length": self.lengths is not None}
 
 
 class ShardedIterableDataset(IterableDataset):
@@ -114,9 +147,10 @@ class ShardedIterableDataset(IterableDataset):
     `ShardedLoader`, which also tracks the position and plugs into accelerate.
     """
 
-    def __init__(self, source, global_batch_size, rank=0, world_size=1, seed=0, shuffle=True, policy="drop"):
+    def __init__(self, source, global_batch_size, rank=0, world_size=1, seed=0, shuffle=True, policy="drop",
+                 lengths=None):
         self.source = source = as_source(source)
-        self.plan = BatchPlan(source.unit_sizes, global_batch_size, world_size, rank, seed, shuffle, policy)
+        self.plan = BatchPlan(source.unit_sizes, global_batch_size, world_size, rank, seed, shuffle, policy, lengths)
         self.epoch, self.start_batch = 0, 0
 
     def set_epoch(self, epoch, start_batch=0):
@@ -153,8 +187,8 @@ class ShardedIterableDataset(IterableDataset):
 
     def load_state_dict(self, state):
         mine = self.identity()
-        for key in ("fingerprint", "num_samples", "global_batch_size", "seed", "shuffle", "policy"):
-            if state.get(key) != mine[key]:
+        for key in ("fingerprint", "num_samples", "global_batch_size", "seed", "shuffle", "policy", "group_by_length"):
+            if state.get(key, False) != mine[key]:
                 raise PlanError(f"data state does not match this dataset: {key} is {state.get(key)!r} in the "
                                 f"state but {mine[key]!r} here; resume with the same data and "
                                 "--seed/batch settings, or start fresh")

@@ -141,6 +141,15 @@ class BestModel:
         os.remove(self.path)
         return True
 
+    def take(self):
+        """On the main process: the best weights, read back, their file removed (for a script that
+        writes its model itself)."""
+        from safetensors.torch import load_file
+
+        weights = load_file(self.path)
+        os.remove(self.path)
+        return weights
+
     def results(self):
         if self.step is None:
             return {}

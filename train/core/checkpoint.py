@@ -1,7 +1,8 @@
 """Checkpoints for every script in train/: atomic, exact to resume, and safe to load.
 
 Layout: OUTPUT_DIR/checkpoints/step_00000040/{model.safetensors, optimizer.pt, scheduler.pt,
-[scaler.pt], rank_state_{rank}.pt, meta.json}; a sharded checkpoint (--checkpoint_format) holds
+[scaler.pt], rank_state_{rank}.pt, meta.json}. They hold the parameters that train: frozen ones (a
+pretrained model's body under LoRA) come back from where the script built them.; a sharded checkpoint (--checkpoint_format) holds
 state/ (train/core/sharded_checkpoint.py) in place of model.safetensors and optimizer.pt.
 A checkpoint is written under .tmp-step_N and renamed only when every rank has written its part,
 so a folder named step_N is always complete.
@@ -99,7 +100,7 @@ def save_checkpoint(accelerator, output_dir, step, model, optimizer, lr_schedule
     root = os.path.join(output_dir, "checkpoints")
     final, tmp = os.path.join(root, f"step_{step:08d}"), os.path.join(root, f".tmp-step_{step:08d}")
     if not sharded:  # collectives under FSDP2: every rank calls them; cpu_offload leaves the full dicts on rank 0
-        weights = model_weights(model)
+        weights = model_weights(model, trainable_only=True)
         optimizer_state = get_optimizer_state_dict(model, optimizer.optimizer, options=_full_state_options(
             cpu_offload=torch.distributed.is_initialized()))
     if accelerator.is_main_process:
@@ -208,14 +209,15 @@ def torch_save(obj, path):
         raise OSError(e.errno, e.strerror, path) from None
 
 
-def model_weights(model):
+def model_weights(model, trainable_only=False):
     """The whole model's weights for model.safetensors, on the main process (every rank must call it:
-    a collective under FSDP2). Tied weights (an LM's embedding and output layer) are stored once per
+    a collective under FSDP2); `trainable_only`: the parameters that train (and the buffers). Tied weights (an LM's embedding and output layer) are stored once per
     name, since safetensors refuses tensors that share memory; loading writes the same values into the
     one parameter. (accelerator.save_model instead drops all but one name, with a warning per save.)"""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return _unshared(get_model_state_dict(model, options=_full_state_options(cpu_offload=torch.distributed.is_initialized())))
+    return _unshared(get_model_state_dict(model, options=_full_state_options(
+        cpu_offload=torch.distributed.is_initialized(), ignore_frozen_params=trainable_only)))
 
 
 def _unshared(state_dict):
@@ -253,7 +255,8 @@ def _load_full(path, model, optimizer):
              "and resume from an earlier one")
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    options = _full_state_options()  # every rank reads the full files; FSDP2 keeps its own shard of them
+    # every rank reads the full files; FSDP2 keeps its own shard of them. Frozen parameters are not in them
+    options = _full_state_options(ignore_frozen_params=True)
     try:
         set_model_state_dict(model, weights, options=options)
     except (RuntimeError, KeyError, ValueError) as e:

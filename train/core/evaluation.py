@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from train.core.accelerator import average_buffers
+from train.core.confusion import confusion_metrics
 from train.models.gpt import next_token_loss
 
 
@@ -40,6 +41,29 @@ def evaluate_classifier(accelerator, model, loader, to_inputs=lambda images: ima
                 "loss": F.cross_entropy(logits.float(), batch["label"], reduction="none")}
 
     return evaluate_rows(accelerator, model, loader, per_row)
+
+
+def evaluate_confusion(accelerator, model, loader, num_labels, logits_of):
+    """({"eval_accuracy", "eval_f1" (macro), "eval_loss", "eval_samples"}, confusion matrix as lists)
+    over exactly the evaluation set for any process count: batches hold "labels" (and "valid" from a
+    sharded loader), logits_of(batch) gives the logits. The counts are gathered as exact integers."""
+    average_buffers(accelerator, model)
+    model.eval()
+    counts = torch.zeros(num_labels * num_labels, dtype=torch.long, device=accelerator.device)
+    nats = torch.zeros((), dtype=torch.float64, device=accelerator.device)
+    with torch.no_grad():
+        for batch in loader:
+            logits, labels = logits_of(batch).float(), batch["labels"]
+            valid = batch["valid"] if "valid" in batch else torch.ones_like(labels, dtype=torch.bool)
+            nll = F.cross_entropy(logits, labels, reduction="none")
+            labels, predicted, nll, valid = accelerator.gather_for_metrics((labels, logits.argmax(-1), nll, valid))
+            counts += torch.bincount(labels[valid] * num_labels + predicted[valid], minlength=num_labels ** 2)
+            nats += nll[valid].double().sum()
+    model.train()
+    confusion = counts.view(num_labels, num_labels).tolist()
+    samples = sum(map(sum, confusion))
+    metrics = {f"eval_{name}": value for name, value in confusion_metrics(confusion).items()}
+    return {**metrics, "eval_loss": nats.item() / max(samples, 1), "eval_samples": samples}, confusion
 
 
 def evaluate_language_model(accelerator, model, loader, split):

@@ -239,11 +239,12 @@ class TrainingLoop:
         """Training samples per second of training time (evaluations and start-up left out)."""
         return self.step * self.global_batch_size / max(sum(self.epoch_seconds), 1e-9)
 
-    def finish(self, extra=None):
+    def finish(self, extra=None, save_model=None):
         """Write model.safetensors, all_results.json (the last evaluation, timings, history and
         `extra`), args.json and curves.png; print the summary line; close the trackers and hand the
-        folder back; return the results. The process group goes in run(), once the script's objects
-        are gone."""
+        folder back; return the results. `save_model(weights, output_dir)` writes the model instead
+        (a Hugging Face folder, say), on the main process, before all_results.json marks the run
+        finished. The process group goes in run(), once the script's objects are gone."""
         self.progress.close()
         self.writer.close()  # the last checkpoint written before the run counts as finished
         self.losses.check(self.model, self.step)  # no final model of a run whose numbers went bad
@@ -258,7 +259,10 @@ class TrainingLoop:
                    **({"stopped_early": True} if self.best.stopped else {}), **self.best.results(), **(extra or {})}
         # the best evaluation's weights (already on disk) or the last step's (a collective under FSDP2)
         weights = model_weights(self.model) if self.best.step is None else None
-        if self.accelerator.is_main_process and weights is None:
+        if self.accelerator.is_main_process and save_model is not None:
+            save_model(self.best.take() if weights is None else weights, self.output_dir)
+            weights = None
+        elif self.accelerator.is_main_process and weights is None:
             self.best.finish(self.output_dir)
         save_final(self.accelerator, weights, self.output_dir, results, vars(self.args))
         if self.accelerator.is_main_process:

@@ -95,10 +95,12 @@ def _as_bytes(obj):
 
 def sharded_state(model, optimizer):
     """What a sharded checkpoint holds: {"model": ..., "optimizer": ...} state dicts keyed by parameter name."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-    # collectives under FSDP2; DTensor shards there, whole tensors under DDP or in one process
-    return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    # collectives under FSDP2; DTensor shards there, whole tensors under DDP or in one process. The
+    # parameters that train only: frozen ones come back from where the script built them
+    return {"model": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True)),
+            "optimizer": get_optimizer_state_dict(model, optimizer)}
 
 
 @contextlib.contextmanager
@@ -235,7 +237,7 @@ def load_sharded(checkpoint_path, model, optimizer):
             raise cause from None
         fail(f"{checkpoint_path} is unreadable ({type(cause).__name__}: {' '.join(str(cause).split())[:160]}); "
              "delete that checkpoint and resume from an earlier one")
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=StateDictOptions(ignore_frozen_params=True))
     # not strict: the parameters left without state above (the model's own tensors were checked)
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
 

