@@ -8,7 +8,7 @@ noun.artifact, ...); `text` is the synset's definition, `label` its supersense w
 classes of 2,000+ synsets each, 625 training and 125 validation rows per class, so accuracy reads plainly.
 
 The gloss's quoted examples are left out: they are sentences using the word, not its meaning ("he sprayed
-the garden to get rid of pests"), only 4% of these synsets have any, and shorter text fine-tunes faster.
+the garden to get rid of pests"), and only 4% of these synsets have any, so every row is one kind of text.
 A definition two synsets share is left out (11 share "a genus of bacteria"): it cannot be learned under
 two labels, and copies would cross the split. The sha1 of the synset offset picks the synsets and the
 split, so the same WordNet gives byte-identical files anywhere; a rerun that would write the same bytes
