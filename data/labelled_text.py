@@ -157,7 +157,9 @@ class TokenBatch:
         self.pad_token_id, self.left = pad_token_id, padding_side == "left"
 
     def __call__(self, rows):
-        longest = max(len(ids) for ids in rows["input_ids"]) if rows["input_ids"] else 0
+        # rows of equal length come from Arrow as one [rows, length] tensor, others as lists
+        rows = {k: v.tolist() if isinstance(v, torch.Tensor) and v.dim() == 2 else v for k, v in rows.items()}
+        longest = max((len(ids) for ids in rows["input_ids"]), default=0)
         out = {"labels": rows["label"]}
         for name, fill in (("input_ids", self.pad_token_id), ("token_type_ids", 0), ("attention_mask", 0)):
             values = rows["input_ids"] if name == "attention_mask" else rows.get(name)

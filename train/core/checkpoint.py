@@ -21,7 +21,7 @@ import torch
 from data.errors import fail
 
 from train.core.output_dir import drop_replaced_run, list_checkpoints
-from train.core.sharded_checkpoint import Checkpoint, load_sharded, save_sharded
+from train.core.sharded_checkpoint import Checkpoint, load_sharded, save_sharded, with_frozen
 from train.core.tracking import fsync_path, save_tensors, write_json
 
 CHECKPOINT_FORMAT = 1
@@ -255,10 +255,9 @@ def _load_full(path, model, optimizer):
              "and resume from an earlier one")
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    # every rank reads the full files; FSDP2 keeps its own shard of them. Frozen parameters are not in them
-    options = _full_state_options(ignore_frozen_params=True)
+    options = _full_state_options()  # every rank reads the full files; FSDP2 keeps its own shard of them
     try:
-        set_model_state_dict(model, weights, options=options)
+        set_model_state_dict(model, with_frozen(model, weights, options), options=options)
     except (RuntimeError, KeyError, ValueError) as e:
         detail = " ".join(str(e).split())[:200]
         fail(f"{path} does not fit this model ({detail}); resume with the model arguments "

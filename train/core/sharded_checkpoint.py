@@ -93,6 +93,18 @@ def _as_bytes(obj):
     return buffer.read()
 
 
+def with_frozen(model, weights, options=None):
+    """`weights`, a checkpoint's parameters that train, completed with the frozen ones as the model
+    holds them now (the script built them): torch 2.15's set_model_state_dict wants every parameter
+    under a process group or without full_state_dict, whatever ignore_frozen_params says."""
+    if all(p.requires_grad for p in model.parameters()):
+        return weights
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    current = get_model_state_dict(model, options=options)  # a collective under FSDP2: every rank is here
+    return {**{name: value for name, value in current.items() if name not in weights}, **weights}
+
+
 def sharded_state(model, optimizer):
     """What a sharded checkpoint holds: {"model": ..., "optimizer": ...} state dicts keyed by parameter name."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
@@ -237,7 +249,7 @@ def load_sharded(checkpoint_path, model, optimizer):
             raise cause from None
         fail(f"{checkpoint_path} is unreadable ({type(cause).__name__}: {' '.join(str(cause).split())[:160]}); "
              "delete that checkpoint and resume from an earlier one")
-    set_model_state_dict(model, state["model"], options=StateDictOptions(ignore_frozen_params=True))
+    set_model_state_dict(model, with_frozen(model, state["model"]))
     # not strict: the parameters left without state above (the model's own tensors were checked)
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=False))
 

@@ -46,9 +46,18 @@ def check_model_folder(path, flag="--model_name_or_path"):
         fail(f"{flag} {path} has no weights ({' or '.join(WEIGHTS[::2])}); pass a folder written by save_pretrained")
 
 
+# a tokenizer's vocabulary is in one of these; without any, transformers 5 builds a tokenizer of the
+# special tokens alone (5 ids for BERT) instead of failing, and every word becomes [UNK]
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model")
+
+
 def load_tokenizer(path, flag="--model_name_or_path"):
     from transformers import AutoTokenizer
 
+    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+        fail(f"{flag} {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the model's tokenizer "
+             "files into the folder (tokenizer.save_pretrained does)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError, KeyError) as e:

@@ -1,0 +1,328 @@
+"""train/text_classification.py: a tiny random BERT (tests/hf_models.py) with MiniLM's real tokenizer
+on labelled text of varied lengths, in real processes: it learns, evaluates every validation row once
+for any process count, writes a folder from_pretrained loads and that scores what the run said;
+1 process takes the steps 2 take; SIGKILL and resume are bit-identical (full and LoRA); FSDP2 shards
+the BERT layers and its sharded checkpoint resumes in 1 process; SIGTERM saves; bad input is one line.
+The data side (tokenized once, padding, grouping by length) is tested in one process."""
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import launch, output_of, run_as_script
+from data.labelled_text import TokenBatch, label_names, prepare_labelled_text
+from data.sharding import BatchPlan
+from hf_models import tiny_bert
+from test_checkpointing import identical, kill_launch, resume_copy, weights
+from train.core.confusion import confusion_metrics
+
+TOPICS = {"sport": "goal match team ball score coach league", "food": "bread soup cheese apple sugar bake dish",
+          "music": "song guitar drum melody choir piano band", "space": "planet orbit star rocket comet moon galaxy"}
+FILLER = "the a of and to in is was for on with as by that it at from this".split()
+N_VALIDATION = 101  # odd: fills no batch of any size used here
+
+
+def rows(n, seed):
+    """Texts of 3 to 60 words: a few words of the topic among filler words; the label is the topic."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        label = rng.choice(sorted(TOPICS))
+        words = [rng.choice(TOPICS[label].split()) if rng.random() < 0.3 else rng.choice(FILLER)
+                 for _ in range(rng.randint(3, 60))]
+        words[rng.randrange(len(words))] = rng.choice(TOPICS[label].split())
+        out.append({"text": " ".join(words), "label": label})
+    return out
+
+
+def write_csv(path, records, text="text", label="label"):
+    import csv
+
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, [text, label])
+        writer.writeheader()
+        writer.writerows({text: r["text"], label: r["label"]} for r in records)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("text")
+    return {"model": tiny_bert(root / "bert"), "train": write_csv(root / "train.csv", rows(384, 0)),
+            "validation": write_csv(root / "validation.csv", rows(N_VALIDATION, 1)), "cache": str(root / "tokens"),
+            "root": root}
+
+
+def args_for(data, *extra):
+    return ["--model_name_or_path", data["model"], "--train_file", data["train"], "--validation_file",
+            data["validation"], "--cache_dir", data["cache"], "--learning_rate", 5e-3, "--logging_steps", 4, *extra]
+
+
+def text_run(config, data, out, *extra):
+    proc = launch(config, "text_classification", *args_for(data, *extra), "--output_dir", out)
+    assert proc.returncode == 0, output_of(proc)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def trained(data):
+    out = data["root"] / "trained"
+    proc = text_run("cpu_2proc", data, out, "--num_train_epochs", 4, "--per_device_train_batch_size", 16,
+                    "--group_by_length", "--metric_for_best_model", "f1", "--checkpointing_steps", "epoch")
+    return proc, out
+
+
+def test_two_processes_learn_and_count_every_validation_row_once(trained):
+    proc, out = trained
+    assert "world_size=2 " in proc.stdout
+    assert proc.stdout.count(f"384 train, {N_VALIDATION} validation rows, 4 labels (food, music, space, sport)") == 1
+    results = json.load(open(out / "all_results.json"))
+    assert [h["eval_samples"] for h in results["history"]] == [N_VALIDATION] * 4
+    assert results["eval_accuracy"] > 0.6, results  # chance is about 0.25
+    assert results["best_model"]["metric"] == "eval_f1"
+    confusion = results["confusion_matrix"]
+    assert sum(map(sum, confusion)) == N_VALIDATION and results["labels"] == ["food", "music", "space", "sport"]
+    best = results["best_model"]["metrics"]  # the saved model's evaluation, and its matrix
+    assert confusion_metrics(confusion)["accuracy"] == pytest.approx(best["eval_accuracy"])
+    assert (out / "confusion.png").stat().st_size > 0 and (out / "curves.png").stat().st_size > 0
+
+
+def test_the_output_is_a_hugging_face_folder_that_scores_what_the_run_said(trained, data, capsys):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    _, out = trained
+    model = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert model.config.id2label == {0: "food", 1: "music", 2: "space", 3: "sport"}
+    validation = rows(N_VALIDATION, 1)
+    with torch.no_grad():
+        inputs = tokenizer([r["text"] for r in validation], padding=True, truncation=True, return_tensors="pt")
+        predicted = model(**inputs).logits.argmax(-1).tolist()
+    correct = sum(model.config.id2label[p] == r["label"] for p, r in zip(predicted, validation))
+    best = json.load(open(out / "all_results.json"))["best_model"]["metrics"]
+    assert correct == round(best["eval_accuracy"] * N_VALIDATION)
+    lines = data["root"] / "lines.txt"
+    lines.write_text("".join(r["text"] + "\n" for r in validation[:5]))
+    proc = run_as_script(capsys, "text_classification", "--predict", lines, "--output_dir", out)
+    assert proc.returncode == 0, output_of(proc)
+    printed = [line.split("\t") for line in proc.stdout.splitlines()]
+    assert [p[1] for p in printed] == [model.config.id2label[p] for p in predicted[:5]]
+    assert all(0.25 <= float(p[2]) <= 1 for p in printed)
+
+
+def closest(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+SHORT = ["--max_train_steps", 8, "--checkpointing_steps", 3, "--group_by_length"]
+
+
+@pytest.fixture(scope="module")
+def two(data):
+    """2 processes x 8 rows, the reference of the tests below."""
+    out = data["root"] / "two"
+    text_run("cpu_2proc", data, out, *SHORT, "--per_device_train_batch_size", 8)
+    return out
+
+
+def test_one_process_takes_the_steps_two_take(data, two, capsys):
+    one = data["root"] / "one"
+    proc = run_as_script(capsys, "text_classification", *args_for(data, *SHORT, "--per_device_train_batch_size", 16),
+                         "--output_dir", one)
+    assert proc.returncode == 0, output_of(proc)
+    assert closest(weights(one), weights(two)) < 1e-5  # each rank pads its own rows: the same to float rounding
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_sigkill_then_resume_is_bit_identical(data, two, tmp_path, lora):
+    extra = ["--lora_r", 4, "--lora_target_modules", "query,key,value,dense"] if lora else []
+    full = two
+    if lora:
+        full = tmp_path / "full"
+        text_run("cpu_2proc", data, full, *SHORT, "--per_device_train_batch_size", 8, *extra)
+    crashed = tmp_path / "crashed"
+    kill = ["--rank", 1, "--step", 5, "--marker", tmp_path / "killed"]
+    proc = kill_launch("cpu_2proc", "text_classification", kill, *args_for(data, *SHORT, *extra),
+                       "--per_device_train_batch_size", 8, "--output_dir", crashed)
+    assert proc.returncode != 0 and (tmp_path / "killed").exists(), output_of(proc)
+    proc = text_run("cpu_2proc", data, crashed, *SHORT, *extra, "--per_device_train_batch_size", 8,
+                    "--resume_from_checkpoint", "latest")
+    assert f"resumed from {crashed}/checkpoints/step_00000003" in proc.stdout
+    assert identical(weights(crashed), weights(full))
+    if lora:  # checkpoints hold the adapters and the head only; the adapter loads with peft
+        from peft import PeftModel
+        from transformers import AutoModelForSequenceClassification
+
+        saved = weights(crashed / "checkpoints" / "step_00000006")
+        assert saved and all("lora_" in k or "modules_to_save" in k for k in saved), sorted(saved)[:4]
+        base = AutoModelForSequenceClassification.from_pretrained(data["model"], num_labels=4)
+        assert isinstance(PeftModel.from_pretrained(base, crashed / "adapter"), PeftModel)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_fsdp2_shards_the_bert_layers_and_its_checkpoint_resumes_in_one_process(data, two, tmp_path, capsys, lora):
+    extra = ["--lora_r", 4] if lora else []
+    out = tmp_path / "fsdp"
+    proc = text_run("fsdp2_cpu_2proc", data, out, *SHORT, "--per_device_train_batch_size", 8, *extra)
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("fsdp2: "))
+    assert "units: 2 BertLayer, 1 BertEmbeddings" in line, line
+    if not lora:
+        assert closest(weights(out), weights(two)) < 1e-5
+    step = out / "checkpoints" / "step_00000006"
+    assert json.load(open(step / "meta.json"))["checkpoint_format"] == "sharded"
+    one = resume_copy(out, 6, str(tmp_path / "one"))
+    proc = run_as_script(capsys, "text_classification", *args_for(data, *SHORT, *extra), "--per_device_train_batch_size",
+                         16, "--checkpoint_format", "sharded", "--output_dir", one, "--resume_from_checkpoint", "latest")
+    assert proc.returncode == 0 and "saved with 2 processes" in proc.stdout, output_of(proc)
+    assert closest(weights(one), weights(out)) < 1e-5
+
+
+def test_sigterm_saves_at_one_step_and_the_run_resumes(data, tmp_path):
+    out, longer = tmp_path / "stopped", ["--max_train_steps", 24, "--per_device_train_batch_size", 8]
+    kill = ["--rank", 1, "--step", 3, "--marker", tmp_path / "signalled", "--sigterm", "launcher"]
+    proc = kill_launch("cpu_2proc", "text_classification", kill, *args_for(data, *longer), "--output_dir", out)
+    said = [line for line in output_of(proc).splitlines() if line.startswith("stopped on SIGTERM at step ")]
+    assert proc.returncode != 0 and len(said) == 1, output_of(proc)
+    step = int(said[0].split()[5])
+    assert os.listdir(out / "checkpoints") == [f"step_{step:08d}"] and not (out / "model.safetensors").exists()
+    proc = text_run("cpu_2proc", data, out, *longer, "--resume_from_checkpoint", "latest")
+    assert f"resumed from {out}/checkpoints/step_{step:08d}" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------ bad input, one line each
+
+def bad(capsys, *args):
+    proc = run_as_script(capsys, "text_classification", *args)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(lines) == 1, output_of(proc)
+    return lines[0]
+
+
+def test_bad_input_is_one_line_and_writes_no_run(data, tmp_path, capsys):
+    out = tmp_path / "out"
+    common = ["--cache_dir", data["cache"], "--output_dir", out]
+    train, validation = data["train"], data["validation"]
+    assert "is not a folder; this project never downloads" in bad(
+        capsys, "--model_name_or_path", "bert-base-uncased", "--train_file", train, *common)
+    empty = tmp_path / "empty_model"
+    empty.mkdir()
+    assert "has no config.json" in bad(capsys, "--model_name_or_path", empty, "--train_file", train, *common)
+    (empty / "config.json").write_text(open(os.path.join(data["model"], "config.json")).read())
+    assert "has no weights" in bad(capsys, "--model_name_or_path", empty, "--train_file", train, *common)
+    no_tokenizer = tiny_bert(tmp_path / "no_tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        os.remove(os.path.join(no_tokenizer, name))
+    assert "has no tokenizer (none of tokenizer.json" in bad(capsys, "--model_name_or_path", no_tokenizer, "--train_file", train, *common)
+    model = ["--model_name_or_path", data["model"]]
+    line = bad(capsys, *model, "--train_file", train, "--text_column", "sentence", *common)
+    assert "no text column 'sentence'" in line and "(columns: text, label)" in line
+    assert "no label column 'category'" in bad(capsys, *model, "--train_file", train, "--label_column", "category",
+                                                *common)
+    unseen = write_csv(tmp_path / "unseen.csv", rows(10, 2) + [{"text": "a new kind", "label": "weather"}])
+    assert "never seen in training: weather" in bad(capsys, *model, "--train_file", train, "--validation_file", unseen,
+                                                    *common)
+    (tmp_path / "empty.csv").write_text("")
+    assert "is empty" in bad(capsys, *model, "--train_file", tmp_path / "empty.csv", *common)
+    line = bad(capsys, *model, "--train_file", train, "--lora_r", 4, "--lora_target_modules", "q_proj,v_proj", *common)
+    assert "peft cannot adapt" in line and "query" in line
+    assert not out.exists() or not (out / "all_results.json").exists()
+
+
+def test_a_checkpoint_with_another_number_of_labels_is_one_line(data, two, tmp_path, capsys):
+    three = [r for r in rows(400, 3) if r["label"] != "space"]
+    crashed = resume_copy(two, 3, str(tmp_path / "other_labels"))
+    line = bad(capsys, "--model_name_or_path", data["model"], "--train_file", write_csv(tmp_path / "three.csv", three),
+               "--cache_dir", data["cache"], *SHORT, "--per_device_train_batch_size", 16, "--output_dir", crashed,
+               "--resume_from_checkpoint", "latest")
+    assert "does not fit this model" in line, line
+
+
+# ------------------------------------------------------------------------------------ the data side, one process
+
+def test_tokenized_once_then_found_again(data, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(data["model"])
+    calls = []
+
+    def counting(*texts, **kwargs):
+        calls.append(len(texts[0]))
+        return tokenizer(*texts, **kwargs)
+
+    counting.model_input_names = tokenizer.model_input_names
+    made = [prepare_labelled_text([data["train"]], [data["validation"]], None, 0, data["model"], counting, ["text"],
+                                  "label", 128, str(tmp_path)) for _ in range(2)]
+    assert made[0] == made[1] and calls == [384, N_VALIDATION]  # the second found the first's folder
+    folder, info = made[0]
+    assert info["labels"] == ["food", "music", "space", "sport"] and info["splits"]["train"]["rows"] == 384
+    other = prepare_labelled_text([data["train"]], [data["validation"]], None, 0, data["model"], counting, ["text"],
+                                  "label", 32, str(tmp_path))
+    assert other[0] != folder and info["splits"]["train"]["at_max_seq_length"] == 0
+    assert other[1]["splits"]["train"]["at_max_seq_length"] > 0  # rows of up to 60 words reach 32 tokens
+
+
+def test_sentence_pairs_and_a_saved_datasets_folder(data, tmp_path):
+    import datasets
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(data["model"])
+    pairs = datasets.DatasetDict({split: datasets.Dataset.from_dict(
+        {"question": [f"is it {i}" for i in range(n)], "passage": [f"it is {i % 3}" for i in range(n)],
+         "answer": [i % 3 == i % 5 for i in range(n)]}) for split, n in (("train", 40), ("validation", 11))})
+    pairs.save_to_disk(tmp_path / "pairs")
+    folder, info = prepare_labelled_text([str(tmp_path / "pairs")], None, None, 0, data["model"], tokenizer,
+                                         ["question", "passage"], "answer", 64, str(tmp_path / "tokens"))
+    assert info["labels"] == ["False", "True"] and info["splits"]["validation"]["rows"] == 11
+    train = datasets.load_from_disk(os.path.join(folder, "train"))
+    assert 1 in train[0]["token_type_ids"] and train[0]["input_ids"].count(tokenizer.sep_token_id) == 2
+
+
+def test_labels_as_integers_keep_their_order():
+    import datasets
+
+    train = datasets.Dataset.from_dict({"label": [10, 2, 2, 33]})
+    names, ids = label_names(train, datasets.Dataset.from_dict({"label": [33]}), "label")
+    assert names == ["2", "10", "33"] and ids == {"train": [1, 0, 0, 2], "validation": [2]}
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_token_batch_pads_each_batch_to_its_longest_row(side):
+    batch = TokenBatch(0, side)({"input_ids": [[5, 6, 7], [8]], "token_type_ids": [[0, 1, 1], [0]],
+                                 "label": torch.tensor([1, 0])})
+    assert batch["input_ids"].shape == (2, 3) and batch["labels"].tolist() == [1, 0]
+    expected = [[1, 1, 1], [1, 0, 0]] if side == "right" else [[1, 1, 1], [0, 0, 1]]
+    assert batch["attention_mask"].tolist() == expected
+    assert batch["input_ids"][1].tolist() == ([8, 0, 0] if side == "right" else [0, 0, 8])
+    same = TokenBatch(0, side)({"input_ids": torch.tensor([[5, 6], [7, 8]]), "label": torch.tensor([1, 0])})
+    assert same["input_ids"].tolist() == [[5, 6], [7, 8]] and same["attention_mask"].tolist() == [[1, 1], [1, 1]]
+
+
+@pytest.mark.parametrize("shuffle", [True, False], ids=["train", "evaluation"])
+def test_grouping_by_length_keeps_every_promise_and_pads_less(shuffle):
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 100, 1037)
+    policy = "drop" if shuffle else "pad"
+
+    def global_batches(world_size, grouped=True):
+        per_rank = [list(BatchPlan([1] * 1037, 32, world_size, r, seed=3, shuffle=shuffle, policy=policy,
+                                   lengths=lengths if grouped else None).rank_batches(2)) for r in range(world_size)]
+        return [torch.cat([per_rank[r][b][1] for r in range(world_size)]) for b in range(len(per_rank[0]))], \
+            [torch.cat([per_rank[r][b][2] for r in range(world_size)]) for b in range(len(per_rank[0]))]
+
+    batches, valid = global_batches(1)
+    for world_size in (2, 4):  # the same global batches for any process count
+        assert all(torch.equal(a, b) for a, b in zip(global_batches(world_size)[0], batches))
+    ids = torch.cat(batches)[torch.cat(valid)].tolist()
+    assert len(ids) == len(set(ids)) and (shuffle or sorted(ids) == list(range(1037)))
+
+    def padding(batches):
+        return sum(int(lengths[b.numpy()].max()) * len(b) - int(lengths[b.numpy()].sum()) for b in batches)
+
+    assert padding(batches) * 5 < padding(global_batches(1, grouped=False)[0])
+    if shuffle:  # another epoch, another order of batches
+        other = BatchPlan([1] * 1037, 32, 1, 0, seed=3, lengths=lengths)
+        assert not torch.equal(next(other.rank_batches(3))[1], batches[0])
