@@ -224,3 +224,32 @@ def test_lm_vs_nanogpt_refuses_a_folder_that_is_not_a_nanogpt_checkout(tmp_path)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
         f"--nanogpt_dir {tmp_path} holds no configurator.py, config/train_shakespeare_char.py; pass a checkout of "
         "nanoGPT")
+
+
+def test_text_reference_gives_the_reference_sentence_csvs_and_an_offline_accuracy(tmp_path):
+    # the parts the bench adds around the two programs, in this process: a real comparison launches
+    # six fine-tuning runs (minutes), so the suite does not run one
+    import importlib.util
+
+    from bench.text_reference import EVALUATE_STAND_IN, write_sentence_csv
+
+    (tmp_path / "in.csv").write_text("text,label\nan owl,animal\na fir,plant\na cat,animal\n")
+    assert write_sentence_csv(tmp_path / "in.csv", tmp_path / "out.csv", "text", "label", max_rows=2, seed=0) == 2
+    lines = (tmp_path / "out.csv").read_text().splitlines()
+    assert lines[0] == "sentence,label" and len(lines) == 3  # the reference reads its text from the first column
+    assert set(lines[1:]) <= {"an owl,animal", "a fir,plant", "a cat,animal"}
+    (tmp_path / "evaluate.py").write_text(EVALUATE_STAND_IN)
+    spec = importlib.util.spec_from_file_location("evaluate_stand_in", tmp_path / "evaluate.py")
+    evaluate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(evaluate)
+    metric = evaluate.load("accuracy")
+    metric.add_batch(predictions=[1, 2, 3], references=[1, 0, 3])
+    metric.add_batch(predictions=[0], references=[0])
+    assert metric.compute() == {"accuracy": 0.75}
+
+    proc = subprocess.run([sys.executable, "bench/text_reference.py", "--reference", str(tmp_path / "none.py"),
+                           "--train_file", "t.csv", "--validation_file", "v.csv"], cwd=REPO, env=clean_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
+        f"--reference {tmp_path / 'none.py'} is not a file; pass transformers' "
+        "examples/pytorch/text-classification/run_glue_no_trainer.py")
