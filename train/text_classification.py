@@ -27,7 +27,8 @@ from data.labelled_text import TokenBatch, prepare_labelled_text
 from data.loader import sharded_loader
 from data.sources import DatasetsSource
 from train.core.accelerator import main_process_first
-from train.core.cli import add_data_files_args, add_optimizer_args, make_parser, positive_int, reading_workers
+from train.core.cli import (add_data_files_args, add_optimizer_args, make_parser, positive_int, reading_workers,
+                            true_or_false)
 from train.core.confusion import draw_confusion
 from train.core.evaluation import evaluate_confusion
 from train.core.loop import TrainingLoop
@@ -50,8 +51,9 @@ def parse_args(argv=None):
     data.add_argument("--label_column", default="label", help="The label column: names or integers.")
     data.add_argument("--max_seq_length", type=positive_int, default=None,
                       help=f"Tokens per row; longer rows are cut (default: the model's limit, at most {MAX_LENGTH}).")
-    data.add_argument("--group_by_length", action="store_true",
-                      help="Batches of rows of similar length, so less of each batch is padding (docs/text.md).")
+    data.add_argument("--group_by_length", type=true_or_false, nargs="?", const=True, default=True,
+                      help="Training batches of rows of similar length, so less of each batch is padding: 2x the "
+                           "samples/s on short texts (docs/text.md); false: batches as drawn. (default: true)")
     data.add_argument("--cache_dir", default=os.path.join("runs", "tokens"),
                       help="Where tokenized data is kept and found again by the next run with the same inputs.")
     data.add_argument("--dataloader_num_workers", type=int, default=None,
