@@ -39,11 +39,12 @@ def tokenizer_files_hash(model_dir):
 
 
 def _input_hash(paths):
-    if len(paths) == 1 and os.path.isdir(paths[0]):  # a save_to_disk folder: its files' names, sizes, state
-        listing = [(os.path.relpath(os.path.join(root, n), paths[0]), os.path.getsize(os.path.join(root, n)))
-                   for root, _, names in sorted(os.walk(paths[0])) for n in sorted(names)]
-        return hashlib.blake2b(json.dumps(listing).encode(), digest_size=16).hexdigest()
-    return [{k: v for k, v in entry.items() if k != "path"} for entry in hash_files(paths)]
+    """Of the inputs' contents and kinds (the same bytes as .csv and .tsv are other rows): a save_to_disk
+    folder's files, or the files themselves."""
+    if len(paths) == 1 and os.path.isdir(paths[0]):
+        paths = [os.path.join(root, n) for root, _, names in sorted(os.walk(paths[0])) for n in sorted(names)]
+    return [{"kind": os.path.splitext(entry["path"])[1], "bytes": entry["bytes"], "blake2b": entry["blake2b"]}
+            for entry in hash_files(paths)]
 
 
 def load_splits(train_files, validation_files, validation_split_percentage, seed):
@@ -84,6 +85,13 @@ def label_names(train, validation, column):
         if any(v is None or v == "" for v in vs):
             raise DataError(f"the {split} data has {sum(v is None or v == '' for v in vs)} row(s) without a "
                             f"{column!r}; fill them in or drop those rows")
+    class_names = getattr(train.features[column], "names", None)  # a datasets ClassLabel: its own names
+    if class_names:
+        values = {split: [class_names[v] for v in vs] for split, vs in values.items()}
+    if any(isinstance(v, float) and not v.is_integer() for vs in values.values() for v in vs):
+        raise DataError(f"column {column!r} holds numbers with decimals; a classifier needs classes (names or "
+                        "integers): round them, or pass another --label_column")
+    values = {split: [int(v) if isinstance(v, float) else v for v in vs] for split, vs in values.items()}
     numeric = all(isinstance(v, int) and not isinstance(v, bool) for vs in values.values() for v in vs)
     names = sorted({str(v) for v in values["train"]}, key=int if numeric else None)
     if len(names) < 2:
@@ -92,7 +100,8 @@ def label_names(train, validation, column):
     unseen = sorted({str(v) for v in values["validation"]} - set(names))
     if unseen:
         raise DataError(f"the validation data has label(s) never seen in training: {', '.join(unseen[:10])}; add "
-                        "training rows with them or drop those validation rows")
+                        "training rows with them, or drop those validation rows (pass a --validation_file when the "
+                        "held-out split took every row of a rare class)")
     ids = {name: i for i, name in enumerate(names)}
     return names, {split: [ids[str(v)] for v in vs] for split, vs in values.items()}
 
@@ -102,7 +111,7 @@ def text_columns(ds, columns, split):
         if column not in ds.column_names:
             raise DataError(f"no text column {column!r} in the {split} data (columns: {', '.join(ds.column_names)}); "
                             "pass --text_column NAME (two comma-separated for sentence pairs)")
-        if str(ds.features[column]) not in ("Value('string')", "Value('large_string')"):
+        if getattr(ds.features[column], "dtype", None) not in ("string", "large_string"):
             raise DataError(f"column {column!r} holds {ds.features[column]}, not text; pass --text_column NAME")
     return [[t or "" for t in ds[column]] for column in columns]
 
@@ -124,8 +133,10 @@ def prepare_labelled_text(train_files, validation_files, validation_split_percen
 
     datasets.disable_progress_bars()
     key = {"format": FORMAT, "inputs": _input_hash(train_files), "validation": validation_files and
-           _input_hash(validation_files), "split": None if validation_files else validation_split_percentage,
-           "seed": seed, "tokenizer": tokenizer_files_hash(model_dir), "text": text_column_names,
+           _input_hash(validation_files),
+           # the held-out split (its default as the number) and its seed, only where there is one
+           "split": None if validation_files else [validation_split_percentage or 10, seed],
+           "tokenizer": tokenizer_files_hash(model_dir), "text": text_column_names,
            "label": label_column, "max_seq_length": max_seq_length}
     digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=8).hexdigest()
     stem = os.path.splitext(os.path.basename(os.path.normpath(train_files[0])))[0]
@@ -156,7 +167,9 @@ def prepare_labelled_text(train_files, validation_files, validation_split_percen
 
 
 class TokenBatch:
-    """A DatasetsSource transform: the rows' token lists as one padded batch with an attention mask."""
+    """A DatasetsSource transform: the rows' token lists as one padded batch with an attention mask.
+    Classifiers pad on the right: on the left, a model with absolute positions gives a row another
+    result in each batch it lands in."""
 
     def __init__(self, pad_token_id, padding_side="right"):
         self.pad_token_id, self.left = pad_token_id, padding_side == "left"

@@ -47,8 +47,11 @@ def sharded_loader(source, per_device_batch_size, *, rank, world_size, device, s
 class ShardedLoader(DataLoaderStateMixin):
     def __init__(self, dataset, device=None, num_workers=0, pin_memory=False):
         self.dataset, self.device = dataset, device
+        # a generator of its own: each pass's iterator draws a seed for its workers, and from torch's global
+        # generator that draw would fall between a checkpoint and the next step only in a resumed run,
+        # shifting every dropout mask after it (the plan itself draws nothing from torch)
         self.loader = DataLoader(dataset, batch_size=None, pin_memory=pin_memory, persistent_workers=False,
-                                 **loader_workers(num_workers, dataset))
+                                 generator=torch.Generator(), **loader_workers(num_workers, dataset))
         self.gradient_state = GradientState()
         # begin() then leaves `remainder` at -1, so gather_for_metrics never trims: padded samples
         # are excluded through each batch's `valid` mask instead.

@@ -51,7 +51,9 @@ def write_csv(path, records, text="text", label="label"):
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("text")
-    return {"model": tiny_bert(root / "bert"), "train": write_csv(root / "train.csv", rows(384, 0)),
+    # with dropout: the resume tests check the dropout draws come back too
+    return {"model": tiny_bert(root / "bert"), "dropout_model": tiny_bert(root / "bert_dropout", dropout=0.1),
+            "train": write_csv(root / "train.csv", rows(384, 0)),
             "validation": write_csv(root / "validation.csv", rows(N_VALIDATION, 1)), "cache": str(root / "tokens"),
             "root": root}
 
@@ -138,29 +140,32 @@ def test_one_process_takes_the_steps_two_take(data, two, capsys):
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_sigkill_then_resume_is_bit_identical(data, two, tmp_path, lora):
-    extra = ["--lora_r", 4, "--lora_target_modules", "query,key,value,dense"] if lora else []
-    full = two
-    if lora:
-        full = tmp_path / "full"
-        text_run("cpu_2proc", data, full, *SHORT, "--per_device_train_batch_size", 8, *extra)
-    crashed = tmp_path / "crashed"
+def test_sigkill_then_resume_is_bit_identical(data, tmp_path, capsys, lora):
+    extra = ["--model_name_or_path", data["dropout_model"], "--per_device_train_batch_size", 8,
+             *(["--lora_r", 4, "--lora_dropout", 0.1, "--lora_target_modules", "query,key,value,dense"] if lora else [])]
+    full, crashed = tmp_path / "full", tmp_path / "crashed"
+    text_run("cpu_2proc", data, full, *SHORT, *extra)
     kill = ["--rank", 1, "--step", 5, "--marker", tmp_path / "killed"]
-    proc = kill_launch("cpu_2proc", "text_classification", kill, *args_for(data, *SHORT, *extra),
-                       "--per_device_train_batch_size", 8, "--output_dir", crashed)
+    proc = kill_launch("cpu_2proc", "text_classification", kill, *args_for(data, *SHORT, *extra), "--output_dir", crashed)
     assert proc.returncode != 0 and (tmp_path / "killed").exists(), output_of(proc)
-    proc = text_run("cpu_2proc", data, crashed, *SHORT, *extra, "--per_device_train_batch_size", 8,
-                    "--resume_from_checkpoint", "latest")
+    proc = text_run("cpu_2proc", data, crashed, *SHORT, *extra, "--resume_from_checkpoint", "latest")
     assert f"resumed from {crashed}/checkpoints/step_00000003" in proc.stdout
-    assert identical(weights(crashed), weights(full))
+    assert identical(weights(crashed), weights(full))  # dropout draws included: the model trains in train mode
+    finished = [json.load(open(folder / "all_results.json")) for folder in (crashed, full)]
+    assert finished[0]["confusion_matrix"] == finished[1]["confusion_matrix"] and (crashed / "confusion.png").exists()
     if lora:  # checkpoints hold the adapters and the head only; the adapter loads with peft
         from peft import PeftModel
         from transformers import AutoModelForSequenceClassification
 
         saved = weights(crashed / "checkpoints" / "step_00000006")
         assert saved and all("lora_" in k or "modules_to_save" in k for k in saved), sorted(saved)[:4]
-        base = AutoModelForSequenceClassification.from_pretrained(data["model"], num_labels=4)
+        base = AutoModelForSequenceClassification.from_pretrained(data["dropout_model"], num_labels=4)
         assert isinstance(PeftModel.from_pretrained(base, crashed / "adapter"), PeftModel)
+        # the frozen body comes from --model_name_or_path: another model there is refused, not trained on
+        other = resume_copy(crashed, 3, str(tmp_path / "other_base"))
+        line = bad(capsys, *args_for(data, *SHORT, *extra), "--model_name_or_path", tiny_bert(tmp_path / "other", seed=1),
+                   "--output_dir", other, "--resume_from_checkpoint", "latest")
+        assert "was saved fine-tuning another pretrained model" in line, line
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -229,6 +234,9 @@ def test_bad_input_is_one_line_and_writes_no_run(data, tmp_path, capsys):
     assert "is empty" in bad(capsys, *model, "--train_file", tmp_path / "empty.csv", *common)
     line = bad(capsys, *model, "--train_file", train, "--lora_r", 4, "--lora_target_modules", "q_proj,v_proj", *common)
     assert "peft cannot adapt" in line and "query" in line
+    assert "is more than" in bad(capsys, *model, "--train_file", train, "--max_seq_length", 1000, *common)
+    scores = write_csv(tmp_path / "scores.csv", [{"text": r["text"], "label": i / 3} for i, r in enumerate(rows(20, 4))])
+    assert "numbers with decimals" in bad(capsys, *model, "--train_file", scores, *common)
     assert not out.exists() or not (out / "all_results.json").exists()
 
 
@@ -287,6 +295,10 @@ def test_labels_as_integers_keep_their_order():
     train = datasets.Dataset.from_dict({"label": [10, 2, 2, 33]})
     names, ids = label_names(train, datasets.Dataset.from_dict({"label": [33]}), "label")
     assert names == ["2", "10", "33"] and ids == {"train": [1, 0, 0, 2], "validation": [2]}
+    kinds = datasets.ClassLabel(names=["neg", "pos"])  # a ClassLabel column keeps its own names
+    train = datasets.Dataset.from_dict({"label": [1, 0, 1]}, features=datasets.Features({"label": kinds}))
+    names, ids = label_names(train, train, "label")
+    assert names == ["neg", "pos"] and ids["train"] == [1, 0, 1]
 
 
 @pytest.mark.parametrize("side", ["right", "left"])

@@ -34,7 +34,7 @@ from train.core.evaluation import evaluate_confusion
 from train.core.loop import TrainingLoop
 from train.core.run import run, start_run
 from train.models.hf import (add_lora_args, check_model_folder, default_model_folder, describe_trainable, load_tokenizer,
-                             lora_model, quiet_transformers, save_model_folder)
+                             lora_model, model_fingerprint, quiet_transformers, save_model_folder)
 
 TASK = "text_classification"  # the run's name in its checkpoints: another task's checkpoint is refused
 METRICS = ["eval_accuracy", "eval_f1", "eval_loss"]  # its evaluation's metrics, the headline first
@@ -93,9 +93,17 @@ def main(args):
             fail(f"the tokenizer of {args.model_name_or_path} has neither a padding nor an end-of-text token; set "
                  "pad_token in its tokenizer_config.json")
         tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"  # left padding would shift absolute positions: another result per batch
     config = AutoConfig.from_pretrained(args.model_name_or_path)
-    limits = [MAX_LENGTH, getattr(config, "max_position_embeddings", MAX_LENGTH), tokenizer.model_max_length]
-    args.max_seq_length = args.max_seq_length or min(limits)
+    # positions the model has (RoBERTa's count 2 taken by its padding offset) and the tokenizer's own limit
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or MAX_LENGTH
+    limit = min(positions - (2 if "roberta" in config.model_type else 0), tokenizer.model_max_length)
+    if args.max_seq_length and args.max_seq_length > limit:
+        fail(f"--max_seq_length {args.max_seq_length} is more than {args.model_name_or_path} takes ({limit} tokens); "
+             f"pass --max_seq_length {limit} or less")
+    args.max_seq_length = args.max_seq_length or min(MAX_LENGTH, limit)
+    tokenizer.model_max_length = args.max_seq_length  # so the saved tokenizer cuts --predict's texts as training did
+    args.model_fingerprint = model_fingerprint(args.model_name_or_path)  # in checkpoints: a resume needs this model
     text_columns = [c.strip() for c in args.text_column.split(",") if c.strip()]
     if not 1 <= len(text_columns) <= 2:
         fail(f"--text_column {args.text_column}: one column, or two comma-separated for sentence pairs")
@@ -104,7 +112,7 @@ def main(args):
         tokenizer, text_columns, args.label_column, args.max_seq_length, args.cache_dir), share=True)
     splits = {split: datasets.load_from_disk(os.path.join(folder, split)) for split in ("train", "validation")}
     names = info["labels"]
-    collate = TokenBatch(tokenizer.pad_token_id, tokenizer.padding_side)
+    collate = TokenBatch(tokenizer.pad_token_id)
     loaders = {split: sharded_loader(
         DatasetsSource(ds, transform=collate), args.per_device_train_batch_size if split == "train" else
         args.per_device_eval_batch_size, rank=accelerator.process_index, world_size=accelerator.num_processes,
@@ -132,11 +140,14 @@ def main(args):
     if args.lora_r:  # the adapters and the fresh head train; the pretrained body stays as it is
         model = lora_model(model, args, "SEQ_CLS", new)
     trainable, total = describe_trainable(model)
-    accelerator.print(f"model: {type(model).__name__} from {args.model_name_or_path}, {total / 1e6:.1f}M parameters, "
+    accelerator.print(f"model: {type(model).__name__} from {args.model_name_or_path}, {total:,} parameters, "
                       f"{trainable:,} training ({trainable / total:.2%}"
                       f"{f', LoRA r={args.lora_r}' if args.lora_r else ''}); new: {', '.join(new) or 'nothing'}")
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  weight_decay=args.weight_decay, fused=True)
+    # decay on weight matrices only, not on biases and norms (BERT's recipe, run_glue_no_trainer.py's too)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW([{"params": [p for p in trained if p.dim() >= 2], "weight_decay": args.weight_decay},
+                                   {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0}],
+                                  lr=args.learning_rate, fused=True)
     model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
 
     # ---------------------------------------------------------------- train
@@ -144,15 +155,9 @@ def main(args):
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in batch}
         return model(**inputs).logits
 
-    confusions = {}  # step -> confusion matrix: the saved model's goes into the outputs
-
-    def evaluate():
-        metrics, confusions[loop.step] = evaluate_confusion(accelerator, model, loaders["validation"], len(names),
-                                                            logits)
-        return metrics
-
-    loop = TrainingLoop(accelerator, args, TASK, model, optimizer, loaders["train"], evaluate=evaluate,
-                        headline=METRICS[0], metrics=METRICS)
+    loop = TrainingLoop(accelerator, args, TASK, model, optimizer, loaders["train"], headline=METRICS[0],
+                        metrics=METRICS, evaluate=lambda: evaluate_confusion(accelerator, model, loaders["validation"],
+                                                                             len(names), logits))
     for batch in loop.batches():
         with accelerator.accumulate(model):
             loss = F.cross_entropy(logits(batch).float(), batch["labels"])
@@ -169,14 +174,13 @@ def main(args):
         return lora_model(AutoModelForSequenceClassification.from_pretrained(args.model_name_or_path, **head), args,
                           "SEQ_CLS", new)
 
-    saved_step = loop.best.step if loop.best.step is not None else loop.step
-    confusion = confusions.get(saved_step)
-    results = loop.finish({"labels": names, "confusion_matrix": confusion, "trainable_parameters": trainable,
-                           "parameters": total, "train_rows": counts["train"]["rows"]},
-                          save_model=lambda weights, out: (
-                              save_model_folder(weights, out, build, tokenizer, args.lora_r),
-                              confusion and draw_confusion(os.path.join(out, "confusion.png"), confusion, names)))
-    return results
+    # the saved model's evaluation (the best one's, or the last), kept in checkpoints through a resume
+    confusion = (loop.best.metrics or loop.history[-1])["eval_confusion"]
+    return loop.finish({"labels": names, "confusion_matrix": confusion, "trainable_parameters": trainable,
+                        "parameters": total, "train_rows": counts["train"]["rows"]},
+                       save_model=lambda weights, out: (
+                           save_model_folder(weights, out, build, tokenizer, args.lora_r),
+                           draw_confusion(os.path.join(out, "confusion.png"), confusion, names)))
 
 
 def predict(args):
@@ -195,12 +199,12 @@ def predict(args):
         else:
             texts.append(given)
     labels = model.config.id2label
+    pairs_everywhere = all("\t" in t for t in texts)  # sentence pairs: every text a TAB-separated pair
     with torch.inference_mode():
         for start in range(0, len(texts), 64):
             chunk = texts[start:start + 64]
             pairs = [t.split("\t", 1) for t in chunk]
-            columns = [[p[0] for p in pairs], [p[1] if len(p) > 1 else "" for p in pairs]] \
-                if all(len(p) == 2 for p in pairs) else [chunk]
+            columns = [[p[0] for p in pairs], [p[1] for p in pairs]] if pairs_everywhere else [chunk]
             inputs = tokenizer(*columns, truncation=True, padding=True, return_tensors="pt")
             probabilities = model(**inputs).logits.float().softmax(-1)
             for text, p in zip(chunk, probabilities):

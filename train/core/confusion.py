@@ -20,8 +20,14 @@ def confusion_metrics(confusion):
     return {"accuracy": correct / max(total, 1), "f1": sum(scores) / max(len(scores), 1)}
 
 
+MAX_CLASSES = 60  # beyond this a chart of counts is no longer readable: all_results.json keeps the matrix
+
+
 def draw_confusion(path, confusion, names, title="confusion matrix (rows: true, columns: predicted)"):
-    """Write the matrix as a PNG with the class names on both axes; returns path."""
+    """Write the matrix as a PNG with the class names on both axes; returns path (None, drawing
+    nothing, for more than MAX_CLASSES classes)."""
+    if len(names) > MAX_CLASSES:
+        return None
     n, cell = len(names), 44 if len(names) <= 12 else 28
     font = ImageFont.load_default(size=12 if n <= 12 else 9)  # Pillow's own font: no system fonts needed
     label_width = 12 + max(int(font.getlength(name)) for name in names)

@@ -44,8 +44,8 @@ def evaluate_classifier(accelerator, model, loader, to_inputs=lambda images: ima
 
 
 def evaluate_confusion(accelerator, model, loader, num_labels, logits_of):
-    """({"eval_accuracy", "eval_f1" (macro), "eval_loss", "eval_samples"}, confusion matrix as lists)
-    over exactly the evaluation set for any process count: batches hold "labels" (and "valid" from a
+    """{"eval_accuracy", "eval_f1" (macro), "eval_loss", "eval_samples", "eval_confusion" (a list of
+    rows, true class by predicted)} over exactly the evaluation set for any process count: batches hold "labels" (and "valid" from a
     sharded loader), logits_of(batch) gives the logits. The counts are gathered as exact integers."""
     average_buffers(accelerator, model)
     model.eval()
@@ -63,7 +63,7 @@ def evaluate_confusion(accelerator, model, loader, num_labels, logits_of):
     confusion = counts.view(num_labels, num_labels).tolist()
     samples = sum(map(sum, confusion))
     metrics = {f"eval_{name}": value for name, value in confusion_metrics(confusion).items()}
-    return {**metrics, "eval_loss": nats.item() / max(samples, 1), "eval_samples": samples}, confusion
+    return {**metrics, "eval_loss": nats.item() / max(samples, 1), "eval_samples": samples, "eval_confusion": confusion}
 
 
 def evaluate_language_model(accelerator, model, loader, split):

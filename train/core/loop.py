@@ -28,8 +28,9 @@ from train.core.schedule import make_scheduler, plan_steps
 from train.core.tracking import MetricsLog, plot_metrics, save_final
 
 
-def _format(metrics):
-    return " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+def _format(metrics):  # what is not a number (a confusion matrix) stays in the history and metrics.jsonl
+    return " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
+                    if isinstance(v, (int, float, str)))
 
 
 class TrainingLoop:
@@ -44,6 +45,7 @@ class TrainingLoop:
                  schedule=True, metrics=None):
         self.accelerator, self.args, self.task = accelerator, args, task
         self.model, self.optimizer, self.loader = model, optimizer, train_loader
+        model.train()  # from_pretrained hands back a model in eval mode: no dropout until the first evaluation
         self.evaluate, self.headline = evaluate, headline
         self.output_dir, self.logging_steps, self.eval_steps = args.output_dir, args.logging_steps, args.eval_steps
         self.checkpointing_steps, self.keep_last = args.checkpointing_steps, args.checkpoints_total_limit
@@ -69,7 +71,8 @@ class TrainingLoop:
                               args.greater_is_better, args.early_stopping_patience, args.early_stopping_threshold)
         if path := find_checkpoint(accelerator, args.resume_from_checkpoint, args.output_dir):
             meta = load_checkpoint(accelerator, path, task, model, optimizer, self.lr_scheduler)
-            check_same_run(path, meta, self._global_batch(), self._train_samples())
+            check_same_run(path, meta, self._global_batch(), self._train_samples(), getattr(args, "model_fingerprint",
+                                                                                          None))
             self.losses.load_state_dict(meta.get("losses"))
             self.best.load(meta.get("best"), path)
             self.resumed_from, self.step, self.history = path, meta["step"], meta.get("history", [])

@@ -22,9 +22,13 @@ from train.core.process import first_local_process, on_failure
 
 MARKER = "run.json"
 REPLACED = "replaced_run"
-# every entry a run writes in its output folder (labels.json: image_classification.py's class names)
+# every entry a run writes in its output folder (labels.json: image_classification.py's class names; the
+# second line: a Hugging Face model folder, text_classification.py's, config, adapter and the tokenizer's files)
 RUN_ENTRIES = ("checkpoints", "tensorboard", "metrics.jsonl", "curves.png", "all_results.json",
-               "model.safetensors", "args.json", "labels.json", "best_model.safetensors")
+               "model.safetensors", "args.json", "labels.json", "best_model.safetensors", "confusion.png",
+               "config.json", "generation_config.json", "adapter", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt",
+               "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja")
 
 _held = {}  # folder -> FolderLock held by this process
 

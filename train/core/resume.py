@@ -2,9 +2,16 @@
 from data.errors import fail
 
 
-def check_same_run(path, meta, global_batch, train_samples):
+def check_same_run(path, meta, global_batch, train_samples, model_fingerprint=None):
     """The same batches per step (any process count whose per-process batch keeps the batch of one
-    micro-step) and the same training data as the run saved at `path` (its meta.json as `meta`)."""
+    micro-step), the same training data and the same pretrained model (`model_fingerprint`: what a
+    checkpoint without the frozen parameters needs back) as the run saved at `path` (its meta.json
+    as `meta`)."""
+    saved_model = (meta.get("args") or {}).get("model_fingerprint")
+    if model_fingerprint and saved_model and saved_model != model_fingerprint:
+        fail(f"{path} was saved fine-tuning another pretrained model than --model_name_or_path "
+             f"{(meta.get('args') or {}).get('model_name_or_path')} holds now (its config or weights differ); resume "
+             "with the model folder it was saved with, or start a new run")
     saved, now = meta.get("global_batch"), global_batch
 
     def describe(b):

@@ -127,8 +127,9 @@ class MetricsLog:
         self.accelerator.wait_for_everyone()
 
     def log(self, record):
-        if self.with_tracking:
-            self.accelerator.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        if self.with_tracking:  # trackers take numbers; a confusion matrix goes to metrics.jsonl only
+            self.accelerator.log({k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))},
+                                 step=record["step"])
         if self.accelerator.is_main_process:
             with open(self.path, "a") as f:
                 f.write(to_json(record) + "\n")

@@ -52,6 +52,25 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model
                    "sentencepiece.bpe.model")
 
 
+def model_fingerprint(path):
+    """Of a model folder's config and weights: their bytes for config.json, and for each weights file
+    its size and the first and last MiB (a model's weights of the same size that differ there are
+    another model; hashing whole files of several GB at every start would cost more than it tells)."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=12)
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if name == "config.json" or (name.endswith((".safetensors", ".bin")) and os.path.isfile(full)):
+            size = os.path.getsize(full)
+            with open(full, "rb") as f:
+                h.update(f"{name}:{size}".encode() + f.read(1 << 20))
+                if size > 2 << 20:
+                    f.seek(-(1 << 20), os.SEEK_END)
+                    h.update(f.read())
+    return h.hexdigest()
+
+
 def load_tokenizer(path, flag="--model_name_or_path"):
     from transformers import AutoTokenizer
 
@@ -72,8 +91,11 @@ def lora_model(model, args, task_type, trained_modules=()):
     """`model` with LoRA adapters (--lora_r/--lora_alpha/--lora_dropout/--lora_target_modules) and
     `trained_modules` (a new head, say) trained in full; everything else frozen."""
     from peft import LoraConfig, get_peft_model
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
 
     targets = args.lora_target_modules
+    if targets is None and getattr(model.config, "model_type", None) not in PEFT_DEFAULTS:
+        targets = "all-linear"  # peft has no default for this architecture (DistilBERT, say): every linear layer
     targets = targets if targets in (None, "all-linear") else [t.strip() for t in targets.split(",") if t.strip()]
     config = LoraConfig(task_type=task_type, r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
                         target_modules=targets, modules_to_save=list(trained_modules) or None)
@@ -97,7 +119,7 @@ def add_lora_args(parser):
     g.add_argument("--lora_dropout", type=float, default=0.0, help="Dropout on the LoRA branch.")
     g.add_argument("--lora_target_modules", type=str, default=None,
                    help="Comma-separated module names to adapt, or all-linear (default: peft's choice for the "
-                        "architecture, e.g. query,value for BERT).")
+                        "architecture, e.g. query,value for BERT; all-linear where peft has none).")
 
 
 def describe_trainable(model):
@@ -115,6 +137,8 @@ def save_model_folder(weights, output_dir, build, tokenizer, lora):
     if unexpected or [m for m in missing if not m.endswith("position_ids")]:
         raise RuntimeError(f"the run's weights do not fit its model: missing {missing[:3]}, unexpected {unexpected[:3]}")
     if lora:
+        for config in model.peft_config.values():  # where the base is, from any folder the adapter is read in
+            config.base_model_name_or_path = os.path.abspath(config.base_model_name_or_path)
         model.save_pretrained(os.path.join(output_dir, "adapter"))
         model = model.merge_and_unload()
     model.save_pretrained(output_dir)
