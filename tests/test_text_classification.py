@@ -186,7 +186,7 @@ def test_fsdp2_shards_the_bert_layers_and_its_checkpoint_resumes_in_one_process(
     assert closest(weights(one), weights(out)) < 1e-5
 
 
-def test_sigterm_saves_at_one_step_and_the_run_resumes(data, tmp_path):
+def test_sigterm_saves_at_one_step(data, tmp_path):  # the resume from it: as after SIGKILL, above
     out, longer = tmp_path / "stopped", ["--max_train_steps", 24, "--per_device_train_batch_size", 8]
     kill = ["--rank", 1, "--step", 3, "--marker", tmp_path / "signalled", "--sigterm", "launcher"]
     proc = kill_launch("cpu_2proc", "text_classification", kill, *args_for(data, *longer), "--output_dir", out)
@@ -194,8 +194,7 @@ def test_sigterm_saves_at_one_step_and_the_run_resumes(data, tmp_path):
     assert proc.returncode != 0 and len(said) == 1, output_of(proc)
     step = int(said[0].split()[5])
     assert os.listdir(out / "checkpoints") == [f"step_{step:08d}"] and not (out / "model.safetensors").exists()
-    proc = text_run("cpu_2proc", data, out, *longer, "--resume_from_checkpoint", "latest")
-    assert f"resumed from {out}/checkpoints/step_{step:08d}" in proc.stdout
+    assert {"rank_state_0.pt", "rank_state_1.pt", "meta.json"} <= set(os.listdir(out / "checkpoints" / f"step_{step:08d}"))
 
 
 # ------------------------------------------------------------------------------------ bad input, one line each
@@ -338,3 +337,16 @@ def test_grouping_by_length_keeps_every_promise_and_pads_less(shuffle):
     if shuffle:  # another epoch, another order of batches
         other = BatchPlan([1] * 1037, 32, 1, 0, seed=3, lengths=lengths)
         assert not torch.equal(next(other.rank_batches(3))[1], batches[0])
+
+
+def test_the_recipe_and_the_sweep_file_pass_the_scripts_own_parser(monkeypatch):
+    from conftest import REPO
+    from train import text_classification
+    from train.study.space import check_against_script, load_script, read_sweep
+
+    monkeypatch.chdir(REPO)
+    args = text_classification.parse_args(["--config", "train/configs/text_wordnet.yaml"])
+    assert args.max_seq_length == 64 and args.group_by_length and args.learning_rate == 1e-4
+    sweep = read_sweep("train/configs/sweep_text_wordnet.yaml", {"n_trials": None})
+    check_against_script(sweep, load_script(sweep["script"]))
+    assert sweep["metric"] == "eval_f1" and sweep["direction"] == "maximize"
