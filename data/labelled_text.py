@@ -76,7 +76,7 @@ def load_splits(train_files, validation_files, validation_split_percentage, seed
 
 def label_names(train, validation, column):
     """The class names (sorted; integers in numeric order) and each split's label ids."""
-    for split, ds in (("training", train), ("validation", validation)):
+    for split, ds in (("train", train), ("validation", validation)):
         if column not in ds.column_names:
             raise DataError(f"no label column {column!r} in the {split} data (columns: {', '.join(ds.column_names)});"
                             " pass --label_column NAME")

@@ -113,6 +113,11 @@ def test_the_output_is_a_hugging_face_folder_that_scores_what_the_run_said(train
     printed = [line.split("\t") for line in proc.stdout.splitlines()]
     assert [p[1] for p in printed] == [model.config.id2label[p] for p in predicted[:5]]
     assert all(0.25 <= float(p[2]) <= 1 for p in printed)
+    assert "no such file" in bad(capsys, "--predict", "typo/lines.txt", "--output_dir", out)
+    from train import text_classification  # the run's args.json reruns it: every key it records is accepted
+
+    again = text_classification.parse_args(["--config", str(out / "args.json"), "--output_dir", "elsewhere"])
+    assert again.model_fingerprint == json.load(open(out / "args.json"))["model_fingerprint"]
 
 
 def closest(a, b):

@@ -39,6 +39,7 @@ from train.models.hf import (add_lora_args, check_model_folder, default_model_fo
 TASK = "text_classification"  # the run's name in its checkpoints: another task's checkpoint is refused
 METRICS = ["eval_accuracy", "eval_f1", "eval_loss"]  # its evaluation's metrics, the headline first
 MAX_LENGTH = 512  # the default --max_seq_length's cap: BERT-style models' own limit
+TEXT_FILES = (".txt", ".csv", ".tsv", ".json", ".jsonl")  # --predict: a word like these is a file that is not there
 
 
 def parse_args(argv=None):
@@ -68,6 +69,7 @@ def parse_args(argv=None):
     opt = parser.groups["optimization"]
     opt.add_argument("--max_grad_norm", type=float, default=1.0, help="Clip the gradient norm (0: no clipping).")
     parser.set_defaults(output_dir="runs/text_classification")
+    parser.recorded.add("model_fingerprint")  # derived in main() and recorded in args.json, which reruns a run
     args = parser.parse_args(argv)
     if args.predict is None:
         if not args.train_file:
@@ -188,14 +190,20 @@ def predict(args):
     quiet_transformers()
     from transformers import AutoModelForSequenceClassification
 
-    check_model_folder(args.output_dir, "--output_dir")
+    if not os.path.isfile(os.path.join(args.output_dir, "all_results.json")):
+        fail(f"--output_dir {args.output_dir} holds no finished train/text_classification.py run; train one there first")
     tokenizer = load_tokenizer(args.output_dir, "--output_dir")
     model = AutoModelForSequenceClassification.from_pretrained(args.output_dir).eval()
     texts = []
     for given in args.predict:
         if os.path.isfile(given):
             with open(given, encoding="utf-8") as f:
-                texts += [line.rstrip("\n") for line in f if line.strip()]
+                lines = [line.rstrip("\n") for line in f if line.strip()]
+            if not lines:
+                fail(f"--predict {given} holds no text; pass a file with one text per line")
+            texts += lines
+        elif not any(c.isspace() for c in given) and (os.sep in given or given.endswith(TEXT_FILES)):
+            fail(f"--predict {given}: no such file; pass a file of lines, or quote the text itself")
         else:
             texts.append(given)
     labels = model.config.id2label

@@ -97,8 +97,10 @@ def lora_model(model, args, task_type, trained_modules=()):
     if targets is None and getattr(model.config, "model_type", None) not in PEFT_DEFAULTS:
         targets = "all-linear"  # peft has no default for this architecture (DistilBERT, say): every linear layer
     targets = targets if targets in (None, "all-linear") else [t.strip() for t in targets.split(",") if t.strip()]
+    # peft trains a classifier head named classifier or score by itself: listed again, it is saved twice
+    trained_modules = [m for m in trained_modules if m not in ("classifier", "score")]
     config = LoraConfig(task_type=task_type, r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                        target_modules=targets, modules_to_save=list(trained_modules) or None)
+                        target_modules=targets, modules_to_save=trained_modules or None)
     try:
         with warnings.catch_warnings():  # peft asks transformers for a renamed attribute: a FutureWarning per call
             warnings.simplefilter("ignore", FutureWarning)
