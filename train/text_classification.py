@@ -53,7 +53,7 @@ def parse_args(argv=None):
     data.add_argument("--max_seq_length", type=positive_int, default=None,
                       help=f"Tokens per row; longer rows are cut (default: the model's limit, at most {MAX_LENGTH}).")
     data.add_argument("--group_by_length", type=true_or_false, nargs="?", const=True, default=True,
-                      help="Training batches of rows of similar length, so less of each batch is padding: 2x the "
+                      help="Training batches of rows of similar length, so less of each batch is padding: about 2x the "
                            "samples/s on short texts (docs/text.md); false: batches as drawn. (default: true)")
     data.add_argument("--cache_dir", default=os.path.join("runs", "tokens"),
                       help="Where tokenized data is kept and found again by the next run with the same inputs.")
