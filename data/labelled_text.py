@@ -19,7 +19,7 @@ import shutil
 import torch
 
 from data.errors import DataError
-from data.local_files import load_files
+from data.local_files import hold_out, load_files
 from data.shards import hash_files
 
 FORMAT = 1  # of the folder written here; a change makes every cached folder stale
@@ -67,8 +67,7 @@ def load_splits(train_files, validation_files, validation_split_percentage, seed
         if validation_files:
             validation = load_splits(validation_files, None, None, seed)["train"]
         if validation is None:
-            parts = saved.train_test_split(test_size=(validation_split_percentage or 10) / 100, seed=seed)
-            saved, validation = parts["train"], parts["test"]
+            saved, validation = hold_out(saved, validation_split_percentage or 10, seed)
         return {"train": saved, "validation": validation}
     return load_files(train_files, validation_files, None if validation_files else (validation_split_percentage or 10),
                       seed)

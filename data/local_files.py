@@ -66,13 +66,18 @@ def load_files(train_files, validation_files=None, validation_split_percentage=N
     if len(train) == 0:
         raise DataError(f"--train_file {', '.join(train_files)} has no rows; pass a file with data")
     if validation_split_percentage is not None:
-        held = max(1, round(len(train) * validation_split_percentage / 100))
-        if held >= len(train):
-            raise DataError(f"--validation_split_percentage {validation_split_percentage} of {len(train)} rows leaves "
-                            "no training rows; pass a smaller percentage or more data")
-        parts = train.train_test_split(test_size=held, seed=seed, shuffle=True)
-        train, validation = parts["train"], parts["test"]
+        train, validation = hold_out(train, validation_split_percentage, seed)
     return {"train": train, "validation": validation}
+
+
+def hold_out(train, validation_split_percentage, seed):
+    """(train, validation): a seeded random P% of the rows held out, at least one, never all."""
+    held = max(1, round(len(train) * validation_split_percentage / 100))
+    if held >= len(train):
+        raise DataError(f"--validation_split_percentage {validation_split_percentage} of {len(train)} rows leaves "
+                        "no training rows; pass a smaller percentage or more data")
+    parts = train.train_test_split(test_size=held, seed=seed, shuffle=True)
+    return parts["train"], parts["test"]
 
 def check_columns(splits, text_columns):
     """The tabular path (--train_file without --tokenizer): its shards are read as tensors

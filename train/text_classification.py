@@ -129,7 +129,7 @@ def main(args):
                           f"{c['at_max_seq_length']:,} {s} rows cut to it" for s, c in counts.items()))
 
     # ---------------------------------------------------------------- model: pretrained body, a head for these labels
-    # the head for these labels; a decoder's classifier reads the last token before the padding
+    # pad_token_id: a decoder's classifier reads the last token before the padding
     head = {"num_labels": len(names), "id2label": dict(enumerate(names)), "label2id": {n: i for i, n in enumerate(names)},
             "pad_token_id": tokenizer.pad_token_id, "ignore_mismatched_sizes": True}
     try:

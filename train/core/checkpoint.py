@@ -1,9 +1,10 @@
 """Checkpoints for every script in train/: atomic, exact to resume, and safe to load.
 
 Layout: OUTPUT_DIR/checkpoints/step_00000040/{model.safetensors, optimizer.pt, scheduler.pt,
-[scaler.pt], rank_state_{rank}.pt, meta.json}. They hold the parameters that train: frozen ones (a
-pretrained model's body under LoRA) come back from where the script built them.; a sharded checkpoint (--checkpoint_format) holds
-state/ (train/core/sharded_checkpoint.py) in place of model.safetensors and optimizer.pt.
+[scaler.pt], rank_state_{rank}.pt, meta.json}; a sharded checkpoint (--checkpoint_format) holds
+state/ (train/core/sharded_checkpoint.py) in place of model.safetensors and optimizer.pt. Either
+holds the parameters that train: frozen ones (a pretrained body under LoRA) come back from where
+the script built them.
 A checkpoint is written under .tmp-step_N and renamed only when every rank has written its part,
 so a folder named step_N is always complete.
 accelerate's save_state/load_state is not used: it loads registered objects with
@@ -211,8 +212,8 @@ def torch_save(obj, path):
 
 def model_weights(model, trainable_only=False):
     """The whole model's weights for model.safetensors, on the main process (every rank must call it:
-    a collective under FSDP2); `trainable_only`: the parameters that train (and the buffers). Tied weights (an LM's embedding and output layer) are stored once per
-    name, since safetensors refuses tensors that share memory; loading writes the same values into the
+    a collective under FSDP2); `trainable_only`: the parameters that train, and the buffers. Tied
+    weights (an LM's embedding and output layer) are stored once per name, since safetensors refuses tensors that share memory; loading writes the same values into the
     one parameter. (accelerator.save_model instead drops all but one name, with a warning per save.)"""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 

@@ -45,21 +45,20 @@ def evaluate_classifier(accelerator, model, loader, to_inputs=lambda images: ima
 
 def evaluate_confusion(accelerator, model, loader, num_labels, logits_of):
     """{"eval_accuracy", "eval_f1" (macro), "eval_loss", "eval_samples", "eval_confusion" (a list of
-    rows, true class by predicted)} over exactly the evaluation set for any process count: batches hold "labels" (and "valid" from a
-    sharded loader), logits_of(batch) gives the logits. The counts are gathered as exact integers."""
+    rows, true class by predicted)} over exactly the evaluation set for any process count, from a
+    sharded loader's batches ("labels", and "valid" marking its padded repeats); logits_of(batch)
+    gives the logits. Each rank counts its own rows; one reduce adds the counts, exact integers."""
     average_buffers(accelerator, model)
     model.eval()
     counts = torch.zeros(num_labels * num_labels, dtype=torch.long, device=accelerator.device)
     nats = torch.zeros((), dtype=torch.float64, device=accelerator.device)
     with torch.no_grad():
         for batch in loader:
-            logits, labels = logits_of(batch).float(), batch["labels"]
-            valid = batch["valid"] if "valid" in batch else torch.ones_like(labels, dtype=torch.bool)
-            nll = F.cross_entropy(logits, labels, reduction="none")
-            labels, predicted, nll, valid = accelerator.gather_for_metrics((labels, logits.argmax(-1), nll, valid))
-            counts += torch.bincount(labels[valid] * num_labels + predicted[valid], minlength=num_labels ** 2)
-            nats += nll[valid].double().sum()
+            logits, labels, valid = logits_of(batch).float(), batch["labels"], batch["valid"]
+            counts += torch.bincount(labels[valid] * num_labels + logits.argmax(-1)[valid], minlength=num_labels ** 2)
+            nats += F.cross_entropy(logits[valid], labels[valid], reduction="sum").double()
     model.train()
+    counts, nats = accelerator.reduce(counts, reduction="sum"), accelerator.reduce(nats, reduction="sum")
     confusion = counts.view(num_labels, num_labels).tolist()
     samples = sum(map(sum, confusion))
     metrics = {f"eval_{name}": value for name, value in confusion_metrics(confusion).items()}
