@@ -1,5 +1,8 @@
 """train/models/gpt.py: causality, weight tying, activation checkpointing that changes nothing but memory,
-the AdamW groups, the FLOPs count behind mfu, and sampling."""
+the AdamW groups, the FLOPs count behind mfu, and sampling; train/models/gpt_hf.py: the model and its
+tokenizer as a Hugging Face GPT-2 folder that transformers loads with the same logits and ids."""
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -139,3 +142,102 @@ def test_torch_compile_through_accelerate_matches_eager(fresh_accelerate_state):
     assert not is_compiled_module(eager) and is_compiled_module(compiled)
     assert torch.allclose(loss_a, loss_b, rtol=1e-5)
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(grads_a, grads_b))
+
+
+# ---------------------------------------------------------------------------------------- the Hugging Face folder
+
+def loads_quietly(folder):
+    """AutoModelForCausalLM and AutoTokenizer from `folder`, asserting that transformers reported
+    nothing (its load report of missing or unexpected keys is a logger warning) and warned nothing."""
+    import logging
+    import warnings
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    class Records(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.WARNING)
+            self.messages = []
+
+        def emit(self, record):
+            self.messages.append(record.getMessage())
+
+    records, verbosity = Records(), hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()  # another test's quiet_transformers() would hide the report
+    logging.getLogger("transformers").addHandler(records)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+    finally:
+        logging.getLogger("transformers").removeHandler(records)
+        hf_logging.set_verbosity(verbosity)
+    assert not any(info.values()), info
+    assert not records.messages and not [str(w.message) for w in caught], (records.messages, caught)
+    return model.eval(), tokenizer
+
+
+def test_the_gpt_saves_as_a_gpt2_folder_that_transformers_loads_with_the_same_logits_and_greedy_tokens(tmp_path):
+    import json
+
+    from safetensors.torch import load_file
+
+    from data.text import ByteTokenizer
+    from train.core.checkpoint import model_weights
+    from train.models.gpt_hf import from_gpt2, save_gpt2_folder, to_gpt2
+
+    model = tiny(vocab_size=257, n_embd=32, n_head=4, dropout=0.1)
+    with torch.no_grad():  # larger weights than the initialisation's, so greedy tokens vary
+        for p in model.parameters():
+            p.normal_(std=0.2) if p.dim() == 2 else p.normal_(std=0.1)
+    model.eval()
+    ours = model_weights(model)
+    assert {k: v.shape for k, v in from_gpt2(to_gpt2(ours)).items()} == {k: v.shape for k, v in ours.items()}
+    assert all(torch.equal(from_gpt2(to_gpt2(ours))[k], v) for k, v in ours.items())
+    save_gpt2_folder(ours, tmp_path, model.config, ByteTokenizer())
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"} <= set(os.listdir(tmp_path))
+    config = json.load(open(tmp_path / "config.json"))
+    assert config["architectures"] == ["GPT2LMHeadModel"] and config["activation_function"] == "gelu"
+    assert (config["n_positions"], config["n_embd"], config["n_layer"], config["n_head"], config["vocab_size"]) == \
+        (16, 32, 2, 4, 257)
+    assert config["resid_pdrop"] == config["embd_pdrop"] == config["attn_pdrop"] == 0.1
+    assert config["bos_token_id"] == config["eos_token_id"] == 256 and config["tie_word_embeddings"]
+    saved = load_file(tmp_path / "model.safetensors")  # GPT-2's names; Conv1D weights [in, out]; lm_head tied
+    assert "lm_head.weight" not in saved and saved["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)
+    assert torch.equal(saved["transformer.h.1.mlp.c_proj.weight"], ours["blocks.1.fc_out.weight"].t())
+
+    hf, tokenizer = loads_quietly(tmp_path)
+    ids = torch.randint(0, 257, (3, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        difference = (hf(ids).logits - model(ids)).abs().max().item()
+    assert difference < 1e-5, difference
+    prompt = torch.tensor([[72, 101, 108]])
+    greedy = model.generate(prompt, 13, temperature=0)
+    assert len(set(greedy[0, 3:].tolist())) > 2  # tokens that vary: a real comparison
+    assert torch.equal(hf.generate(prompt, max_new_tokens=13, do_sample=False), greedy)
+    assert tokenizer.eos_token == tokenizer.bos_token == "<|endoftext|>" and tokenizer.eos_token_id == 256
+
+
+@pytest.mark.parametrize("kind", ["bytes", "bpe"])
+def test_the_folders_tokenizer_gives_our_ids(kind, tmp_path):
+    from data.text import ByteTokenizer, train_bpe
+    from train.models.gpt_hf import hf_tokenizer
+
+    texts = ["Naïve café, déjà vu — 日本語 and emoji 🙂.", "  two  spaces\tand a tab\n", "Ünïcödé ß æ ø å",
+             "plain ascii text, repeated: the the the"]
+    ours = ByteTokenizer() if kind == "bytes" else train_bpe(texts * 20, 300)
+    hf_tokenizer(ours, 16).save_pretrained(tmp_path)
+    from transformers import AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded.eos_token == loaded.bos_token == "<|endoftext|>" and loaded.eos_token_id == ours.eot_id
+    assert len(loaded) == ours.vocab_size
+    for text in texts:
+        ids = ours.encode_batch([text])[0]
+        assert loaded(text)["input_ids"] == ids, text
+        assert loaded.decode(ids) == ours.decode(ids) == text
+    if kind == "bytes":
+        assert ours.encode_batch(["é"])[0] == [195, 169] == loaded("é")["input_ids"]

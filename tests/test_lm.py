@@ -89,10 +89,56 @@ def test_two_processes_score_every_validation_token_once_and_report_the_run(text
     assert "too few for the model to learn much" not in proc.stdout  # 12 steps, as asked
     events = [f for _, _, files in os.walk(out / "tensorboard") for f in files if f.startswith("events.out.tfevents")]
     assert events, "--with_tracking wrote no TensorBoard events"  # lm.py once took the flag and wrote none
-    final = weights(out)  # the tied output layer saved under both names, as in checkpoints, without a warning
-    assert torch.equal(final["lm_head.weight"], final["wte.weight"]) and "shared tensor" not in output_of(proc)
+    final = weights(out)  # GPT-2's names, the tied output layer once (transformers' save), without a warning
+    assert "transformer.wte.weight" in final and "lm_head.weight" not in final
+    assert "shared tensor" not in output_of(proc)
     sampled = run_as_script(capsys, "lm", "--output_dir", out, "--prompt", "the man", "--max_new_tokens", 40)
     assert sampled.returncode == 0 and sampled.stdout.startswith("the man") and len(sampled.stdout) > len("the man")
+
+
+def test_the_run_is_a_hugging_face_folder_and_an_older_runs_folder_still_samples(text, two_process_run, tmp_path,
+                                                                                 capsys):
+    """The final folder loads with AutoModelForCausalLM + AutoTokenizer, quietly, with our GPT's
+    logits and tokens; --prompt reads the folder's own tokenizer (no token shards needed), and a run
+    saved before (our names, the shape and the shards in all_results.json) still samples."""
+    from test_gpt import loads_quietly
+    from train.lm import trained_model
+    from train.models.gpt import GPT
+    from train.models.gpt_hf import from_gpt2
+
+    out, _ = two_process_run
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "all_results.json",
+            "args.json", "metrics.jsonl", "curves.png"} <= set(os.listdir(out))
+    hf, tokenizer = loads_quietly(out)
+    config, ours, _ = trained_model(str(out))
+    model = GPT(config).eval()
+    model.load_state_dict(ours)
+    ids = tokenizer("the man was", return_tensors="pt")["input_ids"]
+    assert ids[0].tolist() == list(b"the man was")  # --tokenizer bytes: byte values as ids
+    with torch.no_grad():
+        assert (hf(ids).logits - model(ids)).abs().max() < 1e-5
+    assert torch.equal(hf.generate(ids, max_new_tokens=20, do_sample=False), model.generate(ids, 20, temperature=0))
+
+    def prompt(folder):
+        proc = run_as_script(capsys, "lm", "--output_dir", folder, "--prompt", "the man", "--max_new_tokens", 30)
+        assert proc.returncode == 0, output_of(proc)
+        return proc.stdout
+
+    moved = tmp_path / "moved"  # the folder alone, its shards gone
+    shutil.copytree(out, moved, ignore=shutil.ignore_patterns("checkpoints", "tensorboard"))
+    finished = results(moved)
+    json.dump({**finished, "dataset_dir": str(tmp_path / "gone")}, open(moved / "all_results.json", "w"))
+    expected = prompt(moved)
+    assert expected == prompt(out)
+    older = tmp_path / "older"  # as train/lm.py wrote it before: our names, no config.json, no tokenizer
+    shutil.copytree(moved, older)
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        os.remove(older / name)
+    from safetensors.torch import save_file
+
+    save_file({k: v for k, v in from_gpt2(weights(out)).items() if k != "lm_head.weight"}, older / "model.safetensors")
+    json.dump(finished, open(older / "all_results.json", "w"))  # its shards named there, as they were
+    assert prompt(older) == expected
 
 
 def test_reading_workers_follow_the_runs_device_not_the_machine():

@@ -8,7 +8,9 @@
 Text is tokenized once (on the main process) into window shards of --block_size + 1 tokens, cached
 in --dataset_dir and streamed through the exactly-once sharded path (data/text.py). Every
 validation token is scored once for any process count: eval_loss (nats per token) and eval_bpb
-(bits per UTF-8 byte, comparable across tokenizers).
+(bits per UTF-8 byte, comparable across tokenizers). The final OUTPUT_DIR is a Hugging Face GPT-2
+folder (config.json, model.safetensors, tokenizer.json): AutoModelForCausalLM.from_pretrained(OUTPUT_DIR)
+and AutoTokenizer.from_pretrained(OUTPUT_DIR) load it (docs/lm.md).
 """
 import json
 import math
@@ -32,6 +34,7 @@ from train.core.loop import TrainingLoop
 from train.core.run import run, start_run
 from train.core.tracking import matmul_peak, peak_memory_mb
 from train.models.gpt import GPT, GPTConfig, next_token_loss
+from train.models.gpt_hf import from_gpt2, gpt_config, save_gpt2_folder
 
 TASK = "lm"  # the run's name in its checkpoints: another task's checkpoint is refused
 FEW_STEPS = 100  # a run shorter than this says what to try (the GCIDE demo takes 340)
@@ -167,37 +170,64 @@ def main(args):
         loop.after_batch(loss)
     tokens_per_second = loop.samples_per_second() * args.block_size  # a sample is one window of block_size targets
     peak = matmul_peak(accelerator)
+    # the final folder is a Hugging Face GPT-2 model (train/models/gpt_hf.py); checkpoints keep our names
     results = loop.finish({
         "model_config": vars(config), "dataset_dir": args.dataset_dir, "tokenizer": manifest["tokenizer"],
         "parameters": sum(p.numel() for p in accelerator.unwrap_model(model).parameters()),
         "train_tokens_per_second": tokens_per_second, "matmul_peak_flops": peak,
         "mfu": tokens_per_second * accelerator.unwrap_model(model).flops_per_token() / peak,
-        "peak_memory_mb": peak_memory_mb(accelerator)})
+        "peak_memory_mb": peak_memory_mb(accelerator)},
+        save_model=lambda weights, out: save_gpt2_folder(weights, out, config,
+                                                         lm_tokenizer(args.dataset_dir, manifest)))
     accelerator.print(f"train_tokens_per_second={tokens_per_second:.0f} mfu={results['mfu']:.1%} "
                       f"peak_memory_mb={results['peak_memory_mb']:.0f}")
     return results
 
 
-def sample(args):
-    """Continue --prompt with the model trained in --output_dir."""
+def trained_model(output_dir):
+    """(GPTConfig, weights in our names, tokenizer) of the run in output_dir. A Hugging Face GPT-2
+    folder (its weights named transformer.*) carries its config.json and tokenizer.json; an older
+    run's model.safetensors holds our names, its shape is all_results.json's model_config and its
+    tokenizer is beside the token shards it names (dataset_dir)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     try:
-        with open(os.path.join(args.output_dir, "all_results.json")) as f:
-            trained = json.load(f)
-        weights = load_file(os.path.join(args.output_dir, "model.safetensors"))
-        manifest = read_manifest(trained["dataset_dir"])
-    except (OSError, ValueError, KeyError, SafetensorError) as e:
-        fail(f"--output_dir {args.output_dir} holds no finished train/lm.py run ({' '.join(str(e).split())[:120]}); "
+        weights = load_file(os.path.join(output_dir, "model.safetensors"))
+        dataset_dir = None
+        if "transformer.wte.weight" in weights:
+            with open(os.path.join(output_dir, "config.json")) as f:
+                config, weights = gpt_config(json.load(f)), from_gpt2(weights)
+        else:
+            with open(os.path.join(output_dir, "all_results.json")) as f:
+                trained = json.load(f)
+            config, dataset_dir = GPTConfig(**trained["model_config"]), trained["dataset_dir"]
+    except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
+        fail(f"--output_dir {output_dir} holds no finished train/lm.py run ({' '.join(str(e).split())[:120]}); "
              "train one there first")
+    if os.path.isfile(os.path.join(output_dir, "tokenizer.json")):  # the folder's own: no token shards needed
+        return config, weights, load_tokenizer(os.path.join(output_dir, "tokenizer.json"))
+    if dataset_dir is None:
+        fail(f"--output_dir {output_dir} has no tokenizer.json; copy the run's tokenizer.json there")
+    manifest = read_manifest(dataset_dir)
     if manifest is None:
-        fail(f"the run's token shards ({trained['dataset_dir']}) are gone: its tokenizer is there; prepare them again")
-    tokenizer = lm_tokenizer(trained["dataset_dir"], manifest)
-    model = GPT(GPTConfig(**trained["model_config"]))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+        fail(f"the run's token shards ({dataset_dir}) are gone: its tokenizer is there; prepare them again")
+    return config, weights, lm_tokenizer(dataset_dir, manifest)
+
+
+def sample(args):
+    """Continue --prompt with the model trained in --output_dir."""
+    config, weights, tokenizer = trained_model(args.output_dir)
+    model = GPT(config)
+    try:
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError:  # a tensor of another shape
+        missing, unexpected = [], ["(shapes)"]
     if unexpected or set(missing) - {"lm_head.weight"}:  # older runs hold the tied layer once, as wte
-        fail(f"model.safetensors in {args.output_dir} does not fit its model_config; train the run again")
+        fail(f"model.safetensors in {args.output_dir} does not fit its config; train the run again")
+    if tokenizer.vocab_size != config.vocab_size:
+        fail(f"the tokenizer in {args.output_dir} has {tokenizer.vocab_size} tokens, its model {config.vocab_size}; "
+             "train the run again")
     torch.manual_seed(args.seed)
     ids = torch.tensor([tokenizer.encode_batch([args.prompt])[0] or [tokenizer.eot_id]])
     out = model.eval().generate(ids, args.max_new_tokens, args.temperature, args.top_k)[0].tolist()
