@@ -33,7 +33,11 @@ TEXT_DIR ?= runs/text/wordnet
 
 TEXT_RECIPE := --config train/configs/text_wordnet.yaml
 
-.PHONY: setup config-file train train-only test images train-images gcide train-lm text-data train-text
+# train/sft.py's demo data: GCIDE headwords as prompts ("Define: WORD\n"), their first definitions as responses;
+# training pairs only from lm.py's training entries, validation pairs only from its validation entries
+SFT_DIR ?= runs/sft/gcide
+
+.PHONY: setup config-file train train-only test images train-images gcide train-lm text-data train-text sft-data
 
 # apt for the offline Fashion-MNIST copy (Debian's dataset-fashion-mnist), pip for the Python packages.
 setup:
@@ -75,6 +79,10 @@ gcide: setup
 	    { if [ "$$(id -u)" = 0 ]; then apt-get update -qq; else sudo apt-get update -qq; fi && apt-get download dict-gcide; }) && \
 	  mkdir -p runs/corpora/gcide && dpkg-deb -x $$tmp/dict-gcide_*.deb runs/corpora/gcide && rm -rf $$tmp; \
 	fi
+
+# python -m data.definitions writes nothing when the files already hold what it would write
+sft-data: gcide
+	$(PYTHON) -m data.definitions --output_dir $(SFT_DIR)
 
 # python -m data.wordnet writes nothing when the files already hold what it would write
 text-data: setup
