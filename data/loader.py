@@ -32,14 +32,17 @@ def pinned(device):
 
 
 def sharded_loader(source, per_device_batch_size, *, rank, world_size, device, seed, train, num_workers=0,
-                   lengths=None, gather=gather_object):
+                   lengths=None, weights=None, accumulation_steps=1, gather=gather_object):
     """This rank's batches of `source` (see data/sources.py): shuffled and `drop` for training, in
     order and `pad` (masked by `valid`) for evaluation; with `lengths` (one per row), grouped by
-    length (data/sharding.py: group_by_length). `gather` is the one collective that checks
-    every rank built the same plan (accelerate's gather_object). Never pass the result to
-    accelerator.prepare, which would shard it a second time."""
+    length, by optimizer steps of `accumulation_steps` batches (data/sharding.py: group_by_length);
+    with `weights` (one per row), each batch's `step_weight` is their sum over its optimizer step on
+    every rank. `gather` is the one collective that checks every rank built the same plan
+    (accelerate's gather_object). Never pass the result to accelerator.prepare, which would shard it
+    a second time."""
     dataset = ShardedIterableDataset(source, per_device_batch_size * world_size, rank=rank, world_size=world_size,
-                                     seed=seed, shuffle=train, policy="drop" if train else "pad", lengths=lengths)
+                                     seed=seed, shuffle=train, policy="drop" if train else "pad", lengths=lengths,
+                                     weights=weights, accumulation_steps=accumulation_steps)
     check_same_plan(dataset.identity(), gather)
     return ShardedLoader(dataset, device, num_workers=num_workers, pin_memory=pinned(device))
 

@@ -69,29 +69,33 @@ def epoch_order(unit_sizes, seed, epoch, shuffle=True):
 MEGABATCH = 50  # global batches sorted together: HF's LengthGroupedSampler's mega-batch of 50 batches
 
 
-def group_by_length(order, lengths, global_batch_size, num_batches, seed, epoch, shuffle):
+def group_by_length(order, lengths, global_batch_size, num_batches, seed, epoch, shuffle, accumulation_steps=1):
     """`order` regrouped so each global batch holds rows of similar length. Training (shuffle): the rows
-    the epoch uses, taken MEGABATCH global batches at a time in their shuffled order, sorted longest
-    first, cut into global batches, and the batches shuffled (seeded by seed and epoch); the dropped
-    tail stays last. Evaluation: every row sorted longest first, the least padding possible."""
+    the epoch uses, taken MEGABATCH optimizer steps at a time in their shuffled order, sorted longest
+    first, cut into steps of `accumulation_steps` global batches, and the steps shuffled (seeded by seed
+    and epoch; a last, shorter step stays last, as does the dropped tail). A whole step's rows are then
+    the same whether it is one global batch or several accumulated. Evaluation: every row sorted longest
+    first, the least padding possible."""
     lengths = np.asarray(lengths)
     if not shuffle:
         return order[np.argsort(-lengths[order], kind="stable")]
-    used, tail = order[:num_batches * global_batch_size], order[num_batches * global_batch_size:]
-    step = MEGABATCH * global_batch_size
-    used = np.concatenate([chunk[np.argsort(-lengths[chunk], kind="stable")]
-                           for chunk in np.split(used, range(step, len(used), step))] or [used])
+    step = accumulation_steps * global_batch_size
+    full = num_batches // accumulation_steps  # whole optimizer steps; a shorter last one is sorted on its own
+    stepped, last, tail = np.split(order, [full * step, num_batches * global_batch_size])
+    stepped = np.concatenate([chunk[np.argsort(-lengths[chunk], kind="stable")] for chunk in
+                              np.split(stepped, range(MEGABATCH * step, len(stepped), MEGABATCH * step))] or [stepped])
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, 1])))
-    batches = used.reshape(num_batches, global_batch_size)[rng.permutation(num_batches)]
-    return np.concatenate([batches.reshape(-1), tail])
+    stepped = stepped.reshape(full, step)[rng.permutation(full)].reshape(-1)
+    return np.concatenate([stepped, last[np.argsort(-lengths[last], kind="stable")], tail])
 
 
 class BatchPlan:
     """Which sample ids rank `rank` of `world_size` gets in each global batch of an epoch; with
-    `lengths`, batches of similar lengths (group_by_length)."""
+    `lengths`, batches of similar lengths (group_by_length), grouped by optimizer steps of
+    `accumulation_steps` global batches."""
 
     def __init__(self, unit_sizes, global_batch_size, world_size=1, rank=0, seed=0, shuffle=True, policy="drop",
-                 lengths=None):
+                 lengths=None, accumulation_steps=1):
         if global_batch_size < 1 or global_batch_size % world_size:
             raise PlanError(f"global batch size {global_batch_size} is not divisible by world size {world_size}; "
                             f"use a multiple of {world_size}")
@@ -110,6 +114,7 @@ class BatchPlan:
         if lengths is not None and len(lengths) != self.num_samples:
             raise PlanError(f"{len(lengths)} lengths for {self.num_samples} samples; pass one length per sample")
         self.lengths = None if lengths is None else np.asarray(lengths)
+        self.accumulation_steps = accumulation_steps  # global batches per optimizer step: the unit of grouping
 
     def num_batches(self):
         """Global batches per epoch, the same on every rank."""
@@ -117,12 +122,28 @@ class BatchPlan:
             return self.num_samples // self.global_batch_size
         return math.ceil(self.num_samples / self.global_batch_size)
 
-    def rank_batches(self, epoch, start=0):
-        """Yield (global_batch_index, sample_ids, valid) for this rank, from global batch `start` on."""
+    def epoch_rows(self, epoch):
+        """Sample ids of the epoch in plan order: global batch i is positions [i*G, (i+1)*G)."""
         order = epoch_order(self.unit_sizes, self.seed, epoch, self.shuffle)
         if self.lengths is not None:
             order = group_by_length(order, self.lengths, self.global_batch_size, self.num_batches(), self.seed, epoch,
-                                    self.shuffle)
+                                    self.shuffle, self.accumulation_steps)
+        return order
+
+    def step_totals(self, epoch, weights, accumulation_steps):
+        """Per global batch of the epoch: the sum of `weights` (one per sample) over every row of the
+        optimizer step it belongs to, all ranks together. A step is `accumulation_steps` consecutive
+        global batches from the epoch's start (its last step may have fewer: accelerate steps at the
+        end of the loader); pad's repeats count 0. Every rank computes it alone, no communication."""
+        order, n, g = self.epoch_rows(epoch), self.num_samples, self.global_batch_size
+        positions = np.arange(self.num_batches() * g)
+        per_batch = np.where(positions < n, np.asarray(weights)[order[positions % max(n, 1)]], 0).reshape(-1, g).sum(1)
+        step_of = np.arange(len(per_batch)) // accumulation_steps
+        return np.bincount(step_of, weights=per_batch)[step_of] if len(per_batch) else per_batch
+
+    def rank_batches(self, epoch, start=0):
+        """Yield (global_batch_index, sample_ids, valid) for this rank, from global batch `start` on."""
+        order = self.epoch_rows(epoch)
         n, g, b = self.num_samples, self.global_batch_size, self.per_rank_batch_size
         for batch in range(start, self.num_batches()):
             positions = np.arange(batch * g + self.rank * b, batch * g + (self.rank + 1) * b)
@@ -138,7 +159,11 @@ class BatchPlan:
 
 
 class ShardedIterableDataset(IterableDataset):
-    """Yields this rank's batches as dicts: the source's columns, `index` (sample ids) and `valid`.
+    """Yields this rank's batches as dicts: the source's columns, `index` (sample ids) and `valid`;
+    with `weights` (one per sample: the tokens a row scores, say) also `step_weight`, their sum over
+    the whole optimizer step the batch is part of (BatchPlan.step_totals), known before its first
+    backward pass: a loss summed over a batch's rows divided by it weighs every row's weight unit the
+    same, whatever the process count and accumulation steps.
 
     `source`: a ParquetSource, TensorSource, DatasetsSource, a `datasets.Dataset` (wrapped in a
     DatasetsSource), or any object with `unit_sizes`, `read(ids)` and `fingerprint()`.
@@ -148,9 +173,13 @@ class ShardedIterableDataset(IterableDataset):
     """
 
     def __init__(self, source, global_batch_size, rank=0, world_size=1, seed=0, shuffle=True, policy="drop",
-                 lengths=None):
+                 lengths=None, weights=None, accumulation_steps=1):
         self.source = source = as_source(source)
-        self.plan = BatchPlan(source.unit_sizes, global_batch_size, world_size, rank, seed, shuffle, policy, lengths)
+        self.plan = BatchPlan(source.unit_sizes, global_batch_size, world_size, rank, seed, shuffle, policy, lengths,
+                              accumulation_steps)
+        if weights is not None and len(weights) != self.plan.num_samples:
+            raise PlanError(f"{len(weights)} weights for {self.plan.num_samples} samples; pass one weight per sample")
+        self.weights, self.accumulation_steps = weights, accumulation_steps
         self.epoch, self.start_batch = 0, 0
 
     def set_epoch(self, epoch, start_batch=0):
@@ -166,11 +195,15 @@ class ShardedIterableDataset(IterableDataset):
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         if self.plan.world_size > 1:
             _refuse_resharding(self, info)
+        totals = None if self.weights is None else \
+            self.plan.step_totals(self.epoch, self.weights, self.accumulation_steps)
         for batch_index, ids, valid in self.plan.rank_batches(self.epoch, self.start_batch):
             if (batch_index - self.start_batch) % num_workers != worker:
                 continue  # whole batches per worker: the DataLoader returns them in plan order
             batch = self.source.read(ids)
             batch.update(index=ids, valid=valid)
+            if totals is not None:
+                batch["step_weight"] = torch.tensor(totals[batch_index], dtype=torch.float64)
             yield batch
 
     def identity(self):

@@ -120,7 +120,8 @@ def main(args):
         args.per_device_eval_batch_size, rank=accelerator.process_index, world_size=accelerator.num_processes,
         device=accelerator.device, seed=args.seed, train=split == "train", num_workers=args.dataloader_num_workers,
         # evaluation is always grouped: its order changes nothing but the padding
-        lengths=list(ds["length"]) if split == "validation" or args.group_by_length else None)
+        lengths=list(ds["length"]) if split == "validation" or args.group_by_length else None,
+        accumulation_steps=args.gradient_accumulation_steps)  # grouped by optimizer step, as 1 process x GA has it
         for split, ds in splits.items()}
     counts = info["splits"]
     accelerator.print(f"data: {folder}: {counts['train']['rows']:,} train, {counts['validation']['rows']:,} validation "
