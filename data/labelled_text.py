@@ -28,11 +28,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def tokenizer_files_hash(model_dir):
-    """Of the tokenizer's files in the model folder (a sentencepiece .model among them)."""
+    """Of the tokenizer's files in the model folder (a sentencepiece .model and a chat template's .jinja among them)."""
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(os.listdir(model_dir)):
         path = os.path.join(model_dir, name)
-        if os.path.isfile(path) and (name in TOKENIZER_FILES or name.endswith(".model")):
+        if os.path.isfile(path) and (name in TOKENIZER_FILES or name.endswith((".model", ".jinja"))):
             with open(path, "rb") as f:
                 h.update(name.encode() + b"\0" + f.read())
     return h.hexdigest()
@@ -137,25 +137,42 @@ def prepare_labelled_text(train_files, validation_files, validation_split_percen
            "split": None if validation_files else [validation_split_percentage or 10, seed],
            "tokenizer": tokenizer_files_hash(model_dir), "text": text_column_names,
            "label": label_column, "max_seq_length": max_seq_length}
-    digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=8).hexdigest()
     stem = os.path.splitext(os.path.basename(os.path.normpath(train_files[0])))[0]
+
+    def write(tmp):
+        splits = load_splits(train_files, validation_files, validation_split_percentage, seed)
+        names, labels = label_names(splits["train"], splits["validation"], label_column)
+        info = {"labels": names, "text_columns": text_column_names, "max_seq_length": max_seq_length, "splits": {}}
+        for split, ds in splits.items():
+            rows, at_limit = tokenize(tokenizer, text_columns(ds, text_column_names, split), max_seq_length)
+            rows["label"] = labels[split]
+            datasets.Dataset.from_dict(rows).save_to_disk(os.path.join(tmp, split))
+            info["splits"][split] = {"rows": len(ds), "tokens": sum(rows["length"]), "at_max_seq_length": at_limit}
+        return info
+
+    return cached_folder(cache_root, stem, key, write)
+
+
+def cached_folder(cache_root, stem, key, write):
+    """(folder, info): the folder CACHE_ROOT/STEM-HASH named by a hash of `key` (everything that decides
+    its content), written by write(tmp_folder) -> info (kept as info.json) when it is not there yet.
+    The folder appears in one rename, so one of this name is always complete."""
+    digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=8).hexdigest()
     folder = os.path.join(cache_root, f"{stem}-{digest}")
     if os.path.isfile(os.path.join(folder, "info.json")):
         with open(os.path.join(folder, "info.json")) as f:
             return folder, json.load(f)
-    splits = load_splits(train_files, validation_files, validation_split_percentage, seed)
-    names, labels = label_names(splits["train"], splits["validation"], label_column)
-    info = {"labels": names, "text_columns": text_column_names, "max_seq_length": max_seq_length, "splits": {}}
     tmp = f"{folder}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    for split, ds in splits.items():
-        rows, at_limit = tokenize(tokenizer, text_columns(ds, text_column_names, split), max_seq_length)
-        rows["label"] = labels[split]
-        datasets.Dataset.from_dict(rows).save_to_disk(os.path.join(tmp, split))
-        info["splits"][split] = {"rows": len(ds), "tokens": sum(rows["length"]), "at_max_seq_length": at_limit}
-    with open(os.path.join(tmp, "info.json"), "w") as f:
-        json.dump(info, f, indent=1)
-    try:  # in one step: a folder of this name is always complete
+    os.makedirs(tmp)
+    try:
+        info = write(tmp)
+        with open(os.path.join(tmp, "info.json"), "w") as f:
+            json.dump(info, f, indent=1)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
         os.rename(tmp, folder)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -28,3 +28,54 @@ def tiny_bert(folder, dropout=0.0, num_labels=None, seed=0):
         if os.path.isfile(os.path.join(minilm_folder(), name)):
             shutil.copy(os.path.join(minilm_folder(), name), folder)
     return str(folder)
+
+
+WORDS = ("the a of and to in is was define word means small large quick animal plant water light sound color "
+         "house tree river stone music number letter answer question").split()
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_tokenizer(folder, bos=False, chat=False):
+    """A byte-level BPE of ~400 tokens trained on WORDS, with end-of-text (and Llama's <s> before each
+    text with bos=True; ChatML's turn tokens and template with chat=True), saved into folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", *(["<s>"] if bos else []), *(["<|im_start|>", "<|im_end|>"] if chat else [])]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([" ".join(WORDS)] * 20, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", **({"bos_token": "<s>"} if bos else {}),
+                                      **({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]} if chat else {}))
+    if chat:
+        wrapped.chat_template = CHATML
+    wrapped.save_pretrained(folder)
+    return wrapped
+
+
+def tiny_causal_lm(folder, arch="gpt2", dropout=0.0, seed=0, chat=False):
+    """A 2-layer, 32-wide GPT-2 or Llama (random weights) with tiny_tokenizer's tokenizer."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = tiny_tokenizer(folder, bos=arch == "llama", chat=chat)
+    torch.manual_seed(seed)
+    if arch == "gpt2":
+        config = GPT2Config(vocab_size=len(tokenizer), n_positions=128, n_embd=32, n_layer=2, n_head=2,
+                            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                            eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
+        model = GPT2LMHeadModel(config)
+    else:
+        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                             attention_dropout=dropout, eos_token_id=tokenizer.eos_token_id,
+                             bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=False)
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    return str(folder)

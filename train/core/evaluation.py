@@ -65,21 +65,36 @@ def evaluate_confusion(accelerator, model, loader, num_labels, logits_of):
     return {**metrics, "eval_loss": nats.item() / max(samples, 1), "eval_samples": samples, "eval_confusion": confusion}
 
 
-def evaluate_language_model(accelerator, model, loader, split):
-    """Loss and bits per byte over every target of the validation windows once, for any process
-    count: the sharded loader's padded repeats (valid=False) and the last window's padding (label
-    -100) are left out of both sums. `split` is the manifest's record of the split (data/text.py):
-    its UTF-8 bytes over its scored tokens turn nats per token into bits per byte, which compare
-    across tokenizers."""
+def token_loss(accelerator, model, loader, logits_of):
+    """(nats, tokens): the next-token loss summed over every scored label (not -100) of the evaluation
+    set once, for any process count: the sharded loader's padded repeats (valid=False) are left out,
+    and one reduce adds every rank's sums. logits_of(batch) gives the logits."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
     with torch.no_grad():
         for batch in loader:
             labels = batch["labels"].masked_fill(~batch["valid"][:, None], -100)
-            nats = next_token_loss(model(batch["input_ids"]), labels, reduction="sum")
+            nats = next_token_loss(logits_of(batch), labels, reduction="sum")
             totals += torch.stack([nats.double(), (labels != -100).sum().double()])
     model.train()
     nats, tokens = accelerator.reduce(totals, reduction="sum").tolist()
+    return nats, tokens
+
+
+def evaluate_language_model(accelerator, model, loader, split):
+    """Loss and bits per byte over every target of the validation windows once, for any process
+    count (token_loss; the last window's padding is labelled -100). `split` is the manifest's record
+    of the split (data/text.py): its UTF-8 bytes over its scored tokens turn nats per token into bits
+    per byte, which compare across tokenizers."""
+    nats, tokens = token_loss(accelerator, model, loader, lambda batch: model(batch["input_ids"]))
     scored_bytes = split["text_bytes"] * tokens / split["scored_tokens"]
     return {"eval_loss": nats / tokens, "eval_bpb": nats / math.log(2) / scored_bytes,
             "eval_perplexity": math.exp(min(nats / tokens, 50)), "eval_tokens": int(tokens)}
+
+
+def evaluate_responses(accelerator, model, loader, logits_of):
+    """Loss (nats per response token) and perplexity over every response token of the validation set
+    once, for any process count; each token weighs the same, whatever example or batch it is in."""
+    nats, tokens = token_loss(accelerator, model, loader, logits_of)
+    return {"eval_loss": nats / tokens, "eval_perplexity": math.exp(min(nats / tokens, 50)),
+            "eval_tokens": int(tokens)}

@@ -1,0 +1,233 @@
+"""Prompt/response pairs (or chat conversations) for supervised fine-tuning of a causal language model:
+read once, tokenized once, kept as memory-mapped Arrow (the cache of data/labelled_text.py).
+
+An example is its prompt's tokens then its response's, and the end-of-text token: the response and
+that last token are the targets, the prompt is context only. A chat conversation (a column of
+[{"role", "content"}, ...] turns) is rendered with the tokenizer's own chat template, and every
+assistant turn is a target. A row stores the model's input and, beside it, the token each position
+predicts (`labels`, already shifted; -100 where nothing is scored), so an example of n tokens is a
+row of n - 1 positions, each scored response token predicted exactly once. `targets` counts a
+row's scored positions: the training loop divides the loss by their sum over every row of an
+optimizer step (data/sharding.py: step weights), so a token counts the same on any process count.
+
+Examples longer than --max_seq_length are cut at the end of the response (`truncate`), left out
+(`drop`) or refused (`error`); one whose prompt alone fills the length is refused unless dropped.
+With `packing`, the training rows are several examples each, placed by best-fit decreasing into
+rows of --max_seq_length tokens, with `position_ids` starting again at 0 for each example: a model
+that reads packed sequences from its position ids keeps attention inside each one (train/sft.py
+checks that the model does). Validation rows are never packed, so its metrics do not depend on it.
+"""
+import bisect
+import os
+
+from data.errors import DataError
+from data.labelled_text import _input_hash, cached_folder, load_splits, tokenizer_files_hash
+
+FORMAT = 1  # of the folder written here; a change makes every cached folder stale
+LONG_EXAMPLES = ("truncate", "drop", "error")
+
+
+def _strings(ds, column, split, flag):
+    if column not in ds.column_names:
+        raise DataError(f"no column {column!r} in the {split} data (columns: {', '.join(ds.column_names)}); "
+                        f"pass {flag} NAME")
+    if getattr(ds.features[column], "dtype", None) not in ("string", "large_string"):
+        raise DataError(f"column {column!r} holds {ds.features[column]}, not text; pass {flag} NAME")
+    return ds[column]
+
+
+def _start(text):
+    """A row named by its first words: a held-out split's row numbers are not the file's."""
+    text = " ".join(text.split())
+    return repr(text[:40] + ("..." if len(text) > 40 else ""))
+
+
+def prompt_response_segments(ds, split, prompt_column, response_column):
+    """Per example: [(prompt, False), (response, True)]; an empty response is refused (its row named)."""
+    prompts = _strings(ds, prompt_column, split, "--prompt_column")
+    responses = _strings(ds, response_column, split, "--response_column")
+    empty = [i for i, r in enumerate(responses) if not r or not r.strip()]
+    if empty:
+        raise DataError(f"the {split} data has {len(empty)} row(s) with an empty {response_column!r} (the first: "
+                        f"{_start(prompts[empty[0]] or '')}); fill them in or drop those rows")
+    return [[(p or "", False), (r, True)] for p, r in zip(prompts, responses)]
+
+
+def chat_segments(ds, split, column, tokenizer):
+    """Per conversation: its text as rendered by the chat template, cut into (text, is_assistant) pieces:
+    each assistant turn is the text the template adds to the conversation before it (rendered with
+    the generation prompt) when that turn is added."""
+    if column not in ds.column_names:
+        raise DataError(f"no column {column!r} in the {split} data (columns: {', '.join(ds.column_names)}); "
+                        "pass --messages_column NAME")
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"--messages_column {column}: the model's tokenizer has no chat template to render "
+                        "conversations with; pass --prompt_column and --response_column instead, or add a "
+                        "chat_template to its tokenizer_config.json")
+
+    def render(turns, **kwargs):
+        return tokenizer.apply_chat_template(turns, tokenize=False, **kwargs)
+
+    out = []
+    for turns in ds[column]:
+        if not isinstance(turns, list) or not all(isinstance(t, dict) and {"role", "content"} <= set(t) for t in turns):
+            raise DataError(f"{column!r} in the {split} data is not a list of {{'role', 'content'}} turns (its "
+                            f"value {_start(repr(turns))}); pass --messages_column NAME of such a column")
+        where = f"the {split} conversation {_start(turns[0]['content'] or '') if turns else '[]'}"
+        if not any(t["role"] == "assistant" and (t["content"] or "").strip() for t in turns):
+            raise DataError(f"{where} has no assistant turn with text: nothing to learn from; drop it")
+        text = render(turns)
+        segments, done = [], 0
+        for i, turn in enumerate(turns):
+            if turn["role"] != "assistant":
+                continue
+            before, after = render(turns[:i], add_generation_prompt=True), render(turns[:i + 1])
+            if not (after.startswith(before) and text.startswith(after) and len(before) >= done):
+                raise DataError(f"{where}: the chat template does not render the conversation one turn after "
+                                "another (an earlier turn's text changes when a turn is added), so the assistant "
+                                "turns cannot be found; pass the pairs as --prompt_column/--response_column")
+            segments += [(text[done:len(before)], False), (after[len(before):], True)]
+            done = len(after)
+        out.append(segments + [(text[done:], False)])
+    return out
+
+
+def encode(tokenizer, examples, max_seq_length, long_examples, split, chat):
+    """Rows (input_ids, labels, length, targets) and counts: cut, dropped, tokens."""
+    pieces = [text for segments in examples for text, _ in segments]
+    ids = iter(tokenizer(pieces, add_special_tokens=False)["input_ids"]) if pieces else iter(())
+    # outside a chat template (which writes its own), the tokenizer's leading special token (Llama's
+    # <s>) starts each example, and end-of-text ends it: the model learns where a response stops
+    first = tokenizer("x")["input_ids"][:1] if not chat else []
+    start = first if first and first[0] in tokenizer.all_special_ids else []
+    end = [tokenizer.eos_token_id] if not chat and tokenizer.eos_token_id is not None else []
+    rows = {"input_ids": [], "labels": [], "length": [], "targets": []}
+    cut = dropped = 0
+    for segments in examples:
+        tokens, scored = list(start), [False] * len(start)
+        for _, is_target in segments:
+            piece = next(ids)
+            tokens += piece
+            scored += [is_target] * len(piece)
+        tokens += end
+        scored += [True] * len(end)
+        labels = [t if s else -100 for t, s in zip(tokens[1:], scored[1:])]
+        tokens = tokens[:-1]
+        if not any(s for s in scored[1:]):
+            raise DataError(f"the {split} example {_start(segments[0][0])} has no response tokens; fill its response in")
+        if len(tokens) > max_seq_length:
+            prompt = scored.index(True)  # tokens before the first response token: its context
+            if long_examples == "drop":
+                dropped += 1
+                continue
+            if prompt >= max_seq_length + 1 or long_examples == "error":
+                what = f"its prompt alone is {prompt} tokens" if prompt >= max_seq_length + 1 else \
+                    f"it is {len(tokens) + 1} tokens"
+                raise DataError(f"the {split} example {_start(segments[0][0])} is longer than --max_seq_length "
+                                f"{max_seq_length}: "
+                                f"{what}; raise --max_seq_length, shorten it, or pass --long_examples drop"
+                                + ("" if prompt >= max_seq_length + 1 else " (or truncate)"))
+            tokens, labels = tokens[:max_seq_length], labels[:max_seq_length]
+            cut += 1
+        rows["input_ids"].append(tokens)
+        rows["labels"].append(labels)
+        rows["length"].append(len(tokens))
+        rows["targets"].append(sum(label != -100 for label in labels))
+    if not rows["length"]:
+        raise DataError(f"every example of the {split} data is longer than --max_seq_length {max_seq_length} and "
+                        "was dropped; raise --max_seq_length")
+    return rows, {"examples": len(examples), "rows": len(rows["length"]), "cut": cut, "dropped": dropped,
+                  "tokens": sum(rows["length"]), "targets": sum(rows["targets"])}
+
+
+def pack(rows, max_seq_length):
+    """Rows of several examples each, by best-fit decreasing: longest example first, each into the row
+    with the least room that still takes it. position_ids restart at 0 with each example."""
+    order = sorted(range(len(rows["length"])), key=lambda i: -rows["length"][i])
+    bins, room = [], []  # room: sorted (free tokens, bin) pairs
+    for i in order:
+        n = rows["length"][i]
+        at = bisect.bisect_left(room, (n, -1))
+        if at < len(room):
+            _, b = room.pop(at)
+        else:
+            b = len(bins)
+            bins.append([])
+        bins[b].append(i)
+        free = max_seq_length - sum(rows["length"][j] for j in bins[b])
+        if free > 0:
+            bisect.insort(room, (free, b))
+    packed = {"input_ids": [], "labels": [], "position_ids": [], "length": [], "targets": []}
+    for members in bins:
+        for key in ("input_ids", "labels"):
+            packed[key].append([t for i in members for t in rows[key][i]])
+        packed["position_ids"].append([p for i in members for p in range(rows["length"][i])])
+        packed["length"].append(sum(rows["length"][i] for i in members))
+        packed["targets"].append(sum(rows["targets"][i] for i in members))
+    return packed
+
+
+def prepare_prompt_response(train_files, validation_files, validation_split_percentage, seed, model_dir, tokenizer,
+                            columns, max_seq_length, long_examples="truncate", packing=False,
+                            cache_root="runs/tokens"):
+    """The tokenized folder for these inputs (written if missing) and its info.json as a dict.
+    `columns`: {"prompt": NAME, "response": NAME} or {"messages": NAME}."""
+    import datasets
+
+    if long_examples not in LONG_EXAMPLES:
+        raise DataError(f"--long_examples {long_examples}: pass one of {', '.join(LONG_EXAMPLES)}")
+    datasets.disable_progress_bars()
+    chat = "messages" in columns
+    key = {"format": FORMAT, "inputs": _input_hash(train_files), "validation": validation_files and
+           _input_hash(validation_files), "split": None if validation_files else [validation_split_percentage or 10, seed],
+           "tokenizer": tokenizer_files_hash(model_dir), "columns": columns, "max_seq_length": max_seq_length,
+           "long_examples": long_examples, "packing": packing}
+    stem = os.path.splitext(os.path.basename(os.path.normpath(train_files[0])))[0]
+
+    def write(tmp):
+        splits = load_splits(train_files, validation_files, validation_split_percentage, seed)
+        info = {"columns": columns, "max_seq_length": max_seq_length, "packing": packing, "splits": {}}
+        for split, ds in splits.items():
+            examples = chat_segments(ds, split, columns["messages"], tokenizer) if chat else \
+                prompt_response_segments(ds, split, columns["prompt"], columns["response"])
+            rows, counts = encode(tokenizer, examples, max_seq_length, long_examples, split, chat)
+            if packing and split == "train":
+                rows = pack(rows, max_seq_length)
+                counts["rows"] = len(rows["length"])
+            counts["padding_free_fraction"] = counts["tokens"] / (counts["rows"] * max_seq_length)
+            datasets.Dataset.from_dict(rows).save_to_disk(os.path.join(tmp, split))
+            info["splits"][split] = counts
+        return info
+
+    return cached_folder(cache_root, stem, key, write)
+
+
+class CausalBatch:
+    """A DatasetsSource transform: rows as one batch padded on the right to its longest row. Padding
+    is never scored (label -100). Unpacked rows get an attention mask; packed rows get position_ids
+    instead (the padding continues as one more sequence of its own), which is how a model that
+    supports packing tells the examples apart."""
+
+    def __init__(self, pad_token_id):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, rows):
+        import torch
+
+        rows = {k: v.tolist() if isinstance(v, torch.Tensor) and v.dim() == 2 else v for k, v in rows.items()}
+        longest = max(len(ids) for ids in rows["input_ids"])
+        n = len(rows["input_ids"])
+        out = {"input_ids": torch.full((n, longest), self.pad_token_id, dtype=torch.long),
+               "labels": torch.full((n, longest), -100, dtype=torch.long)}
+        packed = "position_ids" in rows
+        out["position_ids" if packed else "attention_mask"] = torch.zeros((n, longest), dtype=torch.long)
+        for i, ids in enumerate(rows["input_ids"]):
+            k = len(ids)
+            out["input_ids"][i, :k] = torch.tensor(ids)
+            out["labels"][i, :k] = torch.tensor(rows["labels"][i])
+            if packed:
+                out["position_ids"][i, :k] = torch.tensor(rows["position_ids"][i])
+                out["position_ids"][i, k:] = torch.arange(longest - k)
+            else:
+                out["attention_mask"][i, :k] = 1
+        return out

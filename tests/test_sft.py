@@ -1,0 +1,310 @@
+"""train/sft.py: tiny random causal LMs of two architectures (GPT-2 and Llama, tests/hf_models.py)
+fine-tuned on prompt/response pairs of very different lengths, in real processes.
+
+The promise tested first: 1 process with batch 8, 2 processes with batch 4 and 2 processes with
+batch 2 x 2 accumulation steps take the same optimizer steps (the loss of a step is the sum over its
+response tokens divided by their count, counted before the backward passes), and evaluate exactly
+the validation set's response tokens. Then: the output folder loads with from_pretrained and
+generates; SIGKILL and resume are bit-identical (full and LoRA); FSDP2 takes the same steps and its
+sharded checkpoint resumes in 1 process; SIGTERM saves; packing keeps examples apart; chat turns
+render with the template and only assistant turns are scored; bad input is one line each."""
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from conftest import launch, output_of, run_as_script
+from data.errors import DataError
+from data.prompt_response import CausalBatch, encode, chat_segments, pack, prompt_response_segments
+from data.sharding import BatchPlan
+from hf_models import WORDS, tiny_bert, tiny_causal_lm
+from test_checkpointing import identical, kill_launch, resume_copy, weights
+
+N_VALIDATION = 21  # odd: fills no batch of any size used here
+STEPS = ["--max_train_steps", 6, "--checkpointing_steps", 3, "--eval_steps", 3, "--logging_steps", 2, "--mixed_precision", "no"]
+
+
+def pairs(n, seed):
+    """Prompts of 1-20 words and responses of 1-40: lengths that differ up to 20x within a batch."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        word = rng.choice(WORDS)
+        context = " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 19)))
+        out.append({"prompt": f"define {word} {context}\n",
+                    "response": f"{word} means " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 38)))})
+    return out
+
+
+def conversations(n, seed):
+    rng = random.Random(seed)
+    say = lambda k: " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, k)))  # noqa: E731
+    return [{"messages": [{"role": "system", "content": say(5)}, {"role": "user", "content": say(8)},
+                          {"role": "assistant", "content": say(12)}, {"role": "user", "content": say(8)},
+                          {"role": "assistant", "content": say(12)}]} for _ in range(n)]
+
+
+def write_jsonl(path, records):
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft")
+    return {"gpt2": tiny_causal_lm(root / "gpt2"), "gpt2_dropout": tiny_causal_lm(root / "gpt2_dropout", dropout=0.1),
+            "llama": tiny_causal_lm(root / "llama", "llama", chat=True),
+            "train": write_jsonl(root / "train.jsonl", pairs(96, 0)),
+            "validation": write_jsonl(root / "validation.jsonl", pairs(N_VALIDATION, 1)),
+            "chat": write_jsonl(root / "chat.jsonl", conversations(48, 2)), "cache": str(root / "tokens"), "root": root}
+
+
+def args_for(data, *extra, model="gpt2"):
+    return ["--model_name_or_path", data[model], "--train_file", data["train"], "--validation_file", data["validation"],
+            "--cache_dir", data["cache"], "--learning_rate", 3e-3, *STEPS, *extra]
+
+
+def sft_run(config, data, out, *extra, model="gpt2"):
+    proc = launch(config, "sft", *args_for(data, *extra, model=model), "--output_dir", out)
+    assert proc.returncode == 0, output_of(proc)
+    return proc
+
+
+def largest_difference(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def runs(data):
+    """The same 6 steps three ways; 2 x 4 is the reference of the tests below."""
+    root = data["root"]
+    sft_run("cpu_2proc", data, root / "two", "--per_device_train_batch_size", 4)
+    sft_run("cpu_2proc", data, root / "accumulated", "--per_device_train_batch_size", 2,
+            "--gradient_accumulation_steps", 2)
+    return {"two": root / "two", "accumulated": root / "accumulated"}
+
+
+def test_one_process_two_processes_and_accumulation_take_the_same_steps(data, runs, capsys):
+    one = data["root"] / "one"
+    proc = run_as_script(capsys, "sft", *args_for(data, "--per_device_train_batch_size", 8), "--output_dir", one)
+    assert proc.returncode == 0, output_of(proc)
+    start = weights(data["gpt2"])
+    moved = largest_difference(weights(one), {k: start[k] for k in weights(one)})
+    differences = [largest_difference(weights(one), weights(runs[k])) for k in ("two", "accumulated")]
+    print(f"largest weight change {moved:.2e}; 1x8 vs 2x4 {differences[0]:.2e}, vs 2x2x2 {differences[1]:.2e}")
+    assert moved > 1e-3 and max(differences) < 2e-5, (moved, differences)  # fp32 rounding; a per-batch mean: 1e-2
+    results = [json.load(open(folder / "all_results.json")) for folder in (one, runs["two"], runs["accumulated"])]
+    scored = sum(row["targets"] for row in encoded(data, "validation"))
+    assert all(r["eval_tokens"] == scored for r in results)  # every validation response token once
+    assert max(abs(r["eval_loss"] - results[0]["eval_loss"]) for r in results) < 1e-5
+    history = [h["eval_loss"] for h in results[0]["history"]]
+    assert len(history) == 2 and history[-1] < history[0]  # the mid-run evaluation's loss, then a lower one
+
+
+def encoded(data, split):
+    import datasets
+
+    folder = next(os.path.join(data["cache"], f) for f in sorted(os.listdir(data["cache"])) if f.startswith("train-"))
+    return datasets.load_from_disk(os.path.join(folder, split))
+
+
+def test_the_output_folder_loads_with_from_pretrained_and_generates(data, runs, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = runs["two"]
+    assert {"config.json", "model.safetensors", "tokenizer.json", "all_results.json"} <= set(os.listdir(folder))
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer("define water\n", return_tensors="pt")["input_ids"]
+    expected = tokenizer.decode(model.generate(ids, max_new_tokens=5, do_sample=False)[0, ids.shape[1]:],
+                                skip_special_tokens=True).strip()
+    proc = run_as_script(capsys, "sft", "--output_dir", folder, "--prompt", "define water\\n", "define stone\\n",
+                         "--max_new_tokens", 5)
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0 and len(lines) == 2 and lines[0] == f"define water\t{expected}", output_of(proc)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_sigkill_then_resume_is_bit_identical(data, tmp_path, lora):
+    extra = ["--per_device_train_batch_size", 4, *(["--lora_r", 4, "--lora_dropout", 0.1] if lora else [])]
+    model = "llama" if lora else "gpt2_dropout"  # with dropout: its draws must come back too
+    full, crashed = tmp_path / "full", tmp_path / "crashed"
+    sft_run("cpu_2proc", data, full, *extra, model=model)
+    kill = ["--rank", 1, "--step", 4, "--marker", tmp_path / "killed"]
+    proc = kill_launch("cpu_2proc", "sft", kill, *args_for(data, *extra, model=model), "--output_dir", crashed)
+    assert proc.returncode != 0 and (tmp_path / "killed").exists(), output_of(proc)
+    proc = sft_run("cpu_2proc", data, crashed, *extra, "--resume_from_checkpoint", "latest", model=model)
+    assert f"resumed from {crashed}/checkpoints/step_00000003" in proc.stdout
+    assert identical(weights(crashed), weights(full))
+    if lora:  # checkpoints hold the adapters only; the folder holds the merged model and the adapter
+        saved = weights(crashed / "checkpoints" / "step_00000006")
+        assert saved and all("lora_" in k for k in saved), sorted(saved)[:4]
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        merged = AutoModelForCausalLM.from_pretrained(crashed)
+        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(data["llama"]), crashed / "adapter")
+        ids = torch.tensor([[1, 5, 9, 30, 7]])
+        assert torch.allclose(merged(ids).logits, adapted.eval()(ids).logits, atol=1e-5)
+
+
+def test_fsdp2_takes_the_same_steps_and_its_checkpoint_resumes_in_one_process(data, runs, tmp_path, capsys):
+    out = tmp_path / "fsdp"
+    proc = sft_run("fsdp2_cpu_2proc", data, out, "--per_device_train_batch_size", 4)
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("fsdp2: "))
+    assert "units: 2 GPT2Block" in line, line  # the model's own _no_split_modules
+    assert largest_difference(weights(out), weights(runs["two"])) < 2e-5
+    one = resume_copy(out, 3, str(tmp_path / "one"))
+    proc = run_as_script(capsys, "sft", *args_for(data, "--per_device_train_batch_size", 8, "--checkpoint_format",
+                                                  "sharded"), "--output_dir", one, "--resume_from_checkpoint", "latest")
+    assert proc.returncode == 0 and "saved with 2 processes" in proc.stdout, output_of(proc)
+    assert largest_difference(weights(one), weights(runs["two"])) < 2e-5
+
+
+def test_sigterm_saves_at_one_step(data, tmp_path):
+    out = tmp_path / "stopped"
+    kill = ["--rank", 1, "--step", 2, "--marker", tmp_path / "signalled", "--sigterm", "launcher"]
+    proc = kill_launch("cpu_2proc", "sft", kill, *args_for(data, "--per_device_train_batch_size", 4,
+                                                           "--max_train_steps", 48, "--checkpointing_steps", 100), "--output_dir", out)
+    said = [line for line in output_of(proc).splitlines() if line.startswith("stopped on SIGTERM at step ")]
+    assert proc.returncode != 0 and len(said) == 1, output_of(proc)
+    step = int(said[0].split()[5])
+    assert os.listdir(out / "checkpoints") == [f"step_{step:08d}"] and not (out / "model.safetensors").exists()
+
+
+# ------------------------------------------------------------------------------------ packing, chat, Llama
+
+def test_packed_rows_score_each_example_as_alone(data):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(data["llama"])
+    model = AutoModelForCausalLM.from_pretrained(data["llama"]).eval()
+    rows, _ = encode(tokenizer, prompt_response_segments(_dataset(pairs(12, 3)), "train", "prompt", "response"),
+                     64, "truncate", "train", chat=False)
+    packed = pack(rows, 64)
+    assert len(packed["length"]) < 12 and sum(packed["targets"]) == sum(rows["targets"])
+    assert max(packed["length"]) <= 64 and sorted(sum(packed["input_ids"], [])) == sorted(sum(rows["input_ids"], []))
+
+    def nats(batch):
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+        logits = model(**inputs, use_cache=False).logits
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="sum")
+
+    collate = CausalBatch(tokenizer.eos_token_id)
+    with torch.no_grad():
+        padded, packed_sum = nats(collate(rows)), nats(collate(packed))
+    assert torch.allclose(padded, packed_sum, rtol=1e-5), (padded, packed_sum)
+
+
+def _dataset(records):
+    import datasets
+
+    return datasets.Dataset.from_list(records)
+
+
+def test_llama_trains_packed_and_on_chat_turns(data, tmp_path, capsys):
+    out = tmp_path / "packed"
+    proc = run_as_script(capsys, "sft", *args_for(data, "--packing", model="llama"), "--output_dir", out)
+    assert proc.returncode == 0 and "packed into" in proc.stdout, output_of(proc)
+    chat = tmp_path / "chat"
+    proc = run_as_script(capsys, "sft", "--model_name_or_path", data["llama"], "--train_file", data["chat"],
+                         "--messages_column", "messages", "--cache_dir", data["cache"], *STEPS, "--output_dir", chat)
+    assert proc.returncode == 0, output_of(proc)
+    proc = run_as_script(capsys, "sft", "--output_dir", chat, "--prompt", "quick animal", "--max_new_tokens", 3)
+    assert proc.returncode == 0 and proc.stdout.startswith("quick animal\t"), output_of(proc)
+
+
+def test_only_the_assistant_turns_are_scored(data):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(data["llama"])
+    talks = conversations(3, 5)
+    rows, counts = encode(tokenizer, chat_segments(_dataset(talks), "train", "messages", tokenizer), 128, "error",
+                          "train", chat=True)
+    for talk, ids, labels in zip(talks, rows["input_ids"], rows["labels"]):
+        whole = tokenizer.apply_chat_template(talk["messages"], tokenize=False)
+        assert tokenizer.decode(ids + [labels[-1]]) == whole  # the rendering, shifted by one
+        scored = tokenizer.decode([t for t in labels if t != -100])
+        assert scored == "".join(f"{m['content']}<|im_end|>\n" for m in talk["messages"] if m["role"] == "assistant")
+
+
+def test_long_examples_are_cut_dropped_or_refused(data):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(data["gpt2"])
+    examples = prompt_response_segments(_dataset(pairs(40, 6)), "train", "prompt", "response")
+    full, _ = encode(tokenizer, examples, 1000, "error", "train", chat=False)
+    limit = sorted(full["length"])[20]
+    rows, counts = encode(tokenizer, examples, limit, "truncate", "train", chat=False)
+    longer = sum(n > limit for n in full["length"])
+    assert counts["cut"] == longer > 0 and max(rows["length"]) == limit and len(rows["length"]) == 40
+    rows, counts = encode(tokenizer, examples, limit, "drop", "train", chat=False)
+    assert counts["dropped"] == longer and len(rows["length"]) == 40 - longer
+    with pytest.raises(DataError, match="longer than --max_seq_length"):
+        encode(tokenizer, examples, limit, "error", "train", chat=False)
+    with pytest.raises(DataError, match="its prompt alone is"):
+        encode(tokenizer, examples, 2, "truncate", "train", chat=False)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2, 3])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_each_batch_knows_its_steps_response_tokens(world_size, accumulation):
+    rng = random.Random(world_size * 10 + accumulation)
+    targets = [rng.randint(1, 50) for _ in range(203)]
+    plans = [BatchPlan([203], 4 * world_size, world_size, rank, seed=1, lengths=targets,
+                       accumulation_steps=accumulation) for rank in range(world_size)]
+    totals = plans[0].step_totals(0, targets, accumulation)
+    batches = [list(plan.rank_batches(0)) for plan in plans]
+    steps = {}
+    for per_rank in batches:
+        for index, ids, _ in per_rank:
+            steps.setdefault(index // accumulation, []).extend(ids.tolist())
+    for index in range(len(totals)):
+        assert totals[index] == sum(targets[i] for i in steps[index // accumulation])
+    # the rows of a step do not depend on how it is split into processes and accumulation steps
+    one = BatchPlan([203], 4 * world_size * accumulation, 1, 0, seed=1, lengths=targets)
+    assert [sorted(ids.tolist()) for _, ids, _ in one.rank_batches(0)] == \
+        [sorted(rows) for _, rows in sorted(steps.items())][:len(list(one.rank_batches(0)))]
+
+
+# ------------------------------------------------------------------------------------ bad input, one line each
+
+def bad(capsys, *args):
+    proc = run_as_script(capsys, "sft", *args)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(lines) == 1, output_of(proc)
+    return lines[0]
+
+
+def test_bad_input_is_one_line_and_writes_no_run(data, tmp_path, capsys):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    out = tmp_path / "out"
+    common = ["--cache_dir", data["cache"], "--output_dir", out]
+    gpt2 = ["--model_name_or_path", data["gpt2"], "--train_file", data["train"]]
+    line = bad(capsys, "--model_name_or_path", tiny_bert(tmp_path / "bert"), "--train_file", data["train"], *common)
+    assert "is a bert model (BertModel), not a causal language model" in line, line
+    line = bad(capsys, *gpt2, "--response_column", "answer", *common)
+    assert "no column 'answer'" in line and "(columns: prompt, response)" in line, line
+    line = bad(capsys, *gpt2, "--messages_column", "messages", *common)
+    assert "no column 'messages'" in line, line
+    line = bad(capsys, "--model_name_or_path", data["gpt2"], "--train_file", data["chat"], "--messages_column",
+               "messages", *common)
+    assert "has no chat template" in line, line
+    assert "its prompt alone is" in bad(capsys, *gpt2, "--max_seq_length", 3, *common)
+    empty = write_jsonl(tmp_path / "empty.jsonl", pairs(10, 7) + [{"prompt": "define tree\n", "response": " "}])
+    line = bad(capsys, "--model_name_or_path", data["gpt2"], "--train_file", empty, "--validation_file",
+               data["validation"], *common)
+    assert "1 row(s) with an empty 'response' (the first: 'define tree')" in line, line
+    opt = tmp_path / "opt"
+    OPTForCausalLM(OPTConfig(vocab_size=400, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, ffn_dim=32,
+                             word_embed_proj_dim=16, max_position_embeddings=128)).save_pretrained(opt)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (opt / name).write_bytes(open(os.path.join(data["gpt2"], name), "rb").read())
+    line = bad(capsys, "--model_name_or_path", opt, "--train_file", data["train"], "--packing", *common)
+    assert "--packing: OPTForCausalLM does not keep packed examples apart" in line, line
+    assert "is more than" in bad(capsys, *gpt2, "--max_seq_length", 1000, *common)
+    assert not out.exists() or not (out / "all_results.json").exists()

@@ -1,0 +1,260 @@
+"""Fine-tune a causal language model on your prompt/response pairs or chat conversations (supervised
+fine-tuning), with Hugging Face Accelerate.
+
+    make train-sft         # the GPT of make train-lm taught to define words (GCIDE, offline), 2 CPU processes
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml train/sft.py \
+        --model_name_or_path MODEL_DIR --train_file pairs.jsonl --output_dir runs/my_sft [--lora_r 16] [--packing]
+    python train/sft.py --output_dir runs/my_sft --prompt "Define: serendipity\\n"
+
+Any AutoModelForCausalLM in a local folder (train/lm.py's output is one), with its own tokenizer.
+Columns `prompt` and `response` (--prompt_column, --response_column), or --messages_column with chat
+turns rendered by the tokenizer's chat template; only response tokens are scored. Tokenized once into
+runs/tokens (data/prompt_response.py) and read through the exactly-once sharded path.
+
+The loss of one optimizer step is the sum over every response token of every micro-batch on every
+process, divided by the number of those tokens, counted before the first backward pass from the
+data plan (no communication): 1 process with batch 8 and 2 processes with batch 2 x 2 accumulation
+steps take the same step. Validation loss and perplexity are per response token over exactly the
+validation set. OUTPUT_DIR is a Hugging Face folder (with --lora_r: the merged model, and adapter/).
+"""
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a file: Python put train/ on sys.path, not the repo root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import datasets
+import torch
+
+from data.errors import fail
+from data.loader import sharded_loader
+from data.prompt_response import LONG_EXAMPLES, CausalBatch, prepare_prompt_response
+from data.sources import DatasetsSource
+from train.core.accelerator import main_process_first
+from train.core.cli import (add_data_files_args, add_optimizer_args, make_parser, positive_int, reading_workers,
+                            true_or_false)
+from train.core.evaluation import evaluate_responses
+from train.core.loop import TrainingLoop
+from train.core.run import run, start_run
+from train.models.gpt import next_token_loss
+from train.models.hf import (add_lora_args, check_model_folder, describe_trainable, load_tokenizer, lora_model,
+                             model_fingerprint, quiet_transformers, save_model_folder)
+
+TASK = "sft"  # the run's name in its checkpoints: another task's checkpoint is refused
+METRICS = ["eval_loss", "eval_perplexity"]  # its evaluation's metrics, the headline first
+MAX_LENGTH = 1024  # the default --max_seq_length's cap
+
+
+def parse_args(argv=None):
+    parser = make_parser(__doc__)
+    data, model = parser.groups["data"], parser.groups["model"]
+    add_data_files_args(parser, "Examples: jsonl, json, csv or parquet, or a datasets folder written by save_to_disk.",
+                        split_percentage=10)
+    data.add_argument("--prompt_column", default="prompt", help="The prompt column: context, never scored.")
+    data.add_argument("--response_column", default="response", help="The response column: what the model learns.")
+    data.add_argument("--messages_column", default=None, help="Instead: a column of chat turns [{role, content}], "
+                      "rendered with the tokenizer's chat template; every assistant turn is learned.")
+    data.add_argument("--max_seq_length", type=positive_int, default=None,
+                      help=f"Tokens per row (default: the model's limit, at most {MAX_LENGTH}).")
+    data.add_argument("--long_examples", choices=LONG_EXAMPLES, default="truncate",
+                      help="An example over --max_seq_length: cut at the end, left out, or refused (default: truncate).")
+    data.add_argument("--packing", type=true_or_false, nargs="?", const=True, default=False,
+                      help="Several examples per row, attention kept inside each (models that read packed rows "
+                           "from position_ids; checked at start). (default: false)")
+    data.add_argument("--group_by_length", type=true_or_false, nargs="?", const=True, default=True,
+                      help="Training batches of rows of similar length, so less of each batch is padding. (default: true)")
+    data.add_argument("--cache_dir", default=os.path.join("runs", "tokens"),
+                      help="Where tokenized data is kept and found again by the next run with the same inputs.")
+    data.add_argument("--dataloader_num_workers", type=int, default=None,
+                      help="Processes reading batches per rank (default 2 on a GPU, 0 on a CPU).")
+    model.add_argument("--model_name_or_path", default=None, help="A local Hugging Face causal LM folder.")
+    model.add_argument("--gradient_checkpointing", action="store_true", help="Recompute activations in backward.")
+    model.add_argument("--prompt", nargs="+", help="Instead of training: continue these prompts with the model in "
+                       "--output_dir (\\n in a prompt is a newline).")
+    model.add_argument("--max_new_tokens", type=positive_int, default=64)
+    model.add_argument("--temperature", type=float, default=0.0, help="0: greedy decoding.")
+    model.add_argument("--top_k", type=positive_int, default=50)
+    add_lora_args(parser)
+    add_optimizer_args(parser, learning_rate=None, train_batch_size=8, eval_batch_size=8, weight_decay=0.0)
+    opt = parser.groups["optimization"]
+    opt.add_argument("--max_grad_norm", type=float, default=1.0, help="Clip the gradient norm (0: no clipping).")
+    parser.set_defaults(output_dir="runs/sft")
+    parser.recorded.add("model_fingerprint")  # derived in main() and recorded in args.json, which reruns a run
+    args = parser.parse_args(argv)
+    if args.prompt is None:
+        if not args.train_file:
+            parser.error("--train_file is required (or --prompt TEXT with a trained --output_dir)")
+        if args.learning_rate is None:  # adapters take larger steps than a whole pretrained model can
+            args.learning_rate = 1e-3 if args.lora_r else 2e-5
+    return args
+
+
+def check_causal_lm(path):
+    """The folder's config, if its model type has a causal LM head in transformers; else one line."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    config = AutoConfig.from_pretrained(path)
+    # BERT and its kind have a causal head in transformers too, for decoders built from them (is_decoder)
+    encoder = config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or encoder:
+        fail(f"--model_name_or_path {path} is a {config.model_type} model ({', '.join(config.architectures or [])}), "
+             "not a causal language model; pass a folder of a decoder such as GPT-2, Llama or Qwen (train/lm.py's "
+             "output is one)")
+    return config
+
+
+def check_packing(model, vocab_size):
+    """--packing: one line and exit 1 unless the model gives two examples packed in one row (position_ids
+    restarting at 0, no attention mask) the logits it gives each alone."""
+    a, b = torch.arange(3) % vocab_size, (torch.arange(4) + 5) % vocab_size
+    model.eval()
+    try:
+        with torch.no_grad():
+            packed = model(input_ids=torch.cat([a, b])[None], position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]]),
+                           use_cache=False).logits[0, 3:]
+            alone = model(input_ids=b[None], use_cache=False).logits[0]
+        apart = torch.allclose(packed, alone, atol=1e-4, rtol=1e-4)
+    except (TypeError, ValueError, RuntimeError):
+        apart = False
+    if not apart:
+        fail(f"--packing: {type(model).__name__} does not keep packed examples apart (its attention reaches from one "
+             "example into the one before it); train without --packing")
+
+
+def main(args):
+    check_model_folder(args.model_name_or_path)  # before any process waits on another
+    quiet_transformers()
+    from transformers import AutoModelForCausalLM
+
+    config = check_causal_lm(args.model_name_or_path)
+    accelerator = start_run(args, TASK)
+    args.dataloader_num_workers = reading_workers(args.dataloader_num_workers, accelerator.device, on_gpu=2)
+
+    # ---------------------------------------------------------------- data: tokenized once, then sharded
+    tokenizer = load_tokenizer(args.model_name_or_path)
+    if tokenizer.pad_token is None:  # batches pad with end-of-text; padding is never scored
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(0)
+    tokenizer.padding_side = "right"
+    limit = min(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or MAX_LENGTH,
+                tokenizer.model_max_length)
+    if args.max_seq_length and args.max_seq_length > limit:
+        fail(f"--max_seq_length {args.max_seq_length} is more than {args.model_name_or_path} takes ({limit} tokens); "
+             f"pass --max_seq_length {limit} or less")
+    args.max_seq_length = args.max_seq_length or min(MAX_LENGTH, limit)
+    args.model_fingerprint = model_fingerprint(args.model_name_or_path)  # in checkpoints: a resume needs this model
+    columns = {"messages": args.messages_column} if args.messages_column else \
+        {"prompt": args.prompt_column, "response": args.response_column}
+    folder, info = main_process_first(accelerator, lambda: prepare_prompt_response(
+        args.train_file, args.validation_file, args.validation_split_percentage, args.seed, args.model_name_or_path,
+        tokenizer, columns, args.max_seq_length, args.long_examples, args.packing, args.cache_dir), share=True)
+    splits = {split: datasets.load_from_disk(os.path.join(folder, split)) for split in ("train", "validation")}
+    loaders = {split: sharded_loader(
+        DatasetsSource(ds, transform=CausalBatch(tokenizer.pad_token_id)), args.per_device_train_batch_size
+        if split == "train" else args.per_device_eval_batch_size, rank=accelerator.process_index,
+        world_size=accelerator.num_processes, device=accelerator.device, seed=args.seed, train=split == "train",
+        num_workers=args.dataloader_num_workers,
+        lengths=list(ds["length"]) if split == "validation" or args.group_by_length else None,
+        # each batch carries its optimizer step's count of response tokens over every rank and micro-batch
+        weights=list(ds["targets"]) if split == "train" else None,
+        accumulation_steps=args.gradient_accumulation_steps) for split, ds in splits.items()}
+    counts = info["splits"]
+    accelerator.print(f"data: {folder}: " + "; ".join(
+        f"{s} {c['examples']:,} examples, {c['targets']:,} response tokens" + (f", {c['cut']:,} cut" if c["cut"] else "")
+        + (f", {c['dropped']:,} dropped" if c["dropped"] else "") for s, c in counts.items())
+        + f"; max_seq_length {args.max_seq_length}, " + (f"packed into {counts['train']['rows']:,} rows, " if
+                                                          args.packing else "")
+        + f"{counts['train']['padding_free_fraction']:.0%} of max_seq_length x rows is text")
+
+    # ---------------------------------------------------------------- model
+    try:  # fp32 weights whatever the folder's dtype: --mixed_precision decides the compute
+        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
+    except (ValueError, OSError, KeyError) as e:
+        fail(f"--model_name_or_path {args.model_name_or_path} does not load as a causal LM "
+             f"({' '.join(str(e).split())[:160]})")
+    if args.packing:
+        check_packing(model, config.vocab_size)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.lora_r:  # the adapters train; the pretrained model stays as it is
+        model = lora_model(model, args, "CAUSAL_LM")
+    trainable, total = describe_trainable(model)
+    accelerator.print(f"model: {type(accelerator.unwrap_model(model)).__name__} from {args.model_name_or_path}, "
+                      f"{total:,} parameters, {trainable:,} training ({trainable / total:.2%}"
+                      f"{f', LoRA r={args.lora_r}' if args.lora_r else ''})")
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW([{"params": [p for p in trained if p.dim() >= 2], "weight_decay": args.weight_decay},
+                                   {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0}],
+                                  lr=args.learning_rate, fused=True)
+    model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
+
+    # ---------------------------------------------------------------- train
+    def logits(batch):
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+        return model(**inputs, use_cache=False).logits
+
+    # accelerate divides each micro-batch's loss by the accumulation steps and DDP averages over processes:
+    # this factor undoes both, so the step's gradient is that of (sum of token losses) / (step's tokens)
+    scale = accelerator.num_processes * args.gradient_accumulation_steps
+    loop = TrainingLoop(accelerator, args, TASK, model, optimizer, loaders["train"], headline=METRICS[0],
+                        metrics=METRICS, evaluate=lambda: evaluate_responses(accelerator, model, loaders["validation"],
+                                                                             logits))
+    for batch in loop.batches():
+        with accelerator.accumulate(model):
+            nats = next_token_loss(logits(batch), batch["labels"], reduction="sum")
+            loss = nats * (scale / batch["step_weight"]).float()
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and args.max_grad_norm > 0:
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        loop.after_batch(loss)
+
+    def build():  # the trained model's CPU twin, for the Hugging Face folder
+        if not args.lora_r:
+            return AutoModelForCausalLM.from_config(accelerator.unwrap_model(model).config, dtype=torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
+        return lora_model(base, args, "CAUSAL_LM")
+
+    train = counts["train"]
+    tokens_per_second = loop.samples_per_second() * train["tokens"] / train["rows"]  # text tokens, not padding
+    return loop.finish({"trainable_parameters": trainable, "parameters": total, "train_examples": train["examples"],
+                        "train_tokens_per_second": tokens_per_second},
+                       save_model=lambda weights, out: save_model_folder(weights, out, build, tokenizer, args.lora_r))
+
+
+def generate(args):
+    """Print each prompt's continuation (prompt<TAB>continuation, newlines as \\n) with the model in --output_dir."""
+    quiet_transformers()
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with open(os.path.join(args.output_dir, "args.json")) as f:
+            trained = json.load(f)
+    except OSError:
+        trained = None
+    if trained is None or not os.path.isfile(os.path.join(args.output_dir, "all_results.json")):
+        fail(f"--output_dir {args.output_dir} holds no finished train/sft.py run; train one there first")
+    tokenizer = load_tokenizer(args.output_dir, "--output_dir")
+    model = AutoModelForCausalLM.from_pretrained(args.output_dir, dtype=torch.float32).eval()
+    torch.manual_seed(args.seed)
+    sampling = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k} if args.temperature > 0 else \
+        {"do_sample": False}
+    for prompt in (p.replace("\\n", "\n") for p in args.prompt):
+        if trained.get("messages_column"):  # a chat model: the prompt is a user turn
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                return_tensors="pt", return_dict=True)["input_ids"]
+        else:
+            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                                 pad_token_id=tokenizer.pad_token_id, **sampling)
+        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        print(f"{prompt.strip()}\t{text.strip()}".replace("\n", "\\n"))
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    run(generate if arguments.prompt else main, arguments)
