@@ -194,7 +194,7 @@ def prepare_prompt_response(train_files, validation_files, validation_split_perc
             if packing and split == "train":
                 rows = pack(rows, max_seq_length)
                 counts["rows"] = len(rows["length"])
-            counts["padding_free_fraction"] = counts["tokens"] / (counts["rows"] * max_seq_length)
+            counts["filled"] = counts["tokens"] / (counts["rows"] * max_seq_length)  # of rows of max_seq_length
             datasets.Dataset.from_dict(rows).save_to_disk(os.path.join(tmp, split))
             info["splits"][split] = counts
         return info

@@ -139,7 +139,8 @@ class BatchPlan:
         positions = np.arange(self.num_batches() * g)
         per_batch = np.where(positions < n, np.asarray(weights)[order[positions % max(n, 1)]], 0).reshape(-1, g).sum(1)
         step_of = np.arange(len(per_batch)) // accumulation_steps
-        return np.bincount(step_of, weights=per_batch)[step_of] if len(per_batch) else per_batch
+        totals = np.bincount(step_of, weights=per_batch)[step_of] if len(per_batch) else per_batch
+        return totals.astype(np.int64) if np.issubdtype(np.asarray(weights).dtype, np.integer) else totals
 
     def rank_batches(self, epoch, start=0):
         """Yield (global_batch_index, sample_ids, valid) for this rank, from global batch `start` on."""
@@ -203,7 +204,8 @@ class ShardedIterableDataset(IterableDataset):
             batch = self.source.read(ids)
             batch.update(index=ids, valid=valid)
             if totals is not None:
-                batch["step_weight"] = torch.tensor(totals[batch_index], dtype=torch.float64)
+                # integer weights stay integers (exact, and every device has int64; MPS has no float64)
+                batch["step_weight"] = torch.tensor(totals[batch_index].item())
             yield batch
 
     def identity(self):

@@ -69,6 +69,8 @@ def parse_args(argv=None):
                       help="Processes reading batches per rank (default 2 on a GPU, 0 on a CPU).")
     model.add_argument("--model_name_or_path", default=None, help="A local Hugging Face causal LM folder.")
     model.add_argument("--gradient_checkpointing", action="store_true", help="Recompute activations in backward.")
+    model.add_argument("--eval_on_start", action="store_true", help="Evaluate the model before the first step too "
+                       "(a fresh run): the validation loss fine-tuning starts from.")
     model.add_argument("--prompt", nargs="+", help="Instead of training: continue these prompts with the model in "
                        "--output_dir (\\n in a prompt is a newline).")
     model.add_argument("--max_new_tokens", type=positive_int, default=64)
@@ -162,9 +164,9 @@ def main(args):
     accelerator.print(f"data: {folder}: " + "; ".join(
         f"{s} {c['examples']:,} examples, {c['targets']:,} response tokens" + (f", {c['cut']:,} cut" if c["cut"] else "")
         + (f", {c['dropped']:,} dropped" if c["dropped"] else "") for s, c in counts.items())
-        + f"; max_seq_length {args.max_seq_length}, " + (f"packed into {counts['train']['rows']:,} rows, " if
-                                                          args.packing else "")
-        + f"{counts['train']['padding_free_fraction']:.0%} of max_seq_length x rows is text")
+        + f"; max_seq_length {args.max_seq_length}; " + (
+            f"packed into {counts['train']['rows']:,} rows, {counts['train']['filled']:.0%} filled" if args.packing
+            else f"{counts['train']['tokens'] / counts['train']['rows']:.0f} tokens per example"))
 
     # ---------------------------------------------------------------- model
     try:  # fp32 weights whatever the folder's dtype: --mixed_precision decides the compute
@@ -199,6 +201,11 @@ def main(args):
     loop = TrainingLoop(accelerator, args, TASK, model, optimizer, loaders["train"], headline=METRICS[0],
                         metrics=METRICS, evaluate=lambda: evaluate_responses(accelerator, model, loaders["validation"],
                                                                              logits))
+    before = {}
+    if args.eval_on_start and loop.step == 0:
+        before = evaluate_responses(accelerator, model, loaders["validation"], logits)
+        accelerator.print(f"before fine-tuning: eval_loss={before['eval_loss']:.4f} "
+                          f"eval_perplexity={before['eval_perplexity']:.4f}")
     for batch in loop.batches():
         with accelerator.accumulate(model):
             nats = next_token_loss(logits(batch), batch["labels"], reduction="sum")
@@ -219,7 +226,8 @@ def main(args):
     train = counts["train"]
     tokens_per_second = loop.samples_per_second() * train["tokens"] / train["rows"]  # text tokens, not padding
     return loop.finish({"trainable_parameters": trainable, "parameters": total, "train_examples": train["examples"],
-                        "train_tokens_per_second": tokens_per_second},
+                        "train_tokens_per_second": tokens_per_second,
+                        **{f"{k}_before": v for k, v in before.items() if k != "eval_tokens"}},
                        save_model=lambda weights, out: save_model_folder(weights, out, build, tokenizer, args.lora_r))
 
 
