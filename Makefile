@@ -37,7 +37,7 @@ TEXT_RECIPE := --config train/configs/text_wordnet.yaml
 # training pairs only from lm.py's training entries, validation pairs only from its validation entries
 SFT_DIR ?= runs/sft/gcide
 
-.PHONY: setup config-file train train-only test images train-images gcide train-lm text-data train-text sft-data
+.PHONY: setup config-file train train-only test images train-images gcide train-lm text-data train-text sft-data train-sft
 
 # apt for the offline Fashion-MNIST copy (Debian's dataset-fashion-mnist), pip for the Python packages.
 setup:
@@ -105,6 +105,18 @@ train-lm: config-file gcide
 	$(PYTHON) -m accelerate.commands.launch --config_file $(CONFIG) train/lm.py $(LM_RECIPE) \
 	  --with_tracking --output_dir runs/lm --overwrite_output_dir $(EXTRA)
 	$(PYTHON) train/lm.py --output_dir runs/lm --prompt "Serendipity, n." --max_new_tokens 120
+
+# train/sft.py's demo: the GPT of train-lm (trained first when runs/lm holds none) fine-tuned to define
+# words on GCIDE's headwords and definitions, then asked about four words of the validation split
+SFT_RECIPE := --config train/configs/sft_gcide.yaml
+
+train-sft: config-file sft-data
+	@if [ ! -f runs/lm/config.json ]; then $(MAKE) train-lm CONFIG=$(CONFIG); fi
+	$(PYTHON) -m accelerate.commands.launch --config_file $(CONFIG) train/sft.py $(SFT_RECIPE) \
+	  --train_file $(SFT_DIR)/train.jsonl --validation_file $(SFT_DIR)/validation.jsonl \
+	  --with_tracking --output_dir runs/sft --overwrite_output_dir $(EXTRA)
+	$(PYTHON) train/sft.py --output_dir runs/sft --prompt "Define: Roebuck\n" "Define: Bullbeggar\n" \
+	  "Define: Hypaethral\n" "Define: Targeteer\n"
 
 test: setup
 	$(PYTHON) -m pytest
