@@ -141,6 +141,19 @@ def test_the_run_is_a_hugging_face_folder_and_an_older_runs_folder_still_samples
     assert prompt(older) == expected
 
 
+def test_sft_fine_tunes_the_exported_gpt(two_process_run, tmp_path, capsys):
+    """train/sft.py takes lm.py's folder as any causal LM: its tokenizer (bytes, end-of-text 256), its positions."""
+    out, _ = two_process_run
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"the {w} is\n", "response": f"{w} and {w}."}) + "\n"
+                             for w in WORDS[:40]))
+    proc = run_as_script(capsys, "sft", "--model_name_or_path", out, "--train_file", pairs, "--max_train_steps", 4,
+                         "--per_device_train_batch_size", 4, "--cache_dir", tmp_path / "tokens", "--output_dir",
+                         tmp_path / "sft")
+    assert proc.returncode == 0 and "validation 4 examples" in proc.stdout, output_of(proc)
+    assert "max_seq_length 32;" in proc.stdout and results(tmp_path / "sft")["eval_loss"] > 0
+
+
 def test_reading_workers_follow_the_runs_device_not_the_machine():
     from train import image_classification, lm
     from train.core.cli import reading_workers

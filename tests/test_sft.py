@@ -308,3 +308,16 @@ def test_bad_input_is_one_line_and_writes_no_run(data, tmp_path, capsys):
     assert "--packing: OPTForCausalLM does not keep packed examples apart" in line, line
     assert "is more than" in bad(capsys, *gpt2, "--max_seq_length", 1000, *common)
     assert not out.exists() or not (out / "all_results.json").exists()
+
+
+def test_the_recipe_and_the_sweep_file_pass_the_scripts_own_parser(monkeypatch):
+    from conftest import REPO
+    from train import sft
+    from train.study.space import check_against_script, load_script, read_sweep
+
+    monkeypatch.chdir(REPO)
+    args = sft.parse_args(["--config", "train/configs/sft_gcide.yaml"])
+    assert args.model_name_or_path == "runs/lm" and args.eval_on_start and args.learning_rate == 2e-3
+    sweep = read_sweep("train/configs/sweep_sft_gcide.yaml", {"n_trials": None})
+    check_against_script(sweep, load_script(sweep["script"]))
+    assert sweep["metric"] == "eval_loss" and sweep["direction"] == "minimize"
