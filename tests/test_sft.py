@@ -105,6 +105,38 @@ def test_one_process_two_processes_and_accumulation_take_the_same_steps(data, ru
     assert len(history) == 2 and history[-1] < history[0]  # the mid-run evaluation's loss, then a lower one
 
 
+def test_the_usual_mean_per_micro_batch_would_take_another_step(data, capsys):
+    """The same AdamW step over 8 pairs as one batch and as 4 micro-batches of 2: equal with the loss
+    weighted by the step's token count, not with each micro-batch's mean averaged (what the launched
+    runs above would show if the script did that)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from train.models.gpt import next_token_loss
+
+    tokenizer = AutoTokenizer.from_pretrained(data["gpt2"])
+    rows, _ = encode(tokenizer, prompt_response_segments(_dataset(pairs(8, 0)), "train", "prompt", "response"), 128,
+                     "truncate", "train", chat=False)
+    collate, total = CausalBatch(tokenizer.eos_token_id), sum(rows["targets"])
+
+    def step(groups, weighted):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(data["gpt2"])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for group in groups:
+            batch = collate({k: [rows[k][i] for i in group] for k in ("input_ids", "labels")})
+            nats = next_token_loss(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                                   batch["labels"], reduction="sum")
+            (nats / total if weighted else nats / (batch["labels"] != -100).sum() / len(groups)).backward()
+        optimizer.step()
+        return model.state_dict()
+
+    one = step([range(8)], True)
+    ours, mean = (largest_difference(one, step([[0, 1], [2, 3], [4, 5], [6, 7]], weighted)) for weighted in (True, False))
+    with capsys.disabled():
+        print(f"\none batch vs 4 micro-batches: token-weighted {ours:.1e}, mean per micro-batch {mean:.1e}")
+    assert ours < 1e-5 < 1e-4 < mean
+
+
 def encoded(data, split):
     import datasets
 
