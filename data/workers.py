@@ -88,9 +88,10 @@ def _main_problem():
     built under that guard, or the server would build it (and train) too."""
     main = sys.modules["__main__"]
     path = getattr(main, "__file__", None)
-    if path is None:
-        return ("this process has no script file to start them from (an interactive session)",
-                "run the training from a script")
+    # python -c, an interactive session, a notebook kernel: no file; `python - < script`: "<stdin>"
+    if path is None or (path.startswith("<") and not os.path.exists(path)):
+        return ("this process has no script file to start them from (standard input, python -c, an interactive "
+                "session or a notebook)", "run the training from a script file")
     try:
         with open(path, "rb") as f:  # bytes: ast reads the file's own coding declaration
             guards = [node for node in ast.parse(f.read()).body if _is_main_guard(node)]

@@ -4,6 +4,7 @@ creates its Python thread state (data.workers.loader_workers, docs/data.md)."""
 import json
 import multiprocessing
 import os
+import subprocess
 import sys
 import time
 
@@ -84,6 +85,29 @@ def test_a_script_that_builds_its_loader_outside_a_main_guard_gets_forked_worker
     if workers.FORK_CAN_HANG:
         said = {"none": 'has no `if __name__ == "__main__":`', "elsewhere": 'builds the DataLoader outside'}[guard]
         assert said in proc.stderr, proc.stderr
+
+
+COUNT_EVERY_ROW = f"""import sys
+sys.path.insert(0, {REPO!r})
+import torch
+from data import TensorSource
+from data.loader import sharded_loader
+loader = sharded_loader(TensorSource({{"x": torch.arange(1000)}}), 10, rank=0, world_size=1,
+                        device=torch.device("cpu"), seed=0, train=True, num_workers=2)
+
+print(sum(len(batch["x"]) for batch in loader))
+"""
+
+
+@pytest.mark.parametrize("how", ["stdin", "-c", "interactive"])
+def test_code_from_standard_input_python_c_or_an_interactive_session_gets_working_workers(how):
+    # no script file for a worker server to import (a notebook kernel's __main__ has none either): forked
+    cmd = {"stdin": ["-"], "-c": ["-c", COUNT_EVERY_ROW], "interactive": ["-i"]}[how]
+    proc = subprocess.run([sys.executable, *cmd], input=None if how == "-c" else COUNT_EVERY_ROW, cwd=REPO,
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split()[-1:] == ["1000"], proc.stderr[-3000:]
+    if workers.FORK_CAN_HANG:
+        assert "has no script file to start them from" in proc.stderr, proc.stderr
 
 
 def test_what_the_workers_are_sent_is_checked_without_moving_or_copying_its_tensors(monkeypatch):
