@@ -1,7 +1,7 @@
 """MNIST and Fashion-MNIST held in memory as uint8 tensors, and written as parquet shards or as
 folders of PNGs (python -m data.prepare --dataset).
 
-The idx files are parsed by torchvision's own readers; batches are sliced from the in-memory tensors
+The idx files are parsed here (torchvision only downloads); batches are sliced from the in-memory tensors
 (`__getitems__`) and normalised on the batch, on the training device, so the hot loop has no
 per-sample Python and no PIL round trip (that costs ~7 s per epoch on a 2-core machine).
 
@@ -71,9 +71,7 @@ class ImageClassificationTensors(Dataset):
     def __getitem__(self, index):
         return {"image": self.images[index], "label": self.labels[index]}
 
-    def __getitems__(self, indices):
-        # DataLoader's fetcher calls this with a whole batch of indices: one gather instead of a
-        # Python call and a stack per sample. Same keys as the parquet shards' batches.
+    def __getitems__(self, indices):  # the DataLoader's whole batch: one gather, not a call and stack per sample
         index = torch.as_tensor(indices, dtype=torch.long)
         return {"image": self.images[index], "label": self.labels[index]}
 
@@ -138,12 +136,8 @@ def _find_idx_folder(root, spec):
 
 
 def _read_idx(path, ndim):
-    """One uint8 idx file (raw or .gz) as a tensor with `ndim` dimensions.
-
-    Our own reader: torchvision's takes ~2.4 s just to import, once per process, and only the
-    download needs torchvision. Format: two zero bytes, type 0x08 (uint8), the number of dimensions,
-    each dimension as a big-endian uint32, then the data.
-    """
+    """One uint8 idx file (raw or .gz) as a tensor with `ndim` dimensions (torchvision's reader takes ~2.4 s
+    to import): two zero bytes, type 0x08 (uint8), the number of dimensions, each a big-endian uint32, the data."""
     try:
         with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as f:
             payload = f.read()

@@ -214,7 +214,7 @@ def make_accelerator(args, **kwargs):
     and reproducible on resume. The scheduler is stepped by the loop once per optimizer step, so
     its state does not depend on the process count and survives a resume with another one.
     DDP's broadcast_buffers is off: broadcasting BatchNorm statistics before every forward costs 20-25%
-    of a CPU step (docs/speed.md); evaluation averages them over ranks (average_buffers) first.
+    of a CPU step (docs/speed.md); evaluation averages them over ranks first (evaluation.average_buffers).
     --with_tracking's trackers are set up here, so no script can accept the flag and write nothing.
     """
     # torch 2.15 renames broadcast_buffers to forward_sync_buffers, which accelerate 1.15's
@@ -257,16 +257,6 @@ def main_process_first(accelerator, load, share=False):
     if message is not None:
         fail(message)
     return result if accelerator.is_main_process or share else load()
-
-
-def average_buffers(accelerator, model):
-    """Set floating-point buffers (BatchNorm running statistics) to their mean over ranks, so every
-    rank evaluates and saves the same model, with statistics from all ranks' data."""
-    if accelerator.num_processes > 1:
-        with torch.no_grad():
-            for buffer in accelerator.unwrap_model(model).buffers():
-                if buffer.is_floating_point():
-                    buffer.copy_(accelerator.reduce(buffer, reduction="mean"))
 
 
 def announce(accelerator, per_device_train_batch_size, gradient_accumulation_steps, mixed_precision):

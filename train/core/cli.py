@@ -25,24 +25,23 @@ def positive_int(text):
     return value
 
 
-def positive_float(text):
+def _finite_float(text, zero_ok):
+    what = "a number >= 0" if zero_ok else "a positive number"
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if not (value >= 0 if zero_ok else value > 0) or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
     return value
+
+
+def positive_float(text):
+    return _finite_float(text, zero_ok=False)
 
 
 def non_negative_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
-    return value
+    return _finite_float(text, zero_ok=True)
 
 
 def true_or_false(text):

@@ -4,9 +4,18 @@ import math
 import torch
 import torch.nn.functional as F
 
-from train.core.accelerator import average_buffers
 from train.core.confusion import confusion_metrics
 from train.models.gpt import next_token_loss
+
+
+def average_buffers(accelerator, model):
+    """Set floating-point buffers (BatchNorm running statistics) to their mean over ranks, so every
+    rank evaluates and saves the same model, with statistics from all ranks' data."""
+    if accelerator.num_processes > 1:
+        with torch.no_grad():
+            for buffer in accelerator.unwrap_model(model).buffers():
+                if buffer.is_floating_point():
+                    buffer.copy_(accelerator.reduce(buffer, reduction="mean"))
 
 
 def evaluate_rows(accelerator, model, loader, per_row):

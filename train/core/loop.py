@@ -25,12 +25,7 @@ from train.core.preemption import Preempted, Preemption
 from train.core.resume import check_same_run
 from train.core.process import on_teardown, resume_command
 from train.core.schedule import make_scheduler, plan_steps
-from train.core.tracking import MetricsLog, plot_metrics, save_final
-
-
-def _format(metrics):  # what is not a number (a confusion matrix) stays in the history and metrics.jsonl
-    return " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
-                    if isinstance(v, (int, float, str)))
+from train.core.tracking import MetricsLog, format_metrics, plot_metrics, save_final
 
 
 class TrainingLoop:
@@ -180,7 +175,7 @@ class TrainingLoop:
         self.best.update(metrics, self.step, lambda: model_weights(self.model))
         if self.accelerator.is_main_process:
             best = " (best so far)" if self.best.step == self.step and len(self.history) > 1 else ""
-            self.progress.write(f"{label}: {_format(metrics)}{suffix}{best}")
+            self.progress.write(f"{label}: {format_metrics(metrics)}{suffix}{best}")
             if self.best.stopped:
                 self.progress.write(self.best.stop_message())
         self._t_log = time.perf_counter()  # evaluation time is not training throughput
@@ -274,7 +269,7 @@ class TrainingLoop:
         headline = {k: results[k] for k in (self.headline, "eval_samples") if k in results}
         best = results.get("best_model", {"step": self.step})
         model = "" if best["step"] == self.step else f" model=step {best['step']}'s ({best['metric']}={best['value']:.4f})"
-        self.accelerator.print(f"final {_format(headline)}{model} wall_seconds={results['wall_seconds']:.1f} "
+        self.accelerator.print(f"final {format_metrics(headline)}{model} wall_seconds={results['wall_seconds']:.1f} "
                                f"(training {self.train_seconds:.1f}) samples_per_second="
                                f"{results['train_samples_per_second']:.0f} -> {self.output_dir}")
         self.accelerator.wait_for_everyone()

@@ -100,6 +100,12 @@ def tracking_kwargs(with_tracking, report_to, output_dir):
     return {"log_with": report_to, "project_dir": os.path.join(output_dir, "tensorboard")}
 
 
+def format_metrics(metrics):
+    """`k=v` for the numbers and words; what is not (a confusion matrix) stays in the history and metrics.jsonl."""
+    return " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
+                    if isinstance(v, (int, float, str)))
+
+
 class MetricsLog:
     """OUTPUT_DIR/metrics.jsonl and, with --with_tracking, accelerate's trackers: one record (a dict
     with "step") at a time."""
