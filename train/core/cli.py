@@ -7,6 +7,7 @@ import json
 import math
 import sys
 
+from data.local_files import existing_path
 from train.core.process import exit_once, first_local_process
 
 GROUPS = (("data", "data"), ("model", "model"), ("optimization", "optimization"),
@@ -84,8 +85,7 @@ class Parser(argparse.ArgumentParser):
     `--config FILE`: a YAML or JSON mapping of flag names to values, under the command line's own."""
 
     def __init__(self, doc):
-        super().__init__(description=doc.split("\n")[0], allow_abbrev=False,
-                         formatter_class=_HelpFormatter)
+        super().__init__(description=doc.split("\n")[0], allow_abbrev=False, formatter_class=_HelpFormatter)
         self.add_argument("--config", type=str, default=None,
                           help="YAML or JSON file of flag values (keys are flag names without --); flags on the "
                                "command line override it. A run's args.json reruns that run.")
@@ -285,9 +285,9 @@ def add_optimizer_args(parser, learning_rate, train_batch_size, eval_batch_size,
 def add_data_files_args(parser, train_help, split_percentage):
     """--train_file, --validation_file and --validation_split_percentage, for the scripts that read a user's files."""
     data = parser.groups["data"]
-    data.add_argument("--train_file", nargs="+", help=train_help)
-    data.add_argument("--validation_file", nargs="+", help="Validation rows, the same kind of file (default: a held-out "
-                      "split).")
+    data.add_argument("--train_file", nargs="+", type=existing_path, help=train_help)
+    data.add_argument("--validation_file", nargs="+", type=existing_path, help="Validation rows, the same kind of file "
+                      "(default: a held-out split).")
     data.add_argument("--validation_split_percentage", type=positive_float, default=None,
                       help=f"Without --validation_file: the percent of training rows held out (default {split_percentage}).")
 
