@@ -74,18 +74,24 @@ def test_a_users_other_files_beside_a_run_are_kept_through_runs_and_overwrites(t
 def test_overwrite_keeps_the_earlier_run_until_the_new_one_has_a_checkpoint(tmp_path, capsys):
     out = tmp_path / "run"
     in_process(*QUICK, "--output_dir", out)
-    finished = checksums(out)
-    # a replacement that fails before its first checkpoint (here: its loss diverges at once)
+    ours = lambda sums: {k: v for k, v in sums.items() if k not in ("run.json", ".lock")}  # noqa: E731
+    finished = ours(checksums(out))
+    # a replacement that fails before its first checkpoint (here: its loss diverges at once) puts it back
     proc = run_as_script(capsys, "regression", "--learning_rate", 1e20, "--checkpointing_steps", 50, "--output_dir", out,
                          "--overwrite_output_dir")
     assert proc.returncode == 1 and "non-finite" in proc.stderr, output_of(proc)
     assert f"moved the earlier run to {out / 'replaced_run'}" in proc.stdout
-    kept = checksums(out / "replaced_run")
-    assert kept == {k: v for k, v in finished.items() if k not in ("run.json", ".lock")}
-    # a second attempt replaces the failed one, never the kept finished run
+    assert f"put the earlier run back in {out}" in proc.stdout and not (out / "replaced_run").exists()
+    assert ours(checksums(out)) == finished
+    # one killed before its first checkpoint cannot put it back: the next replacement keeps it aside
+    os.makedirs(out / "replaced_run")
+    for name in set(os.listdir(out)) - {"run.json", ".lock", "replaced_run"}:
+        os.replace(out / name, out / "replaced_run" / name)
+    (out / "args.json").write_text("{}")  # what the killed replacement had written
     proc = run_as_script(capsys, "regression", "--learning_rate", 1e20, "--checkpointing_steps", 50, "--output_dir", out,
                          "--overwrite_output_dir")
-    assert proc.returncode == 1 and checksums(out / "replaced_run") == kept
+    assert proc.returncode == 1 and "removed the unfinished run" in proc.stdout, output_of(proc)
+    assert ours(checksums(out)) == finished and not (out / "replaced_run").exists()
     # the one that works: once it has a checkpoint the replaced run goes
     in_process(*QUICK, "--seed", 3, "--output_dir", out, "--overwrite_output_dir")
     assert not (out / "replaced_run").exists() and strict_json(out / "args.json")["seed"] == 3

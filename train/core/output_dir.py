@@ -139,6 +139,7 @@ def _claim(out, task, resume, overwrite):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         if overwrite and _entries(out):
             _set_aside(out)
+            on_failure(lambda: _put_back(out))
         from train.core.tracking import write_json
 
         if not os.path.isfile(os.path.join(out, MARKER)):
@@ -160,6 +161,22 @@ def _remove_if_unused(out):
         release_output_dir(out)
         os.remove(os.path.join(out, ".lock"))
         os.rmdir(out)
+
+
+def _put_back(out):
+    """A run that set an earlier one aside and fails before its first checkpoint (bad data, say) puts
+    that run back: without a checkpoint, nothing it wrote is worth keeping in its place."""
+    aside = os.path.join(out, REPLACED)
+    if out not in _held or not os.path.isdir(aside) or list_checkpoints(out):
+        return
+    for name in _entries(out):
+        path = os.path.join(out, name)
+        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+    for name in os.listdir(aside):
+        os.replace(os.path.join(aside, name), os.path.join(out, name))
+    os.rmdir(aside)
+    release_output_dir(out)
+    print(f"put the earlier run back in {out}", flush=True)
 
 
 def _set_aside(out):
