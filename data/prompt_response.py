@@ -188,9 +188,10 @@ def prepare_prompt_response(train_files, validation_files, validation_split_perc
         splits = load_splits(train_files, validation_files, validation_split_percentage, seed)
         info = {"columns": columns, "max_seq_length": max_seq_length, "packing": packing, "splits": {}}
         for split, ds in splits.items():
-            examples = chat_segments(ds, split, columns["messages"], tokenizer) if chat else \
-                prompt_response_segments(ds, split, columns["prompt"], columns["response"])
-            rows, counts = encode(tokenizer, examples, max_seq_length, long_examples, split, chat)
+            name = split if split == "train" or validation_files else "validation (held out of --train_file)"
+            examples = chat_segments(ds, name, columns["messages"], tokenizer) if chat else \
+                prompt_response_segments(ds, name, columns["prompt"], columns["response"])
+            rows, counts = encode(tokenizer, examples, max_seq_length, long_examples, name, chat)
             if packing and split == "train":
                 rows = pack(rows, max_seq_length)
                 counts["rows"] = len(rows["length"])

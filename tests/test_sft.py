@@ -55,8 +55,7 @@ def write_jsonl(path, records):
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("sft")
-    return {"gpt2": tiny_causal_lm(root / "gpt2"), "gpt2_dropout": tiny_causal_lm(root / "gpt2_dropout", dropout=0.1),
-            "llama": tiny_causal_lm(root / "llama", "llama", chat=True),
+    return {"gpt2": tiny_causal_lm(root / "gpt2"), "llama": tiny_causal_lm(root / "llama", "llama", chat=True),
             "train": write_jsonl(root / "train.jsonl", pairs(96, 0)),
             "validation": write_jsonl(root / "validation.jsonl", pairs(N_VALIDATION, 1)),
             "chat": write_jsonl(root / "chat.jsonl", conversations(48, 2)), "cache": str(root / "tokens"), "root": root}
@@ -160,11 +159,12 @@ def test_the_output_folder_loads_with_from_pretrained_and_generates(data, runs, 
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_sigkill_then_resume_is_bit_identical(data, tmp_path, lora):
+def test_sigkill_then_resume_is_bit_identical(data, runs, tmp_path, lora):
     extra = ["--per_device_train_batch_size", 4, *(["--lora_r", 4, "--lora_dropout", 0.1] if lora else [])]
-    model = "llama" if lora else "gpt2_dropout"  # with dropout: its draws must come back too
-    full, crashed = tmp_path / "full", tmp_path / "crashed"
-    sft_run("cpu_2proc", data, full, *extra, model=model)
+    model = "llama" if lora else "gpt2"  # LoRA's dropout draws must come back too
+    full, crashed = (tmp_path / "full" if lora else runs["two"]), tmp_path / "crashed"
+    if lora:  # the full fine-tuning's uninterrupted run is the module's 2 x 4 run
+        sft_run("cpu_2proc", data, full, *extra, model=model)
     kill = ["--rank", 1, "--step", 4, "--marker", tmp_path / "killed"]
     proc = kill_launch("cpu_2proc", "sft", kill, *args_for(data, *extra, model=model), "--output_dir", crashed)
     assert proc.returncode != 0 and (tmp_path / "killed").exists(), output_of(proc)
@@ -304,10 +304,10 @@ def test_each_batch_knows_its_steps_response_tokens(world_size, accumulation):
 
 # ------------------------------------------------------------------------------------ bad input, one line each
 
-def bad(capsys, *args):
+def bad(capsys, *args, code=1):  # 2: argparse's own refusals
     proc = run_as_script(capsys, "sft", *args)
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert proc.returncode == 1 and len(lines) == 1, output_of(proc)
+    assert proc.returncode == code and len(lines) == 1, output_of(proc)
     return lines[0]
 
 
@@ -339,6 +339,10 @@ def test_bad_input_is_one_line_and_writes_no_run(data, tmp_path, capsys):
     line = bad(capsys, "--model_name_or_path", opt, "--train_file", data["train"], "--packing", *common)
     assert "--packing: OPTForCausalLM does not keep packed examples apart" in line, line
     assert "is more than" in bad(capsys, *gpt2, "--max_seq_length", 1000, *common)
+    line = bad(capsys, *gpt2, "--packing", "--per_device_train_batch_size", 64, *common)
+    assert "row(s) once packed, fewer than one batch of 64" in line, line
+    assert "no such file or folder: nope.jsonl" in bad(capsys, "--model_name_or_path", data["gpt2"], "--train_file",
+                                                       "nope.jsonl", *common, code=2)
     assert not out.exists() or not (out / "all_results.json").exists()
 
 

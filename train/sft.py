@@ -150,6 +150,12 @@ def main(args):
     folder, info = main_process_first(accelerator, lambda: prepare_prompt_response(
         args.train_file, args.validation_file, args.validation_split_percentage, args.seed, args.model_name_or_path,
         tokenizer, columns, args.max_seq_length, args.long_examples, args.packing, args.cache_dir), share=True)
+    counts = info["splits"]
+    one_batch = args.per_device_train_batch_size * accelerator.num_processes
+    if counts["train"]["rows"] < one_batch:  # the same on every rank: every one stops here
+        fail(f"the training data makes {counts['train']['rows']} row(s){' once packed' if args.packing else ''}, fewer "
+             f"than one batch of {one_batch} (--per_device_train_batch_size x {accelerator.num_processes} processes); "
+             "pass a smaller --per_device_train_batch_size")
     splits = {split: datasets.load_from_disk(os.path.join(folder, split)) for split in ("train", "validation")}
     loaders = {split: sharded_loader(
         DatasetsSource(ds, transform=CausalBatch(tokenizer.pad_token_id)), args.per_device_train_batch_size
@@ -160,7 +166,6 @@ def main(args):
         # each batch carries its optimizer step's count of response tokens over every rank and micro-batch
         weights=list(ds["targets"]) if split == "train" else None,
         accumulation_steps=args.gradient_accumulation_steps) for split, ds in splits.items()}
-    counts = info["splits"]
     accelerator.print(f"data: {folder}: " + "; ".join(
         f"{s} {c['examples']:,} examples, {c['targets']:,} response tokens" + (f", {c['cut']:,} cut" if c["cut"] else "")
         + (f", {c['dropped']:,} dropped" if c["dropped"] else "") for s, c in counts.items())
@@ -204,8 +209,9 @@ def main(args):
     before = {}
     if args.eval_on_start and loop.step == 0:
         before = evaluate_responses(accelerator, model, loaders["validation"], logits)
-        accelerator.print(f"before fine-tuning: eval_loss={before['eval_loss']:.4f} "
-                          f"eval_perplexity={before['eval_perplexity']:.4f}")
+        if accelerator.is_main_process:  # above the progress bar, as the loop's own evaluation lines
+            loop.progress.write(f"before fine-tuning: eval_loss={before['eval_loss']:.4f} "
+                                f"eval_perplexity={before['eval_perplexity']:.4f}")
     for batch in loop.batches():
         with accelerator.accumulate(model):
             nats = next_token_loss(logits(batch), batch["labels"], reduction="sum")
