@@ -5,9 +5,6 @@ Every process of an `accelerate launch` parses the same argv and meets the same 
 error printed by each would appear N times; before any process group exists, the only way to pick
 one printer is the LOCAL_RANK that torchrun sets (absent outside torchrun: a single process).
 """
-import atexit
-import gc
-import io
 import os
 import shlex
 import signal
@@ -174,66 +171,3 @@ def run_teardown():
     _on_failure.clear()
     while _on_success:
         _on_success.pop()()
-
-
-def started_for(main):
-    """True when this interpreter was started to run main's own file as its program (`python
-    train/x.py ...`, or the `python -u train/x.py ...` that torchrun starts): the process then ends
-    with the run. Not under a tool that runs the file and works after it (python -m cProfile or pdb,
-    -i, coverage run, pytest through runpy, a wrapper script), nor with a tracer or profiler set."""
-    if sys.gettrace() is not None or sys.getprofile() is not None or sys.flags.inspect:
-        return False
-    argv, i = getattr(sys, "orig_argv", [])[1:], 0
-    while i < len(argv) and argv[i].startswith("-") and argv[i] != "-":  # the interpreter's own options
-        option, i = argv[i], i + 1
-        if option == "--":
-            break
-        if option.startswith("--"):
-            i += option == "--check-hash-based-pycs"  # the one long option with a separate value
-            continue
-        for at, letter in enumerate(option[1:], 1):  # a group such as -uX importtime, or -mpdb
-            if letter in "cm":  # a command or a module runs, not a file
-                return False
-            if letter in "XW":  # the rest is its value, else the next argument is
-                i += at == len(option) - 1
-                break
-    return i < len(argv) and os.path.realpath(argv[i]) == os.path.realpath(main.__code__.co_filename)
-
-
-def leave_finished():
-    """Exit 0 without the interpreter's teardown, which a finished run does not need: with torch and
-    torch._dynamo loaded (every torch optimizer imports it), freeing it all module by module made a
-    2-process run on 2 cores end about 2 s later (docs/speed.md). Code after run() does not run.
-    While a thread the interpreter would wait for is alive (a user's, an executor's), it returns and
-    leaves the exit to the interpreter, which first tells executors to stop; so it does when stdout
-    or stderr cannot be written (a full disk under `> file`), which the interpreter reports with
-    exit 120. Otherwise what the teardown would save is saved first: the atexit handlers run
-    (DataLoader workers, logging, trackers, TemporaryDirectory), the buffers of open files and of
-    C's stdio are written. Not saved: what only a finalizer writes (an unclosed GzipFile's trailer)
-    or deletes (a NamedTemporaryFile)."""
-    gc.unfreeze()  # gc.get_objects() skips frozen objects: run() froze what was loaded before main()
-    if any(t is not threading.main_thread() and not t.daemon and t.is_alive() for t in threading.enumerate()):
-        return
-    atexit._run_exitfuncs()
-    buffered = (io.TextIOWrapper, io.BufferedWriter, io.BufferedRandom)
-    standard = [stream for stream in (sys.stdout, sys.stderr) if stream is not None]
-    # type(), not isinstance(): isinstance reads __class__, and some of torch's objects warn when read
-    for obj in gc.get_objects():
-        if type(obj) in buffered and not any(obj is stream for stream in standard):
-            try:
-                if not obj.closed and obj.writable():
-                    obj.flush()
-            except (OSError, ValueError):  # as the file's finalizer would, it fails silently
-                pass
-    for stream in standard:
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            return
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).fflush(None)  # C's own stdio buffers (a library's verbose output into a pipe)
-    except (OSError, AttributeError):
-        pass
-    os._exit(0)

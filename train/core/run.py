@@ -14,8 +14,8 @@ from data.errors import UserError
 from train.core.accelerator import announce, make_accelerator
 from train.core.output_dir import check_output_dir, claim_output_dir, list_checkpoints
 from train.core.preemption import Preempted
-from train.core.process import (die_with_launcher, exit_once, first_local_process, leave_finished, resume_command,
-                                run_failure_hooks, run_teardown, started_for)
+from train.core.process import (die_with_launcher, exit_once, first_local_process, resume_command, run_failure_hooks,
+                                run_teardown)
 
 
 def start_run(args, task, **accelerator_kwargs):
@@ -80,18 +80,12 @@ def disk_fault(error, output_dir):
 
 
 def run(main, args):
-    """main(args), then the teardown, with the ways out that users meet most made short. A finished
-    run's process started for the script itself ends here (process.leave_finished), without the
-    interpreter's slow teardown; elsewhere run() returns main's result. A user's
-    error (data.errors.UserError and its kinds) or a full, read-only or unwritable disk is one line
-    from one process and exit 1; Ctrl-C is one line with the last checkpoint and the command that
-    resumes from it, and exit 130. Under a launcher that line comes after the launcher's own report,
-    and this process dies with the launcher."""
+    """main(args), then the teardown, and main's result, with the ways out that users meet most made
+    short. A user's error (data.errors.UserError and its kinds) or a full, read-only or unwritable
+    disk is one line from one process and exit 1; Ctrl-C is one line with the last checkpoint and the
+    command that resumes from it, and exit 130. Under a launcher that line comes after the launcher's
+    own report, and this process dies with the launcher."""
     die_with_launcher()
-    if started_for(main):
-        # what is loaded by now (torch, accelerate, the script) lives as long as the process: frozen,
-        # each full collection (about 6 a run) walks 200,000 objects fewer, ~0.4 s of a 2-process run
-        gc.freeze()
     quiet_others = False
     try:
         result = main(args)
@@ -126,10 +120,6 @@ def run(main, args):
         # go before the process group, or interpreter exit can abort a finished run
         gc.collect()
         run_teardown()
-        if started_for(main):  # the process ends with the run: skip the interpreter's teardown
-            leave_finished()
         return result
-    finally:  # where the interpreter's own exit follows, it finalizes what was frozen, as before
-        gc.unfreeze()
     run_failure_hooks()  # e.g. an output folder this run created and never wrote a result into
     exit_once(message, code, quiet_others)
