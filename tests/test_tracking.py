@@ -148,7 +148,7 @@ def test_resume_rewrites_the_log_without_repeating_or_losing_steps(fashion_dir, 
 def test_curves_any_data_gives_a_png_of_the_asked_size(tmp_path):
     """curves.png is drawn whatever the log holds: nothing, one point, a constant, a loss gone to nan or
     inf (those points are left out), huge and tiny values, more lines than colours."""
-    from train.core.curves import draw_chart
+    from train.core.tracking import draw_chart
 
     nan, inf = float("nan"), float("inf")
     cases = {"empty": [], "one": [(5, 0.25)], "constant": [(1, 3.0), (2, 3.0)],
@@ -165,23 +165,6 @@ def test_curves_any_data_gives_a_png_of_the_asked_size(tmp_path):
             image.verify()
         with Image.open(path) as image:
             assert image.format == "PNG" and image.size == (700, 300), name
-
-
-def test_curves_ticks_are_round_evenly_spaced_and_inside_the_axis():
-    from train.core.curves import axis_range, nice_ticks, tick_labels
-
-    rng = random.Random(0)
-    for _ in range(2000):
-        values = [rng.uniform(-1, 1) * 10 ** rng.randint(-6, 7) for _ in range(rng.randint(1, 4))]
-        low, high = axis_range(values)
-        assert low < min(values) and max(values) < high
-        ticks, step = nice_ticks(low, high)
-        assert 3 <= len(ticks) <= 8 and all(low - 1e-9 * step <= t <= high + 1e-9 * step for t in ticks), values
-        mantissa = step / 10 ** math.floor(math.log10(step))
-        assert min(abs(mantissa - m) for m in (1, 2, 5)) < 1e-9, step
-        assert all(abs(b - a - step) < 1e-6 * step for a, b in zip(ticks, ticks[1:]))
-        labels = tick_labels(ticks, step)
-        assert len(set(labels)) == len(labels), labels  # enough decimals to tell every tick apart
 
 
 def test_curves_from_a_log_with_null_losses(tmp_path):

@@ -10,7 +10,6 @@ import time
 
 import torch
 
-from train.core.curves import draw_chart
 
 
 def fsync_path(path):
@@ -158,6 +157,45 @@ def _read_jsonl(path):
             except json.JSONDecodeError:
                 pass
     return records
+
+
+LARGEST = 1e300  # beyond this a value is left out like a nan: matplotlib's axis arithmetic would overflow
+
+
+def plottable(points):
+    """The (x, y) points that are finite numbers within +-LARGEST, as floats: metrics.jsonl writes a
+    nan or inf loss as null, and a chart must not fail a finished run."""
+    kept = []
+    for x, y in points:
+        try:
+            x, y = float(x), float(y)
+        except (TypeError, ValueError, OverflowError):
+            continue
+        if abs(x) <= LARGEST and abs(y) <= LARGEST:  # False for nan too
+            kept.append((x, y))
+    return kept
+
+
+def draw_chart(path, panels, xlabel, size=(1000, 400)):
+    """A PNG of panels side by side, each {"title", "ylabel", "lines": [(label, [(x, y), ...], markers)]};
+    points that are not finite are left out, a legend where a panel has more than one line. matplotlib's
+    object API draws with Agg (no display needed) without importing pyplot."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(size[0] / 100, size[1] / 100), dpi=100)
+    FigureCanvasAgg(figure)
+    for axes, panel in zip(figure.subplots(1, len(panels), squeeze=False)[0], panels):
+        for label, points, markers in panel["lines"]:
+            kept = plottable(points)
+            axes.plot([x for x, _ in kept], [y for _, y in kept], "o-" if markers else "-", label=label)
+        axes.set(xlabel=xlabel, ylabel=panel["ylabel"], title=panel["title"])
+        axes.grid(alpha=0.3)
+        if len(panel["lines"]) > 1:
+            axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100, format="png")
+    return path
 
 
 def plot_metrics(output_dir, metric="eval_accuracy"):
