@@ -41,16 +41,6 @@ def file_kind(train_files, validation_files=None):
     return kinds.pop()
 
 
-def existing_path(text):
-    """argparse type for --train_file/--validation_file: a path that exists, so a typo is one line
-    before anything is written (reading it later would be a traceback from the hashing or loading)."""
-    import argparse
-
-    if not os.path.exists(text):
-        raise argparse.ArgumentTypeError(f"no such file or folder: {text}")
-    return text
-
-
 def load_files(train_files, validation_files=None, validation_split_percentage=None, seed=0, cache_dir=None):
     """{"train": datasets.Dataset, "validation": datasets.Dataset or None} from local files, through
     datasets' local loaders (offline). With validation_split_percentage, a seeded random P% of the

@@ -7,7 +7,6 @@ import json
 import math
 import sys
 
-from data.local_files import existing_path
 from train.core.process import exit_once, first_local_process
 
 GROUPS = (("data", "data"), ("model", "model"), ("optimization", "optimization"),
@@ -285,9 +284,9 @@ def add_optimizer_args(parser, learning_rate, train_batch_size, eval_batch_size,
 def add_data_files_args(parser, train_help, split_percentage):
     """--train_file, --validation_file and --validation_split_percentage, for the scripts that read a user's files."""
     data = parser.groups["data"]
-    data.add_argument("--train_file", nargs="+", type=existing_path, help=train_help)
-    data.add_argument("--validation_file", nargs="+", type=existing_path, help="Validation rows, the same kind of file "
-                      "(default: a held-out split).")
+    data.add_argument("--train_file", nargs="+", help=train_help)
+    data.add_argument("--validation_file", nargs="+", help="Validation rows, the same kind of file (default: a held-out "
+                      "split).")
     data.add_argument("--validation_split_percentage", type=positive_float, default=None,
                       help=f"Without --validation_file: the percent of training rows held out (default {split_percentage}).")
 

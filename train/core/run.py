@@ -10,7 +10,7 @@ import sys
 import torch
 from accelerate.utils import set_seed
 
-from data.errors import UserError
+from data.errors import UserError, fail
 from train.core.accelerator import announce, make_accelerator
 from train.core.output_dir import check_output_dir, claim_output_dir, list_checkpoints
 from train.core.preemption import Preempted
@@ -22,6 +22,10 @@ def start_run(args, task, **accelerator_kwargs):
     """Everything before the data, in the order it must happen: the output folder is checked (before
     any process waits on another), the accelerator built, the seed set (the same initial weights on
     every process), the header printed, and the folder claimed (its one writer from here on)."""
+    for flag in ("train_file", "validation_file"):  # a typo: one line before anything is written
+        for path in getattr(args, flag, None) or []:
+            if not os.path.exists(path):
+                fail(f"--{flag} {path}: no such file or folder")
     check_output_dir(args.output_dir, args.resume_from_checkpoint, args.overwrite_output_dir)
     if args.full_determinism:
         use_deterministic_kernels()
