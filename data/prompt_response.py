@@ -114,7 +114,8 @@ def encode(tokenizer, examples, max_seq_length, long_examples, split, chat):
         labels = [t if s else -100 for t, s in zip(tokens[1:], scored[1:])]
         tokens = tokens[:-1]
         if not any(s for s in scored[1:]):
-            raise DataError(f"the {split} example {_start(segments[0][0])} has no response tokens; fill its response in")
+            raise DataError(f"the {split} example {_start(segments[0][0])} has no response tokens; fill its "
+                            "response in")
         if len(tokens) > max_seq_length:
             prompt = scored.index(True)  # tokens before the first response token: its context
             if long_examples == "drop":
@@ -179,7 +180,8 @@ def prepare_prompt_response(train_files, validation_files, validation_split_perc
     datasets.disable_progress_bars()
     chat = "messages" in columns
     key = {"format": FORMAT, "inputs": _input_hash(train_files), "validation": validation_files and
-           _input_hash(validation_files), "split": None if validation_files else [validation_split_percentage or 10, seed],
+           _input_hash(validation_files),
+           "split": None if validation_files else [validation_split_percentage or 10, seed],
            "tokenizer": tokenizer_files_hash(model_dir), "columns": columns, "max_seq_length": max_seq_length,
            "long_examples": long_examples, "packing": packing}
     stem = os.path.splitext(os.path.basename(os.path.normpath(train_files[0])))[0]

@@ -37,8 +37,8 @@ from train.core.evaluation import evaluate_responses
 from train.core.loop import TrainingLoop
 from train.core.run import run, start_run
 from train.models.gpt import next_token_loss
-from train.models.hf import (add_lora_args, check_model_folder, describe_trainable, load_tokenizer, lora_model,
-                             model_fingerprint, quiet_transformers, save_model_folder)
+from train.models.hf import (adamw, add_lora_args, check_model_folder, describe_trainable, load_tokenizer,
+                             lora_model, model_fingerprint, quiet_transformers, save_model_folder)
 
 TASK = "sft"  # the run's name in its checkpoints: another task's checkpoint is refused
 METRICS = ["eval_loss", "eval_perplexity"]  # its evaluation's metrics, the headline first
@@ -57,12 +57,13 @@ def parse_args(argv=None):
     data.add_argument("--max_seq_length", type=positive_int, default=None,
                       help=f"Tokens per row (default: the model's limit, at most {MAX_LENGTH}).")
     data.add_argument("--long_examples", choices=LONG_EXAMPLES, default="truncate",
-                      help="An example over --max_seq_length: cut at the end, left out, or refused (default: truncate).")
+                      help="An example over --max_seq_length: cut at the end, left out, or refused.")
     data.add_argument("--packing", type=true_or_false, nargs="?", const=True, default=False,
                       help="Several examples per row, attention kept inside each (models that read packed rows "
                            "from position_ids; checked at start). (default: false)")
     data.add_argument("--group_by_length", type=true_or_false, nargs="?", const=True, default=True,
-                      help="Training batches of rows of similar length, so less of each batch is padding. (default: true)")
+                      help="Training batches of rows of similar length, so less of each batch is padding. "
+                           "(default: true)")
     data.add_argument("--cache_dir", default=os.path.join("runs", "tokens"),
                       help="Where tokenized data is kept and found again by the next run with the same inputs.")
     data.add_argument("--dataloader_num_workers", type=int, default=None,
@@ -94,7 +95,8 @@ def parse_args(argv=None):
 def check_causal_lm(path):
     """The folder's config, if its model type has a causal LM head in transformers; else one line."""
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
 
     config = AutoConfig.from_pretrained(path)
     # BERT and its kind have a causal head in transformers too, for decoders built from them (is_decoder)
@@ -167,7 +169,8 @@ def main(args):
         weights=list(ds["targets"]) if split == "train" else None,
         accumulation_steps=args.gradient_accumulation_steps) for split, ds in splits.items()}
     accelerator.print(f"data: {folder}: " + "; ".join(
-        f"{s} {c['examples']:,} examples, {c['targets']:,} response tokens" + (f", {c['cut']:,} cut" if c["cut"] else "")
+        f"{s} {c['examples']:,} examples, {c['targets']:,} response tokens"
+        + (f", {c['cut']:,} cut" if c["cut"] else "")
         + (f", {c['dropped']:,} dropped" if c["dropped"] else "") for s, c in counts.items())
         + f"; max_seq_length {args.max_seq_length}; " + (
             f"packed into {counts['train']['rows']:,} rows, {counts['train']['filled']:.0%} filled" if args.packing
@@ -189,10 +192,7 @@ def main(args):
     accelerator.print(f"model: {type(accelerator.unwrap_model(model)).__name__} from {args.model_name_or_path}, "
                       f"{total:,} parameters, {trainable:,} training ({trainable / total:.2%}"
                       f"{f', LoRA r={args.lora_r}' if args.lora_r else ''})")
-    trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW([{"params": [p for p in trained if p.dim() >= 2], "weight_decay": args.weight_decay},
-                                   {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0}],
-                                  lr=args.learning_rate, fused=True)
+    optimizer = adamw(model, args.learning_rate, args.weight_decay)  # decay on weight matrices only
     model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
 
     # ---------------------------------------------------------------- train

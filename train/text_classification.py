@@ -33,8 +33,8 @@ from train.core.confusion import draw_confusion
 from train.core.evaluation import evaluate_confusion
 from train.core.loop import TrainingLoop
 from train.core.run import run, start_run
-from train.models.hf import (add_lora_args, check_model_folder, default_model_folder, describe_trainable, load_tokenizer,
-                             lora_model, model_fingerprint, quiet_transformers, save_model_folder)
+from train.models.hf import (adamw, add_lora_args, check_model_folder, default_model_folder, describe_trainable,
+                             load_tokenizer, lora_model, model_fingerprint, quiet_transformers, save_model_folder)
 
 TASK = "text_classification"  # the run's name in its checkpoints: another task's checkpoint is refused
 METRICS = ["eval_accuracy", "eval_f1", "eval_loss"]  # its evaluation's metrics, the headline first
@@ -146,11 +146,7 @@ def main(args):
     accelerator.print(f"model: {type(model).__name__} from {args.model_name_or_path}, {total:,} parameters, "
                       f"{trainable:,} training ({trainable / total:.2%}"
                       f"{f', LoRA r={args.lora_r}' if args.lora_r else ''}); new: {', '.join(new) or 'nothing'}")
-    # decay on weight matrices only, not on biases and norms (BERT's recipe, run_glue_no_trainer.py's too)
-    trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW([{"params": [p for p in trained if p.dim() >= 2], "weight_decay": args.weight_decay},
-                                   {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0}],
-                                  lr=args.learning_rate, fused=True)
+    optimizer = adamw(model, args.learning_rate, args.weight_decay)  # decay on weight matrices only
     model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
 
     # ---------------------------------------------------------------- train

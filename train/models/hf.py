@@ -122,6 +122,17 @@ def add_lora_args(parser):
                         "architecture, e.g. query,value for BERT; all-linear where peft has none).")
 
 
+def adamw(model, learning_rate, weight_decay):
+    """AdamW over the parameters that train, fused: decay on weight matrices only, not on biases and
+    norms (BERT's recipe, transformers' run_*_no_trainer.py scripts' too)."""
+    import torch
+
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW([{"params": [p for p in trained if p.dim() >= 2], "weight_decay": weight_decay},
+                              {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=learning_rate, fused=True)
+
+
 def describe_trainable(model):
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
