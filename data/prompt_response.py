@@ -149,15 +149,12 @@ def pack(rows, max_seq_length):
     for i in order:
         n = rows["length"][i]
         at = bisect.bisect_left(room, (n, -1))
-        if at < len(room):
-            _, b = room.pop(at)
-        else:
-            b = len(bins)
+        free, b = room.pop(at) if at < len(room) else (max_seq_length, len(bins))
+        if b == len(bins):
             bins.append([])
         bins[b].append(i)
-        free = max_seq_length - sum(rows["length"][j] for j in bins[b])
-        if free > 0:
-            bisect.insort(room, (free, b))
+        if free - n > 0:
+            bisect.insort(room, (free - n, b))
     packed = {"input_ids": [], "labels": [], "position_ids": [], "length": [], "targets": []}
     for members in bins:
         for key in ("input_ids", "labels"):

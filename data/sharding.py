@@ -130,17 +130,18 @@ class BatchPlan:
                                     self.shuffle, self.accumulation_steps)
         return order
 
-    def step_totals(self, epoch, weights, accumulation_steps):
-        """Per global batch of the epoch: the sum of `weights` (one per sample) over every row of the
-        optimizer step it belongs to, all ranks together. A step is `accumulation_steps` consecutive
-        global batches from the epoch's start (its last step may have fewer: accelerate steps at the
-        end of the loader); pad's repeats count 0. Every rank computes it alone, no communication."""
+    def step_totals(self, epoch, weights):
+        """Per global batch of the epoch: the sum of `weights` (an array, one per sample) over every row
+        of the optimizer step it belongs to, all ranks together. A step is `accumulation_steps`
+        consecutive global batches from the epoch's start (its last step may have fewer: accelerate
+        steps at the end of the loader); pad's repeats count 0. Every rank computes it alone, no
+        communication."""
         order, n, g = self.epoch_rows(epoch), self.num_samples, self.global_batch_size
         positions = np.arange(self.num_batches() * g)
-        per_batch = np.where(positions < n, np.asarray(weights)[order[positions % max(n, 1)]], 0).reshape(-1, g).sum(1)
-        step_of = np.arange(len(per_batch)) // accumulation_steps
+        per_batch = np.where(positions < n, weights[order[positions % max(n, 1)]], 0).reshape(-1, g).sum(1)
+        step_of = np.arange(len(per_batch)) // self.accumulation_steps
         totals = np.bincount(step_of, weights=per_batch)[step_of] if len(per_batch) else per_batch
-        return totals.astype(np.int64) if np.issubdtype(np.asarray(weights).dtype, np.integer) else totals
+        return totals.astype(np.int64) if np.issubdtype(weights.dtype, np.integer) else totals
 
     def rank_batches(self, epoch, start=0):
         """Yield (global_batch_index, sample_ids, valid) for this rank, from global batch `start` on."""
@@ -180,7 +181,7 @@ class ShardedIterableDataset(IterableDataset):
                               accumulation_steps)
         if weights is not None and len(weights) != self.plan.num_samples:
             raise PlanError(f"{len(weights)} weights for {self.plan.num_samples} samples; pass one weight per sample")
-        self.weights, self.accumulation_steps = weights, accumulation_steps
+        self.weights = None if weights is None else np.asarray(weights)
         self.epoch, self.start_batch = 0, 0
 
     def set_epoch(self, epoch, start_batch=0):
@@ -196,8 +197,7 @@ class ShardedIterableDataset(IterableDataset):
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         if self.plan.world_size > 1:
             _refuse_resharding(self, info)
-        totals = None if self.weights is None else \
-            self.plan.step_totals(self.epoch, self.weights, self.accumulation_steps)
+        totals = None if self.weights is None else self.plan.step_totals(self.epoch, self.weights)
         for batch_index, ids, valid in self.plan.rank_batches(self.epoch, self.start_batch):
             if (batch_index - self.start_batch) % num_workers != worker:
                 continue  # whole batches per worker: the DataLoader returns them in plan order

@@ -12,6 +12,7 @@ import json
 import os
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -288,7 +289,7 @@ def test_each_batch_knows_its_steps_response_tokens(world_size, accumulation):
     targets = [rng.randint(1, 50) for _ in range(203)]
     plans = [BatchPlan([203], 4 * world_size, world_size, rank, seed=1, lengths=targets,
                        accumulation_steps=accumulation) for rank in range(world_size)]
-    totals = plans[0].step_totals(0, targets, accumulation)
+    totals = plans[0].step_totals(0, np.asarray(targets))
     batches = [list(plan.rank_batches(0)) for plan in plans]
     steps = {}
     for per_rank in batches:

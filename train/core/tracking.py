@@ -11,7 +11,6 @@ import time
 import torch
 
 
-
 def fsync_path(path):
     fd = os.open(path, os.O_RDONLY)
     try:
