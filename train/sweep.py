@@ -47,6 +47,29 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def shown(storage):
+    """A storage as printed and recorded in sweep.json: a database URL's password masked."""
+    if storage and "://" in storage:
+        from sqlalchemy.engine import make_url
+
+        return make_url(storage).render_as_string(hide_password=True)
+    return storage
+
+
+def reach(storage):
+    """A database must answer before the folder is claimed for it: a wrong URL, a missing driver or a
+    database that is down is one line, and sweep.json never records a storage that did not work."""
+    import sqlalchemy
+
+    try:
+        engine = sqlalchemy.create_engine(storage)
+        engine.connect().close()
+        engine.dispose()
+    except (ImportError, sqlalchemy.exc.SQLAlchemyError) as e:
+        hint = " (pip install -r requirements.txt: psycopg for postgresql://)" if isinstance(e, ImportError) else ""
+        fail(f"cannot open the study's storage {shown(storage)}: {str(e).splitlines()[0]}{hint}")
+
+
 def make_study(args, sweep):
     import optuna
 
@@ -65,8 +88,8 @@ def make_study(args, sweep):
             warnings.simplefilter("ignore")  # optuna marks it experimental
             study.set_metric_names([sweep["metric"]])  # what the dashboard and plots call the objective
     elif theirs != mine:
-        fail(f"study {args.study_name!r} in {args.storage or storage} was started with another sweep (script, args, "
-             f"space, metric or pruner differ: {theirs}); pass the same sweep file, or another --output_dir")
+        fail(f"study {args.study_name!r} in {shown(args.storage) or storage} was started with another sweep (script, "
+             f"args, space, metric or pruner differ: {theirs}); pass the same sweep file, or another --output_dir")
     # the seed reproduces the study's first command; every later or parallel one draws its own numbers,
     # or it would replay the same settings (a sampler's random draws restart with each process)
     seed = sweep.get("seed")
@@ -82,7 +105,7 @@ def claim_folder(args):
     import json
 
     marker = os.path.join(args.output_dir, "sweep.json")
-    mine = {"study_name": args.study_name, "storage": args.storage or "study.log"}
+    mine = {"study_name": args.study_name, "storage": shown(args.storage) or "study.log"}
     if os.path.isfile(marker):
         with open(marker) as f:
             theirs = json.load(f)
@@ -210,6 +233,8 @@ def run_trial(args, sweep, study, trial, stopping):
 def main(args):
     sweep = read_sweep(args.sweep_file, {"n_trials": args.n_trials})
     check_against_script(sweep, load_script(sweep["script"]))
+    if args.storage and "://" in args.storage:
+        reach(args.storage)
     claim_folder(args)
     for folder in ("trials", "logs"):
         os.makedirs(os.path.join(args.output_dir, folder), exist_ok=True)
@@ -251,8 +276,9 @@ def main(args):
         worker.release(remove=not running_mine)
     report(study, args.output_dir, sweep)
     if stopping:
+        argv = [a.replace(args.storage, shown(args.storage)) if args.storage else a for a in sys.argv]
         print(f"sweep stopped; the interrupted trial saved a checkpoint. Rerun the same command to go on: "
-              f"python {shlex.join(sys.argv)}", flush=True)
+              f"python {shlex.join(argv)}", flush=True)
         sys.exit(128 + stopping[0])
     running = counts(study)[1]
     if running:
