@@ -102,8 +102,7 @@ class Parser(argparse.ArgumentParser):
 
     def _did_you_mean(self, flag):
         known = [s for action in self._actions for s in action.option_strings if s not in ("-h", "--help")]
-        close = [ALIASES[flag]] if ALIASES.get(flag) in known else difflib.get_close_matches(flag, known, n=1,
-                                                                                             cutoff=0.75)
+        close = [ALIASES[flag]] if ALIASES.get(flag) in known else difflib.get_close_matches(flag, known, 1, 0.75)
         return f" (did you mean {close[0]}?)" if close else ""
 
     def parse_args(self, args=None, namespace=None):
@@ -199,6 +198,9 @@ def make_parser(doc):
     g["optimization"].add_argument("--gradient_accumulation_steps", type=positive_int, default=1,
                                    help="Micro-batches per optimizer step.")
     g["optimization"].add_argument("--seed", type=int, default=42, help="Seed for weights, shuffling and dropout.")
+    g["optimization"].add_argument("--global_batch_size", type=positive_int, default=None, help="Samples per optimizer "
+                                   "step on any process count: sets --per_device_train_batch_size to it / (processes x "
+                                   "accumulation), so a resume on fewer nodes takes the same steps.")
     g["checkpoints"].add_argument("--output_dir", type=str, default=None,
                                   help="Where weights, metrics and checkpoints go.")
     g["checkpoints"].add_argument("--overwrite_output_dir", action="store_true",
@@ -213,10 +215,9 @@ def make_parser(doc):
     g["checkpoints"].add_argument("--checkpoints_total_limit", type=positive_int, default=None,
                                   help="Keep only the newest N checkpoints.")
     g["checkpoints"].add_argument("--checkpoint_format", choices=["auto", "sharded", "full"], default="auto",
-                                  help="sharded: each process writes its own part (torch.distributed.checkpoint), "
-                                       "no gather; full: whole state dicts from the main process. auto: sharded "
-                                       "under FSDP unless its config says FULL_STATE_DICT, else full. Either resumes "
-                                       "at any process count.")
+                                  help="sharded: each process writes its own part (torch.distributed.checkpoint), no "
+                                       "gather; full: whole state dicts from the main process. auto: sharded under FSDP "
+                                       "unless its config says FULL_STATE_DICT, else full. Both resume at any process count.")
     g["checkpoints"].add_argument("--checkpoint_async", action="store_true",
                                   help="Sharded checkpoints: write them in the background while training goes on "
                                        "(the state is copied first); one is `latest` once every part is written.")
@@ -230,8 +231,8 @@ def make_parser(doc):
     g["checkpoints"].add_argument("--early_stopping_patience", type=positive_int, default=None,
                                   help="End the run after N evaluations in a row without a better "
                                        "--metric_for_best_model (every process at the same step).")
-    g["checkpoints"].add_argument("--early_stopping_threshold", type=non_negative_float, default=0.0,
-                                  help="How much better an evaluation must be to count as an improvement.")
+    g["checkpoints"].add_argument("--early_stopping_threshold", type=non_negative_float, default=0.0, help="How much "
+                                  "better an evaluation must be to count as an improvement.")
     g["optimization"].add_argument("--nonfinite_loss", choices=["stop", "skip"], default="stop",
                                    help="A NaN or infinite training loss: stop the run (no final model; the last "
                                         "checkpoint stays good), or skip those optimizer steps (a sync per step).")

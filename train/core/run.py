@@ -4,7 +4,9 @@ Ctrl-C. Scripts only declare `main(args)` and call `run(main, parse_args())`."""
 import errno
 import gc
 import os
+import re
 import signal
+import socket
 import sys
 
 import torch
@@ -31,6 +33,12 @@ def start_run(args, task, **accelerator_kwargs):
         use_deterministic_kernels()
     accelerator = make_accelerator(args, dynamo_plugin=dynamo_plugin(args), **accelerator_kwargs)
     set_seed(args.seed)
+    if args.global_batch_size:
+        per_step = accelerator.num_processes * args.gradient_accumulation_steps
+        if args.global_batch_size % per_step:
+            fail(f"--global_batch_size {args.global_batch_size} is not a multiple of {accelerator.num_processes} "
+                 f"processes x {args.gradient_accumulation_steps} accumulation steps; pass a multiple of {per_step}")
+        args.per_device_train_batch_size = args.global_batch_size // per_step
     announce(accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.mixed_precision)
     if args.full_determinism:
         accelerator.print("full_determinism: deterministic kernels only (slower on GPUs)")
@@ -83,6 +91,20 @@ def disk_fault(error, output_dir):
     return f"error: {DISK_FAULTS[error.errno].format(path)}; {advice}"
 
 
+def lost_peer(error):
+    """'host (address)' when `error` is gloo's for a peer whose connection closed or broke, else None."""
+    found = re.search(r"(?:closed by peer|Read error|Write error|Connection reset)[^\[]*\[([0-9a-fA-F.:]+)\]:\d+", str(error))
+    if not found:
+        return None
+    try:
+        host = socket.gethostbyaddr(found[1])[0]
+    except OSError:
+        host = None
+    if host == socket.gethostname():  # most often one that ended first, on losing another node
+        return f"another process of this node ({host})"
+    return f"{host} ({found[1]})" if host else found[1]
+
+
 def run(main, args):
     """main(args), then the teardown, and main's result, with the ways out that users meet most made
     short. A user's error (data.errors.UserError and its kinds) or a full, read-only or unwritable
@@ -104,12 +126,18 @@ def run(main, args):
         if e.errno not in DISK_FAULTS:
             raise
         message, code = disk_fault(e, getattr(args, "output_dir", None)), 1
-    except RuntimeError as e:  # --full_determinism met an op that torch has no deterministic kernel for
-        if not getattr(args, "full_determinism", False) or NO_DETERMINISTIC_KERNEL not in str(e):
+    except RuntimeError as e:
+        if lost_peer(e):  # a process of another node died, or the link to it: no traceback per rank
+            found = list_checkpoints(args.output_dir) if args.output_dir else []
+            message, code = (f"error: lost contact with {lost_peer(e)} in a collective: its process died or the "
+                             f"network to it failed; stopped without saving, {found[-1] if found else 'no checkpoint yet'}"
+                             f" is the newest checkpoint; resume with: {resume_command()}"), 1
+        elif getattr(args, "full_determinism", False) and NO_DETERMINISTIC_KERNEL in str(e):
+            op = str(e).split(NO_DETERMINISTIC_KERNEL)[0].strip()
+            message, code = (f"error: --full_determinism: {op} has no deterministic kernel on this device; run "
+                             "without --full_determinism (a rerun then agrees to rounding, not to the bit)"), 1
+        else:
             raise
-        op = str(e).split(NO_DETERMINISTIC_KERNEL)[0].strip()
-        message, code = (f"error: --full_determinism: {op} has no deterministic kernel on this device; run without "
-                         "--full_determinism (a rerun then agrees to rounding, not to the bit)"), 1
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher forwards a second SIGINT
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # and the one-process launcher's exit sends SIGTERM
