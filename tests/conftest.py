@@ -17,6 +17,10 @@ FASHION_DIR = "/usr/share/datasets/fashion-mnist"
 # makes `auto` pick fp32 on every CPU, here and in every process the tests start; the tests of
 # `auto` itself set what they need.
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+# One intra-op thread per process, as each rank of a multi-process launch already has (torchrun's
+# default): the in-process runs and 1-process launches took a thread per core, and beside the other
+# xdist worker's runs those threads waited on each other (2-3x slower on 2 cores, measured).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_xdist_auto_num_workers(config):
