@@ -17,6 +17,11 @@ RUN = ["--max_train_samples", 1280, "--max_eval_samples", 301, "--num_train_epoc
        "--per_device_train_batch_size", 32, "--logging_steps", LOGGING_STEPS]
 
 
+def in_process_run(samples):
+    """RUN's arguments for one process in this one, on `samples` training samples (samples / 32 steps an epoch)."""
+    return [str(a) for a in RUN[2:]] + ["--max_train_samples", str(samples)]
+
+
 def read_jsonl(path):
     with open(path) as f:
         return [json.loads(line) for line in f]
@@ -117,30 +122,33 @@ def test_summary_line_at_the_end(tracked_run):
 
 
 def test_without_tracking_no_tensorboard_but_still_jsonl_and_png(fashion_dir, tmp_path):
-    results = mnist.main(mnist.parse_args([str(a) for a in RUN] + ["--output_dir", str(tmp_path)]))
+    results = mnist.main(mnist.parse_args(in_process_run(320) + ["--output_dir", str(tmp_path)]))
     assert not (tmp_path / "tensorboard").exists()
-    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "eval_accuracy" in r] == [40, 80]
-    assert (tmp_path / "curves.png").stat().st_size > 0 and results["step"] == 80
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "eval_accuracy" in r] == [10, 20]
+    assert (tmp_path / "curves.png").stat().st_size > 0 and results["step"] == 20
 
 
 def test_resume_rewrites_the_log_without_repeating_or_losing_steps(fashion_dir, tmp_path):
-    args = [str(a) for a in RUN] + ["--checkpointing_steps", "30", "--with_tracking", "--report_to", "tensorboard"]
+    # 20 steps an epoch, 40 in all
+    args = in_process_run(640) + ["--checkpointing_steps", "30", "--with_tracking", "--report_to", "tensorboard"]
     full, crashed = tmp_path / "full", tmp_path / "crashed"
     mnist.main(mnist.parse_args(args + ["--output_dir", str(full)]))
-    # as a crash at step 72 would leave it: every log line up to then, the checkpoint of step 60
+    # as a crash at step 36 would leave it: every log line up to then (step 32's after the checkpoint),
+    # the checkpoint of step 30
     shutil.copytree(full, crashed)
     for name in ("all_results.json", "model.safetensors", "curves.png"):
         os.remove(crashed / name)
     with open(crashed / "metrics.jsonl", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in read_jsonl(full / "metrics.jsonl") if r["step"] <= 70)
-        f.write('{"step": 72, "train_lo')  # the kill came in the middle of a write
+        f.writelines(json.dumps(r) + "\n" for r in read_jsonl(full / "metrics.jsonl") if r["step"] <= 35)
+        f.write('{"step": 36, "train_lo')  # the kill came in the middle of a write
     mnist.main(mnist.parse_args(args + ["--output_dir", str(crashed), "--resume_from_checkpoint", "latest"]))
 
     def losses(folder):
         return [(r["step"], r.get("train_loss"), r.get("eval_accuracy")) for r in read_jsonl(folder / "metrics.jsonl")]
 
     assert losses(crashed) == losses(full)  # bit-identical resume: the same values at the same steps, once each
-    for tag in ("train_loss", "eval_accuracy"):  # and TensorBoard shows one history, not the steps after 60 twice
+    assert [step for step, _, _ in losses(full)].count(32) == 1  # (a logged step between checkpoint and crash)
+    for tag in ("train_loss", "eval_accuracy"):  # and TensorBoard shows one history, not the steps after 30 twice
         shown = tensorboard_history(crashed / "tensorboard", tag)
         assert shown == tensorboard_history(full / "tensorboard", tag) and len({s for s, _ in shown}) == len(shown)
 
@@ -187,6 +195,6 @@ def test_a_chart_that_fails_is_a_warning_not_a_failed_run(fashion_dir, tmp_path,
         raise ValueError("no font")
 
     monkeypatch.setattr(tracking, "draw_chart", broken)
-    results = mnist.main(mnist.parse_args([str(a) for a in RUN] + ["--output_dir", str(tmp_path)]))
-    assert results["step"] == 80 and (tmp_path / "model.safetensors").exists()
+    results = mnist.main(mnist.parse_args(in_process_run(320) + ["--output_dir", str(tmp_path)]))
+    assert results["step"] == 20 and (tmp_path / "model.safetensors").exists()
     assert "warning: curves.png was not drawn (ValueError: no font)" in capsys.readouterr().out
