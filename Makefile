@@ -37,7 +37,7 @@ TEXT_RECIPE := --config train/configs/text_wordnet.yaml
 # training pairs only from lm.py's training entries, validation pairs only from its validation entries
 SFT_DIR ?= runs/sft/gcide
 
-.PHONY: setup config-file train train-only test images train-images gcide train-lm text-data train-text sft-data train-sft
+.PHONY: setup config-file train train-only test images train-images gcide train-lm text-data train-text sft-data train-sft cluster cluster-down
 
 # apt for the offline Fashion-MNIST copy (Debian's dataset-fashion-mnist), pip for the Python packages.
 setup:
@@ -120,3 +120,11 @@ train-sft: config-file sft-data
 
 test: setup
 	$(PYTHON) -m pytest
+
+# A two-node SLURM cluster on this machine (root): hosts in network namespaces, slurmctld, a slurmd per
+# host, PostgreSQL for shared sweeps; then `. runs/cluster/env.sh` (docs/cluster.md)
+cluster:
+	bash accelerate_configs/slurm/local_cluster.sh up
+
+cluster-down:
+	bash accelerate_configs/slurm/local_cluster.sh down

@@ -10,7 +10,6 @@ import subprocess
 import time
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from conftest import CONFIGS, REPO, clean_env

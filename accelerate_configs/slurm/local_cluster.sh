@@ -137,6 +137,9 @@ up() {
     echo "the cluster is up: . runs/cluster/env.sh"
     return
   fi
+  if ip link show "$BRIDGE" >/dev/null 2>&1; then
+    die "another local cluster holds the bridge $BRIDGE (started from another checkout, or left by a crash): run \`make cluster-down\` where it was started, or here to remove what is left"
+  fi
   down >/dev/null 2>&1 || true
   install_packages
   mkdir -p "$STATE"
