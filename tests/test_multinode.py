@@ -14,6 +14,8 @@ from safetensors.torch import load_file
 from conftest import CONFIGS, clean_env, launch, output_of, run_together
 
 REGRESSION = ["--per_device_train_batch_size", 8, "--max_train_steps", 20, "--seed", 11]
+# the same 32 samples per step, as the nodes work it out: 32 / (4 processes x 1 accumulation step)
+GLOBAL = ["--global_batch_size", 32, "--max_train_steps", 20, "--seed", 11]
 
 
 def free_port():
@@ -57,7 +59,7 @@ def single_node(tmp_path_factory):
 def test_two_loopback_nodes_equal_one_node(single_node, tmp_path, template):
     config = loopback_config(template, tmp_path)
     out = tmp_path / "out"
-    codes, outputs = two_nodes(config, "regression", *REGRESSION, "--output_dir", out)
+    codes, outputs = two_nodes(config, "regression", *GLOBAL, "--output_dir", out)
     assert codes == [0, 0], "\n".join(o[-3000:] for o in outputs)
     for rank in range(4):
         assert any(f"process {rank}/4 " in o for o in outputs)
@@ -104,3 +106,29 @@ def test_two_network_hosts_equal_one_node(single_node, two_hosts, tmp_path):
     assert "process 2/4 " in outputs[1] and "world_size=4 " in outputs[0]
     got, expected = weights(tmp_path / "out"), single_node
     assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_global_batch_size_that_does_not_divide_is_one_line(capsys, tmp_path):
+    from conftest import run_as_script
+
+    proc = run_as_script(capsys, "regression", "--global_batch_size", 25, "--gradient_accumulation_steps", 2,
+                         "--output_dir", tmp_path / "out")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr + proc.stdout
+    assert ("--global_batch_size 25 is not a multiple of 1 processes x 2 accumulation steps; pass a multiple of 2"
+            in proc.stderr + proc.stdout)
+
+
+def test_a_lost_peer_is_named_from_gloos_error():
+    """gloo's errors when a peer's process dies (tests/test_cluster.py sees them for real)."""
+    import socket
+
+    from train.core.run import lost_peer
+
+    here = socket.gethostname()
+    closed = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer [{}]:30894. This"
+    reset = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error [{}]:17025: Connection reset by peer."
+    assert lost_peer(RuntimeError(closed.format("192.0.2.7"))) == "192.0.2.7"  # no name known: the address
+    name = socket.gethostbyaddr("127.0.0.1")[0]
+    expected = f"another process of this node ({here})" if name == here else f"{name} (127.0.0.1)"
+    assert lost_peer(RuntimeError(reset.format("127.0.0.1"))) == expected
+    assert lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
