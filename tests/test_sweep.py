@@ -66,44 +66,45 @@ def launches(out, trial):
 
 def test_a_sigkilled_sweep_goes_on_with_every_trial_run_once(tmp_path):
     out = tmp_path / "sweep"
-    # at the first evaluation trial 1 is far worse than trial 0 (eval_mse 15.9 against 3.7): the median
-    # pruner stops it; trial 2 (0.011, better) is the one the SIGKILL interrupts: it trains 20 times
-    # longer, so the kill finds it between its first two evaluations; trial 3 is the one a sweep that
-    # goes on must still run
-    enqueue(out, [{"learning_rate": lr, "num_train_samples": 40960 if n == 2 else 2048}
-                  for n, lr in enumerate([0.003, 0.0002, 0.03, 0.02])])
-    path = sweep_file(tmp_path, 4, {"learning_rate": {"low": 0.0001, "high": 0.3, "log": True},
+    # trial 1 (0.03, the best) is the one the SIGKILL interrupts: it trains 20 times longer, so the kill
+    # finds it between its first two evaluations; trial 2 is the one a sweep that goes on must still run,
+    # before the queued resume: at its first evaluation it is far worse than trial 0 (eval_mse 15.9
+    # against 3.7), so the median pruner stops it
+    enqueue(out, [{"learning_rate": lr, "num_train_samples": 40960 if n == 1 else 2048}
+                  for n, lr in enumerate([0.003, 0.03, 0.0002])])
+    path = sweep_file(tmp_path, 3, {"learning_rate": {"low": 0.0001, "high": 0.3, "log": True},
                                     "num_train_samples": [2048, 40960]}, args=ARGS_BUT_SAMPLES,
                       pruner={"name": "median", "n_startup_trials": 1})
     first = start(path, out, start_new_session=True)
-    checkpoints = out / "trials" / "trial_0002" / "checkpoints"
+    checkpoints = out / "trials" / "trial_0001" / "checkpoints"
     deadline = time.monotonic() + 400
     while not (checkpoints.is_dir() and any(p.name.startswith("step_") for p in checkpoints.iterdir())):
         assert first.poll() is None and time.monotonic() < deadline, finish(first)[1]
         time.sleep(0.1)
     time.sleep(0.5)  # the sweep reads the first evaluation (it polls every 0.2 s); the trial trains on
-    assert not (out / "trials" / "trial_0002" / "all_results.json").exists()
+    assert not (out / "trials" / "trial_0001" / "all_results.json").exists()
     first.send_signal(signal.SIGKILL)
     first.wait()
+    assert not (out / "logs" / "trial_0002.log").exists()  # never started before the kill
     code, text = finish(start(path, out))
     assert code == 0, text
-    assert "trial 2: its sweep process is gone; queued to resume from its latest checkpoint" in text
+    assert "trial 1: its sweep process is gone; queued to resume from its latest checkpoint" in text
     study = study_of(out)
     states = {t.number: t.state.name for t in study.get_trials()}
-    assert list(states.values()).count("FAIL") == 1 and states[2] == "FAIL"  # the interrupted attempt alone
+    assert list(states.values()).count("FAIL") == 1 and states[1] == "FAIL"  # the interrupted attempt alone
     assert sorted(t.user_attrs.get("folder", t.number) for t in study.get_trials() if t.state.name != "FAIL") == \
-        list(range(4))
-    assert states[1] == "PRUNED", text
-    for trial in range(4):  # each started from step 0 once; trial 2 once more, from its checkpoint
-        assert launches(out, trial) == ((1, 1) if trial == 2 else (1, 0)), trial
+        list(range(3))
+    assert states[2] == "PRUNED", text
+    for trial in range(3):  # each started from step 0 once; trial 1 once more, from its checkpoint
+        assert launches(out, trial) == ((1, 1) if trial == 1 else (1, 0)), trial
     # the kernel's SIGTERM for a dead parent reached the trial's launcher: it saved where it stood
-    assert "stopped on SIGTERM at step" in (out / "logs" / "trial_0002.log").read_text()
-    with open(out / "trials" / "trial_0002" / "all_results.json") as f:
+    assert "stopped on SIGTERM at step" in (out / "logs" / "trial_0001.log").read_text()
+    with open(out / "trials" / "trial_0001" / "all_results.json") as f:
         assert "/checkpoints/step_" in json.load(f)["resumed_from"]
-    assert "| 2 | 0.03 | 40960 |" in text and "complete (resumed)" in text and "pruned at step 128" in text, text
+    assert "| 1 | 0.03 | 40960 |" in text and "complete (resumed)" in text and "pruned at step 128" in text, text
     assert (out / "optimization_history.png").is_file() and (out / "param_importances.png").is_file()
     code, again = finish(start(path, out))  # a finished study: nothing more runs
-    assert code == 0 and "trial 5" not in again and len(study_of(out).get_trials()) == 5  # 4 and the retry
+    assert code == 0 and "trial 4" not in again and len(study_of(out).get_trials()) == 4  # 3 and the retry
     assert os.listdir(out / "workers") == []  # the dead and the finished sweeps' lock files are gone
 
 
