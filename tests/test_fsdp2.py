@@ -1,5 +1,5 @@
 """FSDP2 on 2 real CPU processes (accelerate_configs/fsdp2_cpu_2proc.yaml) and sharded checkpoints:
-the same steps as DDP, really sharded, exact resume after SIGKILL, resume at another process count
+the same steps as unsharded training, really sharded, exact resume after SIGKILL, resume at another process count
 and across FSDP2 and DDP, and checkpoints that cannot run code or half-load."""
 import json
 import os
@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import launch, output_of, run_as_script
+from conftest import launch, output_of, reset_accelerate_state, run_as_script
 from test_checkpointing import identical, kill_launch, resume_copy, weights
 from test_lm import TINY, text  # noqa: F401 (the module's text fixture)
 
@@ -28,18 +28,31 @@ def closest(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+def one_process(shards, out):
+    """The unsharded reference, in this process: 1 process with twice the per-process batch, so the
+    same global batch (test_lm.py: 1 process takes the steps 2 DDP processes take, to float rounding)."""
+    from train import lm as script
+
+    try:
+        script.main(script.parse_args([str(a) for a in ("--dataset_dir", shards, *ARGS, "--per_device_train_batch_size",
+                                                        8, "--output_dir", out)]))
+    finally:
+        reset_accelerate_state()
+
+
 @pytest.fixture(scope="module")
 def runs(text, tmp_path_factory):  # noqa: F811
     """One uninterrupted run under FSDP2, its checkpoints written in the background (--checkpoint_async),
-    and one under DDP, the same arguments."""
+    and one unsharded in 1 process, the same global batch."""
     _, shards = text
     root = tmp_path_factory.mktemp("fsdp2")
-    fsdp, ddp = root / "fsdp", root / "ddp"
-    return {"shards": shards, "fsdp": fsdp, "ddp": ddp,
-            "fsdp_proc": lm("fsdp2_cpu_2proc", shards, fsdp, "--checkpoint_async"), "ddp_proc": lm("cpu_2proc", shards, ddp)}
+    fsdp, unsharded = root / "fsdp", root / "unsharded"
+    one_process(shards, unsharded)
+    return {"shards": shards, "fsdp": fsdp, "unsharded": unsharded,
+            "fsdp_proc": lm("fsdp2_cpu_2proc", shards, fsdp, "--checkpoint_async")}
 
 
-def test_fsdp2_shards_the_model_and_takes_the_steps_ddp_takes(runs):
+def test_fsdp2_shards_the_model_and_takes_the_unsharded_steps(runs):
     out = runs["fsdp_proc"].stdout
     assert "distributed_type=FSDP2 on CPU" in out and "world_size=2 " in out
     # the GPT's blocks are units (its _no_split_modules), as accelerate wraps them on GPUs; each
@@ -50,21 +63,21 @@ def test_fsdp2_shards_the_model_and_takes_the_steps_ddp_takes(runs):
     assert 45 < share < 55, line
     assert "warning: the config asks for FSDP" not in out
     # the same global batch, accumulation and clipping: equal to float rounding (reduce-scatter
-    # sums in another order than all-reduce)
-    assert closest(weights(runs["fsdp"]), weights(runs["ddp"])) < 1e-5
-    f, d = (json.load(open(runs[k] / "all_results.json")) for k in ("fsdp", "ddp"))
+    # sums the two processes' gradients, one process sums its batch in another order)
+    assert closest(weights(runs["fsdp"]), weights(runs["unsharded"])) < 1e-5
+    f, d = (json.load(open(runs[k] / "all_results.json")) for k in ("fsdp", "unsharded"))
     assert f["eval_loss"] == pytest.approx(d["eval_loss"], rel=1e-5) and f["eval_tokens"] == d["eval_tokens"]
     final = weights(runs["fsdp"])  # the final weights are one whole file (a GPT-2 folder's: the tied layer once)
     assert final["transformer.wte.weight"].shape == (257, 32) and "lm_head.weight" not in final
 
 
-def test_checkpoints_are_sharded_under_fsdp2_and_full_under_ddp(runs):
+def test_checkpoints_are_sharded_under_fsdp2_and_full_unsharded(runs):  # and under DDP: the test below
     assert sorted(os.listdir(runs["fsdp"] / "checkpoints")) == ["step_00000004", "step_00000008"]  # all published
     step = runs["fsdp"] / "checkpoints" / "step_00000004"
     assert json.load(open(step / "meta.json"))["checkpoint_format"] == "sharded"
     assert sorted(os.listdir(step / "state")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert not (step / "model.safetensors").exists() and not (step / "optimizer.pt").exists()
-    full = runs["ddp"] / "checkpoints" / "step_00000004"
+    full = runs["unsharded"] / "checkpoints" / "step_00000004"
     assert json.load(open(full / "meta.json"))["checkpoint_format"] == "full" and (full / "model.safetensors").exists()
 
 
@@ -93,11 +106,16 @@ def test_a_sharded_checkpoint_resumes_at_other_process_counts_and_under_ddp(runs
     proc = lm("fsdp2_cpu_2proc", runs["shards"], two, "--resume_from_checkpoint", "latest")
     assert "saved with 1 process)" in proc.stdout and "world_size=2 " in proc.stdout
     assert closest(weights(two), weights(runs["fsdp"])) < 1e-5
-    # FSDP2's shards read by DDP, and DDP's full checkpoint read by FSDP2
+    # FSDP2's shards read by DDP, which writes full checkpoints after them; a full checkpoint (of
+    # 1 process) read by FSDP2
     ddp = resume_copy(runs["fsdp"], 4, str(tmp_path / "ddp"))
-    lm("cpu_2proc", runs["shards"], ddp, "--resume_from_checkpoint", "latest")
-    assert closest(weights(ddp), weights(runs["ddp"])) < 1e-5
-    fsdp = resume_copy(runs["ddp"], 4, str(tmp_path / "fsdp"))
+    proc = lm("cpu_2proc", runs["shards"], ddp, "--resume_from_checkpoint", "latest")
+    assert "distributed_type=MULTI_CPU" in proc.stdout and "world_size=2 " in proc.stdout
+    assert closest(weights(ddp), weights(runs["unsharded"])) < 1e-5
+    step = os.path.join(ddp, "checkpoints", "step_00000008")
+    assert json.load(open(os.path.join(step, "meta.json")))["checkpoint_format"] == "full"
+    assert os.path.exists(os.path.join(step, "model.safetensors"))
+    fsdp = resume_copy(runs["unsharded"], 4, str(tmp_path / "fsdp"))
     lm("fsdp2_cpu_2proc", runs["shards"], fsdp, "--resume_from_checkpoint", "latest")
     assert closest(weights(fsdp), weights(runs["fsdp"])) < 1e-5
 
