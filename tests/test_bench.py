@@ -253,3 +253,17 @@ def test_text_reference_gives_the_reference_sentence_csvs_and_an_offline_accurac
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
         f"--reference {tmp_path / 'none.py'} is not a file; pass transformers' "
         "examples/pytorch/text-classification/run_glue_no_trainer.py")
+
+
+def test_host_overhead_tiny_mode_prints_extra_ms_per_loop(fashion_dir):
+    proc = subprocess.run([sys.executable, "bench/host_overhead.py", "--tiny", "--data_dir", fashion_dir], cwd=REPO,
+                          env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for task in ("lm", "mnist"):  # every variant timed, the breakdown printed, then the one line per loop
+        table = proc.stdout.split(f"\n{task}: ms per step")[1]
+        rows = re.findall(r"^\| (\w+) \| \d+\.\d+ \| [+-]\d+\.\d+ \| [+-]\d+\.\d+ \|$", table, re.M)
+        assert rows[:6] == ["raw", "reader", "accelerate", "after_batch", "after_batch_nolog", "ours"], proc.stdout
+        assert re.search(rf"^breakdown {task}: reading [+-]\d+\.\d+, accelerate's wrappers [+-]\d+\.\d+, after_batch "
+                         r"[+-]\d+\.\d+ \(of which logging [+-]\d+\.\d+\) ms per step$", proc.stdout, re.M)
+    extra = re.findall(r"^EXTRA_MS (\w+) = (-?\d+\.\d+)$", proc.stdout, re.M)  # the last lines, numbers
+    assert [task for task, _ in extra] == ["lm", "mnist"] and proc.stdout.rstrip().endswith(extra[-1][1]), proc.stdout

@@ -56,7 +56,8 @@ class TrainingLoop:
         # stepped here once per optimizer step, so its state does not depend on the process count
         self.lr_scheduler = accelerator.prepare(make_scheduler(
             optimizer, args.lr_scheduler_type, args.num_warmup_steps, self.max_train_steps)) if schedule else None
-        self.t_start, self.train_seconds = time.perf_counter(), 0.0
+        self.t_start = self._t_log = time.perf_counter()  # _t_log: a bench may call after_batch alone
+        self.train_seconds = 0.0
         self.step, self.epoch, self.batches_done, self.history, self.epoch_seconds = 0, 0, 0, [], []
         self.resumed_from, self._resumed_seconds = None, 0.0  # the interrupted epoch's training time before the save
         self.losses = LossWatch(accelerator, optimizer, args.nonfinite_loss, args.output_dir)
