@@ -32,6 +32,7 @@ import random
 import statistics
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness import FASHION_DIR, Batches, time_turns
@@ -101,7 +102,7 @@ def task_loops(task, accelerator, args, tmp):
         def our_loader():  # as train/lm.py builds it
             return sharded_loader(ParquetSource(files, decode=decode), batch_size, rank=accelerator.process_index,
                                   world_size=accelerator.num_processes, device=accelerator.device, seed=42,
-                                  train=True)
+                                  train=True, num_workers=args.dataloader_num_workers)
     else:
         from data import identity_collate, load_mnist, normalize_images
         from train import mnist
@@ -121,6 +122,10 @@ def task_loops(task, accelerator, args, tmp):
         def our_loader():  # as train/mnist.py builds it; prepared below, with the model for ours
             return DataLoader(raw_set, batch_size=batch_size, shuffle=True, drop_last=True,
                               collate_fn=identity_collate)
+
+    def device_wait():  # a GPU's time for the step, as the host sees it at a sync: waiting, the GIL released
+        if args.device_ms:
+            time.sleep(args.device_ms / 1000)
 
     def model_and_optimizer():
         torch.manual_seed(0)  # the same initial weights for every variant
@@ -153,6 +158,7 @@ def task_loops(task, accelerator, args, tmp):
     def raw_step(model, optimizer, next_batch, after):
         def step():
             loss = loss_fn(model, next_batch())
+            device_wait()
             loss.backward()
             if clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -166,6 +172,7 @@ def task_loops(task, accelerator, args, tmp):
             batch = next_batch()
             with accelerator.accumulate(model):
                 loss = loss_fn(model, batch)
+                device_wait()
                 accelerator.backward(loss)
                 if clip and accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)
@@ -238,6 +245,10 @@ def main(argv=None):
     parser.add_argument("--logging_steps", type=int, default=20, help="Steps per turn; every loop logs once a turn.")
     parser.add_argument("--tasks", default="lm,mnist")
     parser.add_argument("--data_dir", default=FASHION_DIR, help="Fashion-MNIST's idx files (mnist).")
+    parser.add_argument("--device_ms", type=float, default=0.0, help="Each step also waits this long with the GIL "
+                        "released, as a host waits for its GPU (0: host time alone).")
+    parser.add_argument("--dataloader_num_workers", type=int, default=0, help="lm.py's reading processes (0 as on a "
+                        "CPU; lm.py takes 2 on a GPU).")
     parser.add_argument("--mixed_precision", choices=["no", "bf16"], default="no")
     parser.add_argument("--tiny", action="store_true", help="Tiny data, 3 turns of 4 steps: checks the bench runs.")
     args = parser.parse_args(argv)

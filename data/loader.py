@@ -11,6 +11,8 @@ This wrapper does the three things prepare would have done for us, and nothing e
 - tracks the position (state_dict/load_state_dict): train/core/loop.py stores it in our checkpoints, and
   in a script that uses accelerate's save_state, `accelerator.register_for_checkpointing` carries it.
 """
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 from accelerate.data_loader import (BatchSamplerShard, DataLoaderDispatcher, DataLoaderShard, DataLoaderStateMixin,
                                     IterableDatasetShard)
@@ -71,19 +73,26 @@ class ShardedLoader(DataLoaderStateMixin):
 
     def __iter__(self):
         self.begin()
+        # the next batch is read on a thread while the step runs on this one: parquet, numpy and torch
+        # release the GIL, so a step that waits for its device hides the read (bench/host_overhead.py).
+        # The plan's count flags the last batch: nothing to wait for ahead of the step
+        reader = ThreadPoolExecutor(1, thread_name_prefix="sharded_loader")
         try:
             start = self.next_batch = self.dataset.start_batch
-            iterator = iter(self.loader)
-            current = next(iterator, None)
-            k = 0
-            while current is not None:
-                following = next(iterator, None)  # look ahead one batch to flag the last one
-                self.end_of_dataloader = following is None
+            total, iterator = len(self.dataset), iter(self.loader)
+            following = reader.submit(next, iterator, None)
+            for k in range(total):
+                current = following.result()
+                if current is None:
+                    break
+                if k + 1 < total:
+                    following = reader.submit(next, iterator, None)
+                self.end_of_dataloader = k + 1 == total
                 self.next_batch = start + k + 1  # the batch being handed out counts as consumed
                 yield send_to_device(current, self.device, non_blocking=True) if self.device is not None else current
-                current, k = following, k + 1
             self.dataset.start_batch = 0  # a second pass over this epoch starts at its beginning
         finally:
+            reader.shutdown(cancel_futures=True)
             self.end()
 
     def state_dict(self):
