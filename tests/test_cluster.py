@@ -113,6 +113,9 @@ def reference(uninterrupted):
     info, log = job(job_id), open(f"{out}.log", errors="replace").read()
     assert info["JobState"] == "COMPLETED" and info["NodeList"] == "node[1-2]", (info, log[-3000:])
     assert log.count("world_size=4 ") == 2, log[-3000:]  # one header per node, one world of 4
+    accounted = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,NodeList"], env=slurm_env(),
+                               capture_output=True, text=True).stdout
+    assert accounted.split() == ["COMPLETED|node[1-2]"], accounted  # slurmdbd's record
     return weights(out)
 
 

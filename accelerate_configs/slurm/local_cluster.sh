@@ -4,15 +4,15 @@
 #   bash accelerate_configs/slurm/local_cluster.sh down    # (make cluster-down) stops it, removes what it made
 #   bash accelerate_configs/slurm/local_cluster.sh node-up node2   # brings back a node whose processes were killed
 # Hosts node1 and node2 are network namespaces (their own address, hostname and /etc/hosts) on a
-# bridge whose address is the controller's and the database's: slurmctld and PostgreSQL run on this
-# machine, one slurmd per host. Needs root (network namespaces); installs slurm-wlm, munge and
-# postgresql with apt when they are missing. Everything it writes is under runs/cluster, plus the
+# bridge whose address is the controller's and the database's: slurmctld, slurmdbd (on MariaDB, for
+# sacct) and PostgreSQL (shared sweeps) run on this machine, one slurmd per host. Needs root (network
+# namespaces); installs the Debian packages with apt when they are missing. Everything it writes is under runs/cluster, plus the
 # namespaces, the bridge and /etc/netns/node*; `down` removes them all. docs/cluster.md.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 STATE=$PWD/runs/cluster
 BRIDGE=slurmbr0 SUBNET=10.88.0 NODES=(node1 node2)
-CONTROLLER=$SUBNET.1 CTL_PORT=6917 NODE_PORT=6918 PG_PORT=5433
+CONTROLLER=$SUBNET.1 CTL_PORT=6917 NODE_PORT=6918 DBD_PORT=6919 PG_PORT=5433 MARIADB_PORT=3307
 PG_BIN=/usr/lib/postgresql/15/bin
 export SLURM_CONF=$STATE/slurm.conf
 
@@ -24,13 +24,15 @@ install_packages() {
   local missing=()
   command -v slurmctld >/dev/null || missing+=(slurm-wlm)
   command -v munged >/dev/null || missing+=(munge)
+  command -v slurmdbd >/dev/null || missing+=(slurmdbd)
+  command -v mariadbd >/dev/null || missing+=(mariadb-server)
   [ -x $PG_BIN/postgres ] || missing+=(postgresql)
   command -v ip >/dev/null || missing+=(iproute2)
   [ ${#missing[@]} = 0 ] && return
   echo "installing ${missing[*]} (apt)"
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   # Debian starts the packages' own services; this cluster runs its own daemons on other ports
-  for service in slurmctld slurmd munge postgresql; do service "$service" stop >/dev/null 2>&1 || true; done
+  for service in slurmctld slurmd slurmdbd munge mariadb postgresql; do service "$service" stop >/dev/null 2>&1 || true; done
 }
 
 network() {
@@ -59,6 +61,43 @@ munge_daemon() {
     --pid-file="$STATE/munge/munged.pid" --log-file="$STATE/munge/munged.log" --seed-file="$STATE/munge/seed" 2>/dev/null
 }
 
+accounting() {  # sacct's store: slurmdbd on a MariaDB server of its own (SLURM's only database)
+  local data=$STATE/mariadb
+  if [ ! -d "$data/mysql" ]; then
+    mkdir -p "$data" && chown mysql: "$data"
+    mariadb-install-db --user=mysql --datadir="$data" --auth-root-authentication-method=socket >/dev/null
+  fi
+  setsid -f mariadbd --user=mysql --datadir="$data" --socket="$data/socket" --bind-address=127.0.0.1 --port=$MARIADB_PORT \
+    --pid-file="$data/pid" --log-error="$data/error.log" --innodb-buffer-pool-size=64M >/dev/null 2>&1
+  for _ in $(seq 60); do mariadb-admin --socket="$data/socket" ping >/dev/null 2>&1 && break; sleep 0.5; done
+  mariadb --socket="$data/socket" -e "CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY 'slurm';
+    CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY 'slurm';
+    GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1'; GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost';" ||
+    die "MariaDB did not start; see $data/error.log"
+  # beside slurm.conf, where slurmdbd looks for it; its password makes it the SlurmUser's alone
+  cat > "$STATE/slurmdbd.conf" <<EOF
+AuthType=auth/munge
+AuthInfo=socket=$STATE/munge/socket
+DbdHost=localhost
+DbdAddr=$CONTROLLER
+DbdPort=$DBD_PORT
+SlurmUser=root
+PidFile=$STATE/slurmdbd.pid
+LogFile=$STATE/slurmdbd.log
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$MARIADB_PORT
+StorageUser=slurm
+StoragePass=slurm
+StorageLoc=slurm_acct_db
+EOF
+  chmod 600 "$STATE/slurmdbd.conf"
+  slurmdbd
+  # slurmctld stops at once if slurmdbd does not answer when it starts
+  for _ in $(seq 60); do sacctmgr -n list cluster >/dev/null 2>&1 && return; sleep 0.5; done
+  die "slurmdbd does not answer after 30 s; see $STATE/slurmdbd.log"
+}
+
 slurm_conf() {
   mkdir -p "$STATE/slurmctld"
   cat > "$SLURM_CONF" <<EOF
@@ -85,7 +124,11 @@ SelectType=select/cons_tres
 # cores shared by up to 4 jobs (OverSubscribe=FORCE:4), memory not counted: small CPU jobs side by side
 SelectTypeParameters=CR_Core
 MpiDefault=none
-AccountingStorageType=accounting_storage/none
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=$CONTROLLER
+AccountingStoragePort=$DBD_PORT
+# for slurmdbd's connections, the munge socket
+AccountingStoragePass=$STATE/munge/socket
 JobAcctGatherType=jobacct_gather/none
 # a node silent for 20 s is DOWN (its jobs requeued or ended); a slurmd that registers again returns
 SlurmdTimeout=20
@@ -146,6 +189,7 @@ up() {
   network
   munge_daemon
   slurm_conf
+  accounting
   slurmctld -f "$SLURM_CONF"
   for node in "${NODES[@]}"; do node_up "$node"; done
   postgres
@@ -174,6 +218,8 @@ down() {
     rm -rf "/etc/netns/$node"
   done
   stop_pid "$STATE/slurmctld.pid"
+  stop_pid "$STATE/slurmdbd.pid"
+  stop_pid "$STATE/mariadb/pid"
   [ -f "$STATE/postgres/postmaster.pid" ] && runuser -u postgres -- $PG_BIN/pg_ctl -D "$STATE/postgres" -m fast stop >/dev/null || true
   stop_pid "$STATE/munge/munged.pid"
   ip link del "$BRIDGE" 2>/dev/null || true
