@@ -3,15 +3,20 @@ model step, on models so small that a step is nearly all host work.
 
     python bench/host_overhead.py           # ~1 minute on 2 cores
     python bench/host_overhead.py --tiny    # seconds: what the test suite runs
+    python bench/host_overhead.py --device_ms 2   # each step also waits 2 ms for a stand-in GPU
 
 On a GPU the host queues a step's kernels while the device runs the previous ones; whatever the host
 spends beyond a raw loop (reading, wrappers, bookkeeping) shows as lost throughput once it exceeds the
-device's time. Here compute is ~0, so a step's time is its host time, measurable on any CPU.
+device's time, and every step pays it where the host waits for the device (a sync). Here compute is
+~0, so a step's time is its host time, measurable on any CPU; --device_ms adds that wait (a sleep, the
+GIL released, as in a CUDA sync), which work on other threads can overlap.
 
-One process (world size 1, one thread), the objects built as the scripts build them: make_accelerator,
+One process (world size 1, one intra-op thread), the objects built as the scripts build them: make_accelerator,
 accelerator.prepare, the sharded parquet loader (lm.py) or the prepared DataLoader (mnist.py),
 TrainingLoop. Per task the variants take turns of --logging_steps steps (one log each), in alternating
-order (bench/harness.py), all with the same data, model and optimizer:
+order (bench/harness.py), all with the same data, model and optimizer (lm.py: the demo's batches of
+8 windows of 256 tokens, whole through the data path, into a model that reads one token of each:
+embedding, then logits; mnist.py: 64 images, one linear layer; fused AdamW):
 
 - raw: a DataLoader over the same rows in memory, forward, backward, (clip,) step, zero_grad, the
   schedule, and every --logging_steps steps the mean loss `.item()`-ed and appended to a JSONL file;
@@ -266,7 +271,8 @@ def main(argv=None):
         for task in args.tasks.split(","):
             extra[task] = report(task, measure(task, accelerator, args, tmp))
     print(f"\ntorch {torch.__version__}, accelerate {__import__('accelerate').__version__}, "
-          f"{accelerator.device}, mixed_precision={accelerator.mixed_precision}, {args.logging_steps} steps per turn")
+          f"{accelerator.device}, mixed_precision={accelerator.mixed_precision}, {args.logging_steps} steps per turn, "
+          f"device_ms={args.device_ms:g}, {args.dataloader_num_workers} reading workers")
     for task, value in extra.items():
         print(f"EXTRA_MS {task} = {value:.3f}")
 
