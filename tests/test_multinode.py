@@ -1,9 +1,9 @@
 """Two nodes on one machine: two `accelerate launch` processes, machine ranks 0 and 1, 2 CPU processes
 each, rendezvous on 127.0.0.1. They must form one world of 4 and train exactly as a single-node
-4-process run does. Both rendezvous styles, from the repo's own 2-node templates."""
+4-process run does. Both rendezvous styles, from the repo's own 2-node templates. Nodes on hosts with
+their own addresses, under SLURM: tests/test_cluster.py."""
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -65,46 +65,6 @@ def test_two_loopback_nodes_equal_one_node(single_node, tmp_path, template):
         assert any(f"process {rank}/4 " in o for o in outputs)
     assert "world_size=4 " in outputs[0]
     got, expected = weights(out), single_node
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
-
-
-@pytest.fixture
-def two_hosts():
-    """Two network namespaces joined by a veth pair: node 0 at 10.201.S.1, node 1 at 10.201.S.2, so
-    the rendezvous and gloo traffic cross a real interface. Needs root (CI runs as root)."""
-    tag, subnet = os.getpid() % 100000, os.getpid() % 250
-    names, links = [f"acc{tag}n0", f"acc{tag}n1"], [f"acc{tag}v0", f"acc{tag}v1"]
-    setup = [["ip", "netns", "add", names[0]], ["ip", "netns", "add", names[1]],
-             ["ip", "link", "add", links[0], "type", "veth", "peer", "name", links[1]]]
-    for i in (0, 1):
-        setup += [["ip", "link", "set", links[i], "netns", names[i]],
-                  ["ip", "-n", names[i], "addr", "add", f"10.201.{subnet}.{i + 1}/24", "dev", links[i]],
-                  ["ip", "-n", names[i], "link", "set", "lo", "up"], ["ip", "-n", names[i], "link", "set", links[i], "up"]]
-    try:
-        for cmd in setup:
-            subprocess.run(cmd, check=True, capture_output=True, text=True)
-    except (subprocess.CalledProcessError, FileNotFoundError) as e:
-        for name in names:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        pytest.skip(f"cannot create network namespaces here ({getattr(e, 'stderr', '') or e}); needs root")
-    yield names, links, f"10.201.{subnet}.1"
-    for name in names:  # deleting a namespace deletes its end of the veth pair, and so the pair
-        subprocess.run(["ip", "netns", "del", name], capture_output=True)
-
-
-def test_two_network_hosts_equal_one_node(single_node, two_hosts, tmp_path):
-    names, links, head_ip = two_hosts
-    config = yaml.safe_load(open(os.path.join(CONFIGS, "2node_8gpu.yaml")))
-    config.update(num_processes=4, main_process_ip=head_ip, main_process_port=29400, use_cpu=True, mixed_precision="no")
-    (tmp_path / "netns.yaml").write_text(yaml.safe_dump(config))
-    codes, outputs = run_together([(["ip", "netns", "exec", names[rank], sys.executable, "-m",
-                                     "accelerate.commands.launch", "--config_file", str(tmp_path / "netns.yaml"),
-                                     "--machine_rank", str(rank), "train/regression.py", *map(str, REGRESSION),
-                                     "--output_dir", str(tmp_path / "out")],
-                                    clean_env(GLOO_SOCKET_IFNAME=links[rank])) for rank in (0, 1)])
-    assert codes == [0, 0], "\n".join(o[-3000:] for o in outputs)
-    assert "process 2/4 " in outputs[1] and "world_size=4 " in outputs[0]
-    got, expected = weights(tmp_path / "out"), single_node
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
