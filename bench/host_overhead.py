@@ -104,10 +104,12 @@ def task_loops(task, accelerator, args, tmp):
             ids, labels = batch if isinstance(batch, list) else (batch["input_ids"], batch["labels"])
             return F.cross_entropy(model(ids[:, 0]), labels[:, 0])
 
-        def our_loader():  # as train/lm.py builds it
-            return sharded_loader(ParquetSource(files, decode=decode), batch_size, rank=accelerator.process_index,
-                                  world_size=accelerator.num_processes, device=accelerator.device, seed=42,
-                                  train=True, num_workers=args.dataloader_num_workers)
+        def our_loader():  # as train/lm.py builds it; with a stand-in GPU, reading ahead as on a GPU
+            loader = sharded_loader(ParquetSource(files, decode=decode), batch_size, rank=accelerator.process_index,
+                                    world_size=accelerator.num_processes, device=accelerator.device, seed=42,
+                                    train=True, num_workers=args.dataloader_num_workers)
+            loader.read_ahead = loader.read_ahead or args.device_ms > 0
+            return loader
     else:
         from data import identity_collate, load_mnist, normalize_images
         from train import mnist

@@ -62,6 +62,8 @@ class ShardedLoader(DataLoaderStateMixin):
         # are excluded through each batch's `valid` mask instead.
         self._drop_last = True
         self.next_batch = dataset.start_batch
+        # read the next batch on a thread while the step runs: on a GPU (see __iter__)
+        self.read_ahead = device is not None and torch.device(device).type == "cuda"
 
     def __len__(self):
         return len(self.dataset)
@@ -73,26 +75,33 @@ class ShardedLoader(DataLoaderStateMixin):
 
     def __iter__(self):
         self.begin()
-        # the next batch is read on a thread while the step runs on this one: parquet, numpy and torch
-        # release the GIL, so a step that waits for its device hides the read (bench/host_overhead.py).
-        # The plan's count flags the last batch: nothing to wait for ahead of the step
-        reader = ThreadPoolExecutor(1, thread_name_prefix="sharded_loader")
+        # On a GPU the next batch is read on a thread while the step runs: parquet, numpy and torch
+        # release the GIL, so the read hides behind the wait for the device (bench/host_overhead.py).
+        # On a CPU it is read here, before the step: the cores are the training processes' already, and
+        # a transform drawing from torch's global generator would race the step's draws (dropout), so
+        # a rerun or a resume would differ. The plan's count flags the last batch.
+        reader = ThreadPoolExecutor(1, thread_name_prefix="sharded_loader") if self.read_ahead else None
         try:
             start = self.next_batch = self.dataset.start_batch
             total, iterator = len(self.dataset), iter(self.loader)
-            following = reader.submit(next, iterator, None)
+
+            def ahead():
+                return reader.submit(next, iterator, None) if reader else next(iterator, None)
+
+            following = ahead()
             for k in range(total):
-                current = following.result()
+                current = following.result() if reader else following
                 if current is None:
                     break
                 if k + 1 < total:
-                    following = reader.submit(next, iterator, None)
+                    following = ahead()
                 self.end_of_dataloader = k + 1 == total
                 self.next_batch = start + k + 1  # the batch being handed out counts as consumed
                 yield send_to_device(current, self.device, non_blocking=True) if self.device is not None else current
             self.dataset.start_batch = 0  # a second pass over this epoch starts at its beginning
         finally:
-            reader.shutdown(cancel_futures=True)
+            if reader:
+                reader.shutdown(cancel_futures=True)
             self.end()
 
     def state_dict(self):
