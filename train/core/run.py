@@ -91,9 +91,18 @@ def disk_fault(error, output_dir):
     return f"error: {DISK_FAULTS[error.errno].format(path)}; {advice}"
 
 
+def resume_point(args):
+    """The newest checkpoint and the command that resumes from it, for a run that stops unsaved."""
+    found = list_checkpoints(args.output_dir) if args.output_dir else []
+    where = (f"last checkpoint {found[-1]}" if found else
+             "no checkpoint yet (--checkpointing_steps saves them), so a resume starts from step 0")
+    return f"{where}; resume with: {resume_command()}"
+
+
 def lost_peer(error):
     """'host (address)' when `error` is gloo's for a peer whose connection closed or broke, else None."""
-    found = re.search(r"(?:closed by peer|Read error|Write error|Connection reset)[^\[]*\[([0-9a-fA-F.:]+)\]:\d+", str(error))
+    found = re.search(r"(?:closed by peer|Read error|Write error|Connection reset)[^\[]*\[([0-9a-fA-F.:]+)\]:\d+",
+                      str(error))
     if not found:
         return None
     try:
@@ -127,11 +136,10 @@ def run(main, args):
             raise
         message, code = disk_fault(e, getattr(args, "output_dir", None)), 1
     except RuntimeError as e:
-        if lost_peer(e):  # a process of another node died, or the link to it: no traceback per rank
-            found = list_checkpoints(args.output_dir) if args.output_dir else []
-            message, code = (f"error: lost contact with {lost_peer(e)} in a collective: its process died or the "
-                             f"network to it failed; stopped without saving, {found[-1] if found else 'no checkpoint yet'}"
-                             f" is the newest checkpoint; resume with: {resume_command()}"), 1
+        peer = lost_peer(e)  # a process of another node died, or the link to it: no traceback per rank
+        if peer:
+            message, code = (f"error: lost contact with {peer} in a collective: its process died or the network to "
+                             f"it failed; stopped without saving; {resume_point(args)}"), 1
         elif getattr(args, "full_determinism", False) and NO_DETERMINISTIC_KERNEL in str(e):
             op = str(e).split(NO_DETERMINISTIC_KERNEL)[0].strip()
             message, code = (f"error: --full_determinism: {op} has no deterministic kernel on this device; run "
@@ -143,10 +151,7 @@ def run(main, args):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # and the one-process launcher's exit sends SIGTERM
         if not first_local_process():  # torchrun's agent got the SIGINT too and waits for every worker
             os._exit(130)
-        found = list_checkpoints(args.output_dir) if args.output_dir else []
-        where = (f"last checkpoint {found[-1]}" if found else
-                 "no checkpoint yet (--checkpointing_steps saves them), so a resume starts from step 0")
-        message, code = f"interrupted; {where}; resume with: {resume_command()}", 130
+        message, code = f"interrupted; {resume_point(args)}", 130
     else:
         # main's frame is gone, and with it the script's model: DDP's reducer holds gloo state and must
         # go before the process group, or interpreter exit can abort a finished run
