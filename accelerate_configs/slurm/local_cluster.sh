@@ -36,6 +36,7 @@ install_packages() {
 }
 
 network() {
+  touch "$STATE/network"  # what down may remove: the bridge, the namespaces and /etc/netns entries made here
   ip link add "$BRIDGE" type bridge
   ip addr add "$CONTROLLER/24" dev "$BRIDGE"
   ip link set "$BRIDGE" up
@@ -180,10 +181,17 @@ up() {
     echo "the cluster is up: . runs/cluster/env.sh"
     return
   fi
-  if ip link show "$BRIDGE" >/dev/null 2>&1; then
-    die "another local cluster holds the bridge $BRIDGE (started from another checkout, or left by a crash): run \`make cluster-down\` where it was started, or here to remove what is left"
+  if [ ! -f "$STATE/network" ]; then  # never take over or remove a bridge or namespace this checkout did not make
+    for name in "${NODES[@]}"; do
+      if ip netns pids "$name" >/dev/null 2>&1 || [ -e "/etc/netns/$name" ]; then
+        die "a network namespace $name (or /etc/netns/$name) exists that this checkout did not make: another local cluster? run \`make cluster-down\` where it was started"
+      fi
+    done
+    if ip link show "$BRIDGE" >/dev/null 2>&1; then
+      die "a bridge $BRIDGE exists that this checkout did not make: another local cluster? run \`make cluster-down\` where it was started"
+    fi
   fi
-  down >/dev/null 2>&1 || true
+  down >/dev/null 2>&1 || true  # what a crashed cluster of this checkout left
   install_packages
   mkdir -p "$STATE"
   network
@@ -211,18 +219,20 @@ stop_pid() {  # the daemon in the pid file, SIGTERM then SIGKILL
 }
 
 down() {
-  for node in "${NODES[@]}"; do
-    # every process of the host: slurmd and whatever its jobs left
-    ip netns pids "$node" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
-    ip netns del "$node" 2>/dev/null || true
-    rm -rf "/etc/netns/$node"
-  done
+  if [ -f "$STATE/network" ]; then
+    for node in "${NODES[@]}"; do
+      # every process of the host: slurmd and whatever its jobs left
+      ip netns pids "$node" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+      ip netns del "$node" 2>/dev/null || true
+      rm -rf "/etc/netns/$node"
+    done
+  fi
   stop_pid "$STATE/slurmctld.pid"
   stop_pid "$STATE/slurmdbd.pid"
   stop_pid "$STATE/mariadb/pid"
   [ -f "$STATE/postgres/postmaster.pid" ] && runuser -u postgres -- $PG_BIN/pg_ctl -D "$STATE/postgres" -m fast stop >/dev/null || true
   stop_pid "$STATE/munge/munged.pid"
-  ip link del "$BRIDGE" 2>/dev/null || true
+  [ -f "$STATE/network" ] && ip link del "$BRIDGE" 2>/dev/null || true
   rm -rf "$STATE"
   echo "the cluster is down"
 }
