@@ -1,6 +1,7 @@
 """Shared fixtures: paths, an `accelerate launch` runner, and accelerate state isolation for
 in-process runs of the scripts' main()."""
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -221,3 +222,19 @@ def reset_accelerate_state():
 def fresh_accelerate_state():
     yield
     reset_accelerate_state()
+
+
+def cluster_exports():
+    """What runs/cluster/env.sh exports (SLURM_CONF, CLUSTER_NODES, CLUSTER_DATABASE), read from the file,
+    not this process's environment. Without the cluster of `make cluster` the test is skipped, or
+    fails under REQUIRE_CLUSTER=1 (CI, which starts the cluster)."""
+    path = os.path.join(REPO, "runs", "cluster", "env.sh")
+    if not os.path.isfile(path):
+        message = "the local cluster is not up (make cluster writes runs/cluster/env.sh)"
+        if os.environ.get("REQUIRE_CLUSTER") == "1":
+            pytest.fail(message + " and REQUIRE_CLUSTER=1", pytrace=False)
+        pytest.skip(message, allow_module_level=True)
+    import shlex
+
+    return {name: " ".join(shlex.split(value)) for name, value in
+            re.findall(r"^export (\w+)=(.*)$", open(path).read(), re.M)}

@@ -12,13 +12,9 @@ import time
 import pytest
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, REPO, clean_env
+from conftest import CONFIGS, REPO, clean_env, cluster_exports
 
-ENV_FILE = os.path.join(REPO, "runs", "cluster", "env.sh")
-if not os.path.exists(ENV_FILE):
-    if os.environ.get("REQUIRE_CLUSTER") == "1":
-        raise RuntimeError(f"REQUIRE_CLUSTER=1 but {ENV_FILE} is missing: run `make cluster` first")
-    pytest.skip("no local SLURM cluster (make cluster)", allow_module_level=True)
+EXPORTS = cluster_exports()  # skips the module without the cluster (fails under REQUIRE_CLUSTER=1)
 
 SBATCH = os.path.join(CONFIGS, "slurm", "train.sbatch")
 CLUSTER = os.path.join(CONFIGS, "slurm", "local_cluster.sh")
@@ -29,8 +25,7 @@ ARGS = ["train/regression.py", "--global_batch_size", 32, "--num_train_epochs", 
 
 
 def slurm_env(**extra):
-    exports = dict(re.findall(r"^export (\w+)=(.*)$", open(ENV_FILE).read(), re.M))
-    return clean_env(SLURM_CONF=exports["SLURM_CONF"], PROCESSES_PER_NODE="2", **extra)
+    return clean_env(SLURM_CONF=EXPORTS["SLURM_CONF"], PROCESSES_PER_NODE="2", **extra)
 
 
 def sbatch(out, *options, script_args=(), **env):

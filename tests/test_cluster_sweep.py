@@ -5,7 +5,6 @@ checkpoint; every trial runs once, the URL's password is never shown, and optuna
 study from the same URL. Skipped when the cluster is not up, failed then if REQUIRE_CLUSTER=1."""
 import json
 import os
-import shlex
 import signal
 import socket
 import subprocess
@@ -15,29 +14,16 @@ import urllib.request
 
 import pytest
 
-from conftest import REPO, clean_env, descendants
+from conftest import REPO, clean_env, cluster_exports, descendants
 from data.errors import UserError
 
-ENV_SH = os.path.join(REPO, "runs", "cluster", "env.sh")
 SECRET = "pw-never-shown"  # the database trusts the cluster's subnet, so any password connects
 # test_sweep.py's ARGS, checkpointing every 32 of the 384 steps: the kill finds a checkpoint early in the trial
 ARGS = {"num_train_epochs": 3, "num_train_samples": 2048, "per_device_train_batch_size": 16, "checkpointing_steps": 32}
 
 
 def cluster_database():
-    """CLUSTER_DATABASE as runs/cluster/env.sh exports it (not this process's environment)."""
-    if not os.path.isfile(ENV_SH):
-        message = "the local cluster is not up (make cluster writes runs/cluster/env.sh)"
-        if os.environ.get("REQUIRE_CLUSTER") == "1":
-            pytest.fail(message + " and REQUIRE_CLUSTER=1", pytrace=False)
-        pytest.skip(message)
-    exports = {}
-    with open(ENV_SH) as f:
-        for line in f:
-            if line.startswith("export ") and "=" in line:
-                name, value = line[len("export "):].strip().split("=", 1)
-                exports[name] = " ".join(shlex.split(value))
-    return exports["CLUSTER_DATABASE"]
+    return cluster_exports()["CLUSTER_DATABASE"]
 
 
 def sweep_file(tmp_path, n_trials):
