@@ -168,7 +168,8 @@ def worker(args):
             torch.cuda.synchronize()
         accelerator.wait_for_everyone()
 
-    peak_before = matmul_peak(accelerator)
+    peak_seconds = 0.1 if args.tiny else 1.0  # tiny: a rough peak, 4 CPU-seconds fewer of matmuls
+    peak_before = matmul_peak(accelerator, seconds=peak_seconds)
     loops = {"raw": raw_step, "lm.py": lm_step}
     phases = {name: Phases() for name in loops}
     for step in loops.values():  # warm-up: DDP's bucket rebuild, kernels, compilation
@@ -176,7 +177,7 @@ def worker(args):
             step()
     phases = {name: Phases() for name in loops}  # the timed turns only
     ms_per_step = time_turns(loops, args.turns, synchronize, sync_after=True)
-    peak_after = matmul_peak(accelerator)
+    peak_after = matmul_peak(accelerator, seconds=peak_seconds)
     loop.progress.close()
     if accelerator.is_main_process:
         reference = accelerator.unwrap_model(model)
