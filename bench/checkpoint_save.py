@@ -3,7 +3,7 @@ the sharded save synchronous against asynchronous (--checkpoint_async), for the 
 under DDP (cpu_2proc.yaml) and under FSDP2 (fsdp2_cpu_2proc.yaml).
 
     python bench/checkpoint_save.py            # ~2 minutes on 2 cores
-    python bench/checkpoint_save.py --tiny     # one tiny model; what the test suite runs
+    python bench/checkpoint_save.py --tiny     # one tiny model under DDP; what the test suite runs
 
 Each save is the one TrainingLoop makes (train/core/checkpoint.py: gather or shard, write, fsync,
 rename), of a model and an AdamW that has taken a step, so the optimizer state is there; the
@@ -99,7 +99,7 @@ def worker(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_worker_flags(parser)
-    parser.add_argument("--tiny", action="store_true", help="Tiny models, one repeat: that the bench runs.")
+    parser.add_argument("--tiny", action="store_true", help="A tiny model, one repeat, DDP alone: that the bench runs.")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     if args.worker:
@@ -110,7 +110,8 @@ def main():
     print("| layout | model | parameters | full s | sharded s | async blocking s | async total s | "
           "full MB rank 0 / 1 | sharded MB rank 0 / 1 |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for config in ("cpu_2proc", "fsdp2_cpu_2proc"):
+    # tiny: one launch (DDP's; both layouts' rows come from the same worker and table code)
+    for config in ("cpu_2proc",) if args.tiny else ("cpu_2proc", "fsdp2_cpu_2proc"):
         result = run_workers(__file__, worker_args, os.path.join(REPO, "accelerate_configs", config + ".yaml"))
         for row in result["rows"]:
             s, b = row["seconds"], row["bytes"]
