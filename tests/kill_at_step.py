@@ -2,15 +2,19 @@
 file remembers it happened, so a restarted run goes through). Used by tests/test_checkpointing.py
 to crash runs for real, at exact points, without test hooks in the training code.
 
-    kill_at_step.py SCRIPT --rank R --step K --marker FILE [--during_save] [--sigterm self|launcher] -- SCRIPT_ARGS...
+    kill_at_step.py SCRIPT --rank R --step K --marker FILE [--during_save [--keep DIR]] [--sigterm self|launcher]
+        -- SCRIPT_ARGS...
 
 Without --during_save: right after optimizer step K on rank R (before that step's checkpoint).
-With --during_save: on rank R, when checkpoint step K is about to be renamed into place.
+With --during_save: on rank R, when checkpoint step K is about to be renamed into place (rank 0 does
+the rename); --keep DIR first copies that finished but unpublished checkpoint to DIR: the state of
+the uninterrupted run at step K, for the resumed run's checkpoint K to be compared with.
 With --sigterm: SIGTERM instead of SIGKILL, to rank R itself or to its launcher (which passes it on
 to every rank), as a cluster asks a run to stop. The script runs under run(), as from its own file.
 """
 import argparse
 import os
+import shutil
 import signal
 import sys
 
@@ -35,6 +39,7 @@ def main():
     parser.add_argument("--step", type=int, required=True)
     parser.add_argument("--marker", required=True)
     parser.add_argument("--during_save", action="store_true")
+    parser.add_argument("--keep")
     parser.add_argument("--sigterm", choices=["self", "launcher"])
     args = parser.parse_args(sys.argv[1:split])
     armed = int(os.environ.get("RANK", 0)) == args.rank and not os.path.exists(args.marker)
@@ -44,6 +49,8 @@ def main():
 
         def replace(src, dst):  # every other rename passes through
             if os.path.basename(src) == f".tmp-step_{args.step:08d}":
+                if args.keep:
+                    shutil.copytree(src, args.keep)
                 die(args.marker)
             return real_replace(src, dst)
 

@@ -36,6 +36,47 @@ def resume_copy(full_dir, step, new_dir):
     return new_dir
 
 
+def same_state(a, b):
+    """Equal tensors, numbers and containers, recursively (a checkpoint's .pt files)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(same_state, a, b))
+    return a == b
+
+
+def same_checkpoint(a, b, unchecked=()):
+    """Two checkpoints of one step hold the same run: weights, optimizer, schedule, every rank's RNG
+    streams and buffers, and the data position; `unchecked`: rank-state entries left out."""
+    names = sorted(f for f in os.listdir(a) if f.endswith(".pt"))
+    assert "rank_state_1.pt" in names and names == sorted(f for f in os.listdir(b) if f.endswith(".pt")), names
+    assert identical(weights(a), weights(b))
+    for name in names:
+        states = [torch.load(os.path.join(f, name), weights_only=True) for f in (a, b)]
+        if name.startswith("rank_state_"):
+            states = [{k: v for k, v in state.items() if k not in unchecked} for state in states]
+        assert same_state(*states), name
+    positions = [json.load(open(os.path.join(folder, "meta.json")))["data"] for folder in (a, b)]
+    assert positions[0] == positions[1], positions
+
+
+def crash_during_save_and_resume(config, script, step, folder, *args, unchecked=()):
+    """One launch: rank 0 SIGKILLed as checkpoint `step` is about to be published (its files
+    finished: kept aside as the uninterrupted run's state there), then torch elastic's restart
+    resumes from the checkpoint before it and saves `step` again, which must be the same. Returns
+    the launch (its output holds both attempts') and the folder of the resumed run."""
+    out, kept = folder / "crashed", folder / f"uninterrupted_step_{step}"
+    kill = ["--rank", 0, "--step", step, "--marker", folder / "killed", "--during_save", "--keep", kept]
+    proc = kill_launch(config, script, kill, *args, "--resume_from_checkpoint", "latest", "--output_dir", out,
+                       max_restarts=1)
+    assert proc.returncode == 0 and (folder / "killed").exists() and kept.is_dir(), output_of(proc)
+    assert "no checkpoint in" in proc.stdout  # the first attempt started fresh
+    same_checkpoint(kept, out / "checkpoints" / f"step_{step:08d}", unchecked)
+    return proc, out
+
+
 def kill_launch(config, script, kill, *args, timeout=300, max_restarts=None):
     """accelerate launch of tests/kill_at_step.py: `kill` = [--rank, R, --step, K, --marker, F, ...]."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config + ".yaml")]
