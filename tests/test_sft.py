@@ -5,8 +5,8 @@ The promise tested first: 1 process with batch 8, 2 processes with batch 4 and 2
 batch 2 x 2 accumulation steps take the same optimizer steps (the loss of a step is the sum over its
 response tokens divided by their count, counted before the backward passes), and evaluate exactly
 the validation set's response tokens. Then: the output folder loads with from_pretrained and
-generates; SIGKILL and resume are bit-identical (full and LoRA); FSDP2 takes the same steps and its
-sharded checkpoint resumes in 1 process; SIGTERM saves; packing keeps examples apart; chat turns
+generates; SIGKILL (LoRA) and SIGTERM (full) then resume are bit-identical; FSDP2 takes the same
+steps and its sharded checkpoint resumes in 1 process; packing keeps examples apart; chat turns
 render with the template and only assistant turns are scored; bad input is one line each."""
 import json
 import os
@@ -21,7 +21,7 @@ from data.errors import DataError
 from data.prompt_response import CausalBatch, encode, chat_segments, pack, prompt_response_segments
 from data.sharding import BatchPlan
 from hf_models import WORDS, tiny_bert, tiny_causal_lm
-from test_checkpointing import identical, kill_launch, resume_copy, weights
+from test_checkpointing import crash_during_save_and_resume, identical, kill_launch, resume_copy, weights
 
 N_VALIDATION = 21  # odd: fills no batch of any size used here
 STEPS = ["--max_train_steps", 6, "--checkpointing_steps", 3, "--eval_steps", 3, "--logging_steps", 2, "--mixed_precision", "no"]
@@ -159,29 +159,23 @@ def test_the_output_folder_loads_with_from_pretrained_and_generates(data, runs, 
     assert proc.returncode == 0 and len(lines) == 2 and lines[0] == f"define water\t{expected}", output_of(proc)
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_sigkill_then_resume_is_bit_identical(data, runs, tmp_path, lora):
-    extra = ["--per_device_train_batch_size", 4, *(["--lora_r", 4, "--lora_dropout", 0.1] if lora else [])]
-    model = "llama" if lora else "gpt2"  # LoRA's dropout draws must come back too
-    full, crashed = (tmp_path / "full" if lora else runs["two"]), tmp_path / "crashed"
-    if lora:  # the full fine-tuning's uninterrupted run is the module's 2 x 4 run
-        sft_run("cpu_2proc", data, full, *extra, model=model)
-    kill = ["--rank", 1, "--step", 4, "--marker", tmp_path / "killed"]
-    proc = kill_launch("cpu_2proc", "sft", kill, *args_for(data, *extra, model=model), "--output_dir", crashed)
-    assert proc.returncode != 0 and (tmp_path / "killed").exists(), output_of(proc)
-    proc = sft_run("cpu_2proc", data, crashed, *extra, "--resume_from_checkpoint", "latest", model=model)
+def test_sigkill_then_resume_is_bit_identical_with_lora(data, tmp_path):
+    """LoRA on the Llama, with adapter dropout: its draws must come back too. The full fine-tuning's
+    resume: after SIGTERM, below."""
+    extra = ["--per_device_train_batch_size", 4, "--lora_r", 4, "--lora_dropout", 0.1]
+    proc, crashed = crash_during_save_and_resume("cpu_2proc", "sft", 6, tmp_path,
+                                                 *args_for(data, *extra, model="llama"))
     assert f"resumed from {crashed}/checkpoints/step_00000003" in proc.stdout
-    assert identical(weights(crashed), weights(full))
-    if lora:  # checkpoints hold the adapters only; the folder holds the merged model and the adapter
-        saved = weights(crashed / "checkpoints" / "step_00000006")
-        assert saved and all("lora_" in k for k in saved), sorted(saved)[:4]
-        from peft import PeftModel
-        from transformers import AutoModelForCausalLM
+    # checkpoints hold the adapters only; the folder holds the merged model and the adapter
+    saved = weights(crashed / "checkpoints" / "step_00000006")
+    assert saved and all("lora_" in k for k in saved), sorted(saved)[:4]
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
 
-        merged = AutoModelForCausalLM.from_pretrained(crashed)
-        adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(data["llama"]), crashed / "adapter")
-        ids = torch.tensor([[1, 5, 9, 30, 7]])
-        assert torch.allclose(merged(ids).logits, adapted.eval()(ids).logits, atol=1e-5)
+    merged = AutoModelForCausalLM.from_pretrained(crashed)
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(data["llama"]), crashed / "adapter")
+    ids = torch.tensor([[1, 5, 9, 30, 7]])
+    assert torch.allclose(merged(ids).logits, adapted.eval()(ids).logits, atol=1e-5)
 
 
 def test_fsdp2_takes_the_same_steps_and_its_checkpoint_resumes_in_one_process(data, runs, tmp_path, capsys):
@@ -197,15 +191,21 @@ def test_fsdp2_takes_the_same_steps_and_its_checkpoint_resumes_in_one_process(da
     assert largest_difference(weights(one), weights(runs["two"])) < 2e-5
 
 
-def test_sigterm_saves_at_one_step(data, tmp_path):
+def test_sigterm_saves_at_one_step_on_every_rank_and_the_resume_is_bit_identical(data, runs, tmp_path):
+    """SIGTERM to rank 1 right after optimizer step 1, which is the ranks' first agreed check
+    (train/core/preemption.py): every rank stops there and saves; torch elastic's restart resumes
+    from that checkpoint and must end where the module's uninterrupted 2 x 4 run ended."""
     out = tmp_path / "stopped"
-    kill = ["--rank", 1, "--step", 2, "--marker", tmp_path / "signalled", "--sigterm", "launcher"]
-    proc = kill_launch("cpu_2proc", "sft", kill, *args_for(data, "--per_device_train_batch_size", 4,
-                                                           "--max_train_steps", 48, "--checkpointing_steps", 100), "--output_dir", out)
+    kill = ["--rank", 1, "--step", 1, "--marker", tmp_path / "signalled", "--sigterm", "self"]
+    proc = kill_launch("cpu_2proc", "sft", kill, *args_for(data, "--per_device_train_batch_size", 4),
+                       "--resume_from_checkpoint", "latest", "--output_dir", out, max_restarts=1)
     said = [line for line in output_of(proc).splitlines() if line.startswith("stopped on SIGTERM at step ")]
-    assert proc.returncode != 0 and len(said) == 1, output_of(proc)
-    step = int(said[0].split()[5])
-    assert os.listdir(out / "checkpoints") == [f"step_{step:08d}"] and not (out / "model.safetensors").exists()
+    assert proc.returncode == 0 and (tmp_path / "signalled").exists() and len(said) == 1, output_of(proc)
+    stop = out / "checkpoints" / "step_00000001"
+    assert said[0].startswith(f"stopped on SIGTERM at step 1 of 6, saved {stop}; resume with: "), said[0]
+    assert {"rank_state_0.pt", "rank_state_1.pt", "meta.json"} <= set(os.listdir(stop))
+    assert f"resumed from {stop}" in proc.stdout
+    assert identical(weights(out), weights(runs["two"]))
 
 
 # ------------------------------------------------------------------------------------ packing, chat, Llama

@@ -1,8 +1,8 @@
 """train/text_classification.py: a tiny random BERT (tests/hf_models.py) with MiniLM's real tokenizer
 on labelled text of varied lengths, in real processes: it learns, evaluates every validation row once
 for any process count, writes a folder from_pretrained loads and that scores what the run said;
-1 process takes the steps 2 take; SIGKILL and resume are bit-identical (full and LoRA); FSDP2 shards
-the BERT layers and its sharded checkpoint resumes in 1 process; SIGTERM saves; bad input is one line.
+1 process takes the steps 2 take; SIGKILL (LoRA) and SIGTERM (full) then resume are bit-identical;
+FSDP2 shards the BERT layers and its sharded checkpoint resumes in 1 process; bad input is one line.
 The data side (tokenized once, padding, grouping by length) is tested in one process."""
 import json
 import os
@@ -16,7 +16,7 @@ from conftest import launch, output_of, run_as_script
 from data.labelled_text import TokenBatch, label_names, prepare_labelled_text
 from data.sharding import BatchPlan
 from hf_models import tiny_bert
-from test_checkpointing import identical, kill_launch, resume_copy, weights
+from test_checkpointing import crash_during_save_and_resume, identical, kill_launch, resume_copy, weights
 from train.core.confusion import confusion_metrics
 
 TOPICS = {"sport": "goal match team ball score coach league", "food": "bread soup cheese apple sugar bake dish",
@@ -144,37 +144,28 @@ def test_one_process_takes_the_steps_two_take(data, two, capsys):
     assert closest(weights(one), weights(two)) < 1e-5  # each rank pads its own rows: the same to float rounding
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_sigkill_then_resume_is_bit_identical(data, two, tmp_path, capsys, lora):
-    # LoRA on the BERT with dropout: its draws (the body's and the adapters') must come back too; the full
-    # fine-tuning's uninterrupted run is the module's 2 x 8 run (the same RNG state is saved either way)
-    extra = ["--per_device_train_batch_size", 8, *(["--model_name_or_path", data["dropout_model"], "--lora_r", 4,
-                                                    "--lora_dropout", 0.1, "--lora_target_modules",
-                                                    "query,key,value,dense"] if lora else [])]
-    full, crashed = (tmp_path / "full" if lora else two), tmp_path / "crashed"
-    if lora:
-        text_run("cpu_2proc", data, full, *SHORT, *extra)
-    kill = ["--rank", 1, "--step", 5, "--marker", tmp_path / "killed"]
-    proc = kill_launch("cpu_2proc", "text_classification", kill, *args_for(data, *SHORT, *extra), "--output_dir", crashed)
-    assert proc.returncode != 0 and (tmp_path / "killed").exists(), output_of(proc)
-    proc = text_run("cpu_2proc", data, crashed, *SHORT, *extra, "--resume_from_checkpoint", "latest")
+def test_sigkill_then_resume_is_bit_identical_with_lora(data, tmp_path, capsys):
+    """LoRA on the BERT with dropout: its draws (the body's and the adapters') must come back too. The
+    full fine-tuning's resume: after SIGTERM, below."""
+    extra = ["--per_device_train_batch_size", 8, "--model_name_or_path", data["dropout_model"], "--lora_r", 4,
+             "--lora_dropout", 0.1, "--lora_target_modules", "query,key,value,dense"]
+    proc, crashed = crash_during_save_and_resume("cpu_2proc", "text_classification", 6, tmp_path,
+                                                 *args_for(data, *SHORT, *extra))
     assert f"resumed from {crashed}/checkpoints/step_00000003" in proc.stdout
-    assert identical(weights(crashed), weights(full))  # dropout draws included: the model trains in train mode
-    finished = [json.load(open(folder / "all_results.json")) for folder in (crashed, full)]
-    assert finished[0]["confusion_matrix"] == finished[1]["confusion_matrix"] and (crashed / "confusion.png").exists()
-    if lora:  # checkpoints hold the adapters and the head only; the adapter loads with peft
-        from peft import PeftModel
-        from transformers import AutoModelForSequenceClassification
+    assert (crashed / "confusion.png").exists()
+    # checkpoints hold the adapters and the head only; the adapter loads with peft
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
 
-        saved = weights(crashed / "checkpoints" / "step_00000006")
-        assert saved and all("lora_" in k or "modules_to_save" in k for k in saved), sorted(saved)[:4]
-        base = AutoModelForSequenceClassification.from_pretrained(data["dropout_model"], num_labels=4)
-        assert isinstance(PeftModel.from_pretrained(base, crashed / "adapter"), PeftModel)
-        # the frozen body comes from --model_name_or_path: another model there is refused, not trained on
-        other = resume_copy(crashed, 3, str(tmp_path / "other_base"))
-        line = bad(capsys, *args_for(data, *SHORT, *extra), "--model_name_or_path", tiny_bert(tmp_path / "other", seed=1),
-                   "--output_dir", other, "--resume_from_checkpoint", "latest")
-        assert "was saved fine-tuning another pretrained model" in line, line
+    saved = weights(crashed / "checkpoints" / "step_00000006")
+    assert saved and all("lora_" in k or "modules_to_save" in k for k in saved), sorted(saved)[:4]
+    base = AutoModelForSequenceClassification.from_pretrained(data["dropout_model"], num_labels=4)
+    assert isinstance(PeftModel.from_pretrained(base, crashed / "adapter"), PeftModel)
+    # the frozen body comes from --model_name_or_path: another model there is refused, not trained on
+    other = resume_copy(crashed, 3, str(tmp_path / "other_base"))
+    line = bad(capsys, *args_for(data, *SHORT, *extra), "--model_name_or_path", tiny_bert(tmp_path / "other", seed=1),
+               "--output_dir", other, "--resume_from_checkpoint", "latest")
+    assert "was saved fine-tuning another pretrained model" in line, line
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -195,15 +186,23 @@ def test_fsdp2_shards_the_bert_layers_and_its_checkpoint_resumes_in_one_process(
     assert closest(weights(one), weights(out)) < 1e-5
 
 
-def test_sigterm_saves_at_one_step(data, tmp_path):  # the resume from it: as after SIGKILL, above
-    out, longer = tmp_path / "stopped", ["--max_train_steps", 24, "--per_device_train_batch_size", 8]
-    kill = ["--rank", 1, "--step", 3, "--marker", tmp_path / "signalled", "--sigterm", "launcher"]
-    proc = kill_launch("cpu_2proc", "text_classification", kill, *args_for(data, *longer), "--output_dir", out)
+def test_sigterm_saves_at_one_step_on_every_rank_and_the_resume_is_bit_identical(data, two, tmp_path):
+    """SIGTERM to rank 1 right after optimizer step 1, which is the ranks' first agreed check
+    (train/core/preemption.py): every rank stops there and saves; torch elastic's restart resumes
+    from that checkpoint and must end where the module's uninterrupted 2 x 8 run ended."""
+    out = tmp_path / "stopped"
+    kill = ["--rank", 1, "--step", 1, "--marker", tmp_path / "signalled", "--sigterm", "self"]
+    proc = kill_launch("cpu_2proc", "text_classification", kill, *args_for(data, *SHORT), "--per_device_train_batch_size",
+                       8, "--resume_from_checkpoint", "latest", "--output_dir", out, max_restarts=1)
     said = [line for line in output_of(proc).splitlines() if line.startswith("stopped on SIGTERM at step ")]
-    assert proc.returncode != 0 and len(said) == 1, output_of(proc)
-    step = int(said[0].split()[5])
-    assert os.listdir(out / "checkpoints") == [f"step_{step:08d}"] and not (out / "model.safetensors").exists()
-    assert {"rank_state_0.pt", "rank_state_1.pt", "meta.json"} <= set(os.listdir(out / "checkpoints" / f"step_{step:08d}"))
+    assert proc.returncode == 0 and (tmp_path / "signalled").exists() and len(said) == 1, output_of(proc)
+    stop = out / "checkpoints" / "step_00000001"
+    assert said[0].startswith(f"stopped on SIGTERM at step 1 of 8, saved {stop}; resume with: "), said[0]
+    assert {"rank_state_0.pt", "rank_state_1.pt", "meta.json"} <= set(os.listdir(stop))
+    assert f"resumed from {stop}" in proc.stdout
+    assert identical(weights(out), weights(two))
+    finished = [json.load(open(folder / "all_results.json")) for folder in (out, two)]
+    assert finished[0]["confusion_matrix"] == finished[1]["confusion_matrix"] and (out / "confusion.png").exists()
 
 
 # ------------------------------------------------------------------------------------ bad input, one line each
