@@ -112,6 +112,16 @@ class ShardedLoader(DataLoaderStateMixin):
         self.next_batch = self.dataset.start_batch
 
 
+def own_worker_seed(loader):
+    """Give a map-style training DataLoader a generator of its own for its iterators' worker seed.
+    Without one, each iterator draws that seed from torch's global generator, the one dropout draws
+    from: a run resumed mid-epoch restores it at the checkpoint and then starts an iterator
+    (accelerator.skip_first_batches keeps the loader's generator), one draw past the uninterrupted
+    run. The shuffle has a generator of its own already, which accelerate seeds and synchronizes."""
+    if isinstance(loader, DataLoader) and loader.generator is None:
+        loader.generator = torch.Generator()
+
+
 def check_loader(loader):
     """Raise PlanError if `loader` is what `accelerator.prepare` made of data that was already split
     by rank, which loses (W-1)/W of it without an error: a DataLoader over a ShardedIterableDataset

@@ -15,7 +15,7 @@ if __package__ in (None, ""):  # run as a file: Python put train/ on sys.path, n
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader
 
 from data.image_pixels import image_transforms, keep_budget, normalize
 from data.images import ImageFileSource, ImageFolderDataset, decode_for_prediction, list_images, scan_image_folder
@@ -138,13 +138,8 @@ def main(args):
     else:
         pin = pinned(accelerator.device)
         # loader_workers: workers not forked from this process, and a SIGTERM that reaches the rank alone
-        # Each iterator draws its workers' base seed from the DataLoader's generator, else from torch's global
-        # one, the model's (dropout): a resumed run restores that at a checkpoint mid-epoch, then starts its
-        # iterator, and would draw once more than the uninterrupted run. The shuffle keeps its own generator,
-        # which accelerate seeds and carries in checkpoints.
-        train_loader = DataLoader(train_set, args.per_device_train_batch_size, sampler=RandomSampler(train_set),
-                                  generator=torch.Generator(), drop_last=True, pin_memory=pin,
-                                  **loader_workers(args.dataloader_num_workers, train_set))
+        train_loader = DataLoader(train_set, args.per_device_train_batch_size, shuffle=True, drop_last=True,
+                                  pin_memory=pin, **loader_workers(args.dataloader_num_workers, train_set))
         eval_loader = DataLoader(eval_set, args.per_device_eval_batch_size, pin_memory=pin,
                                  **loader_workers(args.dataloader_num_workers, eval_set))
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from accelerate.utils import gather_object
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader
 
 from data import (DATASETS, augment_images, check_data_dir, identity_collate, load_mnist, mnist_on_disk,
                   normalize_images)
@@ -144,10 +144,8 @@ def main(args):
         # drop_last: every optimizer step sees one full global batch; the dropped tail differs each epoch.
         pin = pinned(accelerator.device)
         # loader_workers: workers not forked from this process, and a SIGTERM that reaches the rank alone
-        # the iterator's worker seed from a generator of its own, not torch's global one (image_classification.py)
-        train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size,
-                                  sampler=RandomSampler(train_set), generator=torch.Generator(), drop_last=True,
-                                  collate_fn=identity_collate, pin_memory=pin,
+        train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True,
+                                  drop_last=True, collate_fn=identity_collate, pin_memory=pin,
                                   **loader_workers(args.dataloader_num_workers, train_set, identity_collate))
         eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, collate_fn=identity_collate,
                                  pin_memory=pin, **loader_workers(args.dataloader_num_workers, eval_set, identity_collate))

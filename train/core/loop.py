@@ -5,9 +5,8 @@ logging, evaluation at each epoch's end, checkpoints, and the run's outputs.
 A script keeps its own loop in view: `for batch in loop.batches()`, its step, `loop.after_batch(loss)`,
 `return loop.finish()` (the README's skeleton; SIGTERM is the loop's too: train/core/preemption.py).
 
-One path for the end of an epoch and the end of the run (nanochat's `last_step`): each evaluates,
-records and, when due, saves after the evaluation. A run resumed from its final checkpoint trains
-no batch and goes down the same path, so it evaluates once and writes the same outputs.
+One path for an epoch's end and the run's (nanochat's `last_step`): each evaluates, records and, when
+due, saves after it; a run resumed from its final checkpoint trains no batch and takes that path too.
 """
 import gc
 import math
@@ -15,7 +14,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from data.loader import ShardedLoader, check_loader
+from data.loader import ShardedLoader, check_loader, own_worker_seed
 from train.core.best_model import BestModel, resolve_metric
 from train.core.checkpoint import (CheckpointWriter, data_position, find_checkpoint, load_checkpoint, model_weights,
                                    sharded_checkpoints)
@@ -47,6 +46,7 @@ class TrainingLoop:
         self.writer = CheckpointWriter(accelerator, sharded_checkpoints(args.checkpoint_format, accelerator),
                                        args.checkpoint_async)
         check_loader(train_loader)
+        own_worker_seed(train_loader)  # a resumed run's iterator draws nothing from dropout's generator
         self.sharded = isinstance(train_loader, ShardedLoader)  # keeps its own position; else set_epoch + skip
         self.global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * \
             args.gradient_accumulation_steps
