@@ -47,22 +47,20 @@ def same_state(a, b):
     return a == b
 
 
-def same_checkpoint(a, b, unchecked=()):
+def same_checkpoint(a, b):
     """Two checkpoints of one step hold the same run: weights, optimizer, schedule, every rank's RNG
-    streams and buffers, and the data position; `unchecked`: rank-state entries left out."""
+    streams and buffers, and the data position."""
     names = sorted(f for f in os.listdir(a) if f.endswith(".pt"))
     assert "rank_state_1.pt" in names and names == sorted(f for f in os.listdir(b) if f.endswith(".pt")), names
     assert identical(weights(a), weights(b))
     for name in names:
         states = [torch.load(os.path.join(f, name), weights_only=True) for f in (a, b)]
-        if name.startswith("rank_state_"):
-            states = [{k: v for k, v in state.items() if k not in unchecked} for state in states]
         assert same_state(*states), name
     positions = [json.load(open(os.path.join(folder, "meta.json")))["data"] for folder in (a, b)]
     assert positions[0] == positions[1], positions
 
 
-def crash_during_save_and_resume(config, script, step, folder, *args, unchecked=()):
+def crash_during_save_and_resume(config, script, step, folder, *args):
     """One launch: rank 0 SIGKILLed as checkpoint `step` is about to be published (its files
     finished: kept aside as the uninterrupted run's state there), then torch elastic's restart
     resumes from the checkpoint before it and saves `step` again, which must be the same. Returns
@@ -73,7 +71,25 @@ def crash_during_save_and_resume(config, script, step, folder, *args, unchecked=
                        max_restarts=1)
     assert proc.returncode == 0 and (folder / "killed").exists() and kept.is_dir(), output_of(proc)
     assert "no checkpoint in" in proc.stdout  # the first attempt started fresh
-    same_checkpoint(kept, out / "checkpoints" / f"step_{step:08d}", unchecked)
+    same_checkpoint(kept, out / "checkpoints" / f"step_{step:08d}")
+    return proc, out
+
+
+def sigterm_at_step_one_and_resume(config, script, steps, folder, *args):
+    """One launch: SIGTERM to rank 1 right after optimizer step 1, the ranks' first agreed check
+    (train/core/preemption.py), so every rank stops there and saves that step with its state; torch
+    elastic's restart resumes from it and runs to the end (`steps`). Returns the launch and the run's
+    folder, to compare with an uninterrupted run."""
+    out = folder / "stopped"
+    kill = ["--rank", 1, "--step", 1, "--marker", folder / "signalled", "--sigterm", "self"]
+    proc = kill_launch(config, script, kill, *args, "--resume_from_checkpoint", "latest", "--output_dir", out,
+                       max_restarts=1)
+    said = [line for line in output_of(proc).splitlines() if line.startswith("stopped on SIGTERM at step ")]
+    assert proc.returncode == 0 and (folder / "signalled").exists() and len(said) == 1, output_of(proc)
+    stop = out / "checkpoints" / "step_00000001"
+    assert said[0].startswith(f"stopped on SIGTERM at step 1 of {steps}, saved {stop}; resume with: "), said[0]
+    assert {"rank_state_0.pt", "rank_state_1.pt", "meta.json"} <= set(os.listdir(stop))
+    assert f"resumed from {stop}" in proc.stdout
     return proc, out
 
 

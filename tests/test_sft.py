@@ -21,7 +21,8 @@ from data.errors import DataError
 from data.prompt_response import CausalBatch, encode, chat_segments, pack, prompt_response_segments
 from data.sharding import BatchPlan
 from hf_models import WORDS, tiny_bert, tiny_causal_lm
-from test_checkpointing import crash_during_save_and_resume, identical, kill_launch, resume_copy, weights
+from test_checkpointing import (crash_during_save_and_resume, identical, resume_copy, sigterm_at_step_one_and_resume,
+                                weights)
 
 N_VALIDATION = 21  # odd: fills no batch of any size used here
 STEPS = ["--max_train_steps", 6, "--checkpointing_steps", 3, "--eval_steps", 3, "--logging_steps", 2, "--mixed_precision", "no"]
@@ -192,19 +193,10 @@ def test_fsdp2_takes_the_same_steps_and_its_checkpoint_resumes_in_one_process(da
 
 
 def test_sigterm_saves_at_one_step_on_every_rank_and_the_resume_is_bit_identical(data, runs, tmp_path):
-    """SIGTERM to rank 1 right after optimizer step 1, which is the ranks' first agreed check
-    (train/core/preemption.py): every rank stops there and saves; torch elastic's restart resumes
-    from that checkpoint and must end where the module's uninterrupted 2 x 4 run ended."""
-    out = tmp_path / "stopped"
-    kill = ["--rank", 1, "--step", 1, "--marker", tmp_path / "signalled", "--sigterm", "self"]
-    proc = kill_launch("cpu_2proc", "sft", kill, *args_for(data, "--per_device_train_batch_size", 4),
-                       "--resume_from_checkpoint", "latest", "--output_dir", out, max_restarts=1)
-    said = [line for line in output_of(proc).splitlines() if line.startswith("stopped on SIGTERM at step ")]
-    assert proc.returncode == 0 and (tmp_path / "signalled").exists() and len(said) == 1, output_of(proc)
-    stop = out / "checkpoints" / "step_00000001"
-    assert said[0].startswith(f"stopped on SIGTERM at step 1 of 6, saved {stop}; resume with: "), said[0]
-    assert {"rank_state_0.pt", "rank_state_1.pt", "meta.json"} <= set(os.listdir(stop))
-    assert f"resumed from {stop}" in proc.stdout
+    """Stopped and saved at step 1 on every rank, restarted, it ends where the module's
+    uninterrupted 2 x 4 run ended."""
+    _, out = sigterm_at_step_one_and_resume("cpu_2proc", "sft", 6, tmp_path,
+                                            *args_for(data, "--per_device_train_batch_size", 4))
     assert identical(weights(out), weights(runs["two"]))
 
 

@@ -16,7 +16,8 @@ from conftest import launch, output_of, run_as_script
 from data.labelled_text import TokenBatch, label_names, prepare_labelled_text
 from data.sharding import BatchPlan
 from hf_models import tiny_bert
-from test_checkpointing import crash_during_save_and_resume, identical, kill_launch, resume_copy, weights
+from test_checkpointing import (crash_during_save_and_resume, identical, resume_copy, sigterm_at_step_one_and_resume,
+                                weights)
 from train.core.confusion import confusion_metrics
 
 TOPICS = {"sport": "goal match team ball score coach league", "food": "bread soup cheese apple sugar bake dish",
@@ -187,19 +188,10 @@ def test_fsdp2_shards_the_bert_layers_and_its_checkpoint_resumes_in_one_process(
 
 
 def test_sigterm_saves_at_one_step_on_every_rank_and_the_resume_is_bit_identical(data, two, tmp_path):
-    """SIGTERM to rank 1 right after optimizer step 1, which is the ranks' first agreed check
-    (train/core/preemption.py): every rank stops there and saves; torch elastic's restart resumes
-    from that checkpoint and must end where the module's uninterrupted 2 x 8 run ended."""
-    out = tmp_path / "stopped"
-    kill = ["--rank", 1, "--step", 1, "--marker", tmp_path / "signalled", "--sigterm", "self"]
-    proc = kill_launch("cpu_2proc", "text_classification", kill, *args_for(data, *SHORT), "--per_device_train_batch_size",
-                       8, "--resume_from_checkpoint", "latest", "--output_dir", out, max_restarts=1)
-    said = [line for line in output_of(proc).splitlines() if line.startswith("stopped on SIGTERM at step ")]
-    assert proc.returncode == 0 and (tmp_path / "signalled").exists() and len(said) == 1, output_of(proc)
-    stop = out / "checkpoints" / "step_00000001"
-    assert said[0].startswith(f"stopped on SIGTERM at step 1 of 8, saved {stop}; resume with: "), said[0]
-    assert {"rank_state_0.pt", "rank_state_1.pt", "meta.json"} <= set(os.listdir(stop))
-    assert f"resumed from {stop}" in proc.stdout
+    """Stopped and saved at step 1 on every rank, restarted, it ends where the module's
+    uninterrupted 2 x 8 run ended."""
+    _, out = sigterm_at_step_one_and_resume("cpu_2proc", "text_classification", 8, tmp_path,
+                                            *args_for(data, *SHORT, "--per_device_train_batch_size", 8))
     assert identical(weights(out), weights(two))
     finished = [json.load(open(folder / "all_results.json")) for folder in (out, two)]
     assert finished[0]["confusion_matrix"] == finished[1]["confusion_matrix"] and (out / "confusion.png").exists()
