@@ -19,10 +19,10 @@ EXPORTS = cluster_exports()  # skips the module without the cluster (fails under
 
 SBATCH = os.path.join(CONFIGS, "slurm", "train.sbatch")
 CLUSTER = os.path.join(CONFIGS, "slurm", "local_cluster.sh")
-# 640 steps of 32 on 4 processes, eval every epoch, checkpoints every 100 steps, the last step's weights.
-# Where a test waits on SLURM (its time-limit check comes every 30 s) the ranks are frozen (SIGSTOP)
-# meanwhile, so the job cannot finish first on a fast machine, and they burn no CPU waiting
-ARGS = ["train/regression.py", "--global_batch_size", 32, "--num_train_epochs", 20, "--checkpointing_steps", 100,
+# 320 steps of 32 on 4 processes, eval every epoch, checkpoints every 50 steps, the last step's weights.
+# Where a test waits on SLURM (its time-limit check comes every 30 s) or on the other job, a job's ranks
+# are frozen (SIGSTOP) meanwhile, so the job cannot finish first on a fast machine, and they burn no CPU
+ARGS = ["train/regression.py", "--global_batch_size", 32, "--num_train_epochs", 10, "--checkpointing_steps", 50,
         "--metric_for_best_model", "none", "--mixed_precision", "no", "--seed", 11]
 
 
@@ -131,7 +131,7 @@ def test_time_limit_saves_requeues_and_resumes_bit_for_bit(uninterrupted, tmp_pa
     requeued job (SLURM_RESTART_COUNT=1) resumes from that checkpoint to the uninterrupted weights."""
     out = tmp_path / "run"
     job_id = sbatch(out, "--nodes", "2")
-    wait_for(lambda: (out / "checkpoints" / "step_00000100").is_dir(), 300, "the first checkpoint")
+    wait_for(lambda: (out / "checkpoints" / "step_00000050").is_dir(), 300, "the first checkpoint")
     ranks = ranks_of("node1", job_id) + ranks_of("node2", job_id)
     assert len(ranks) == 4, ranks
     send(ranks, signal.SIGSTOP)  # the SIGTERM it asks for waits for them
@@ -151,7 +151,7 @@ def test_time_limit_saves_requeues_and_resumes_bit_for_bit(uninterrupted, tmp_pa
     assert len(stopped) == 2 and len(set(stopped)) == 1, log[-3000:]  # each node's first process, one step
     step = int(stopped[0])
     assert f"requeueing job {job_id}" in log and f"resumed from {out}/checkpoints/step_{step:08d}" in log
-    assert 100 <= step < 640 and "DataLoader worker" not in log
+    assert 50 <= step < 320 and "DataLoader worker" not in log
     print(f"\ntime limit: signal {signalled:.0f} s after the update, save at step {step}, requeue {requeued:.0f} s after")
     assert max_difference(weights(out), weights(reference(uninterrupted))) == 0.0
 
@@ -169,12 +169,22 @@ def test_a_lost_node_ends_the_survivors_and_the_job_goes_on_with_the_node_left(u
     static_id = sbatch(static, "--nodes", "2", "--no-requeue")
     elastic_id = sbatch(elastic, "--nodes", "2", "--no-kill", MIN_NODES="1",
                         script_args=["--resume_from_checkpoint", "latest"])  # what restarted workers need
+    frozen = {}
     try:
-        wait_for(lambda: all((o / "checkpoints" / "step_00000200").is_dir() for o in (static, elastic)), 300,
-                 "a checkpoint of both jobs")
+        # each job frozen once it has a checkpoint (its ranks on node1 stopped: node2's wait on them), so
+        # neither can finish before the kill, however fast this machine
+
+        def freeze_those_with_a_checkpoint():
+            for out, job_id in ((static, static_id), (elastic, elastic_id)):
+                if job_id not in frozen and (out / "checkpoints" / "step_00000100").is_dir():
+                    frozen[job_id] = ranks_of("node1", job_id)
+                    send(frozen[job_id], signal.SIGSTOP)
+            return len(frozen) == 2
+
+        wait_for(freeze_those_with_a_checkpoint, 300, "a checkpoint of both jobs")
+        assert [len(ranks) for ranks in frozen.values()] == [2, 2], frozen
         assert job(static_id)["NodeList"] == "node[1-2]" and job(elastic_id)["NodeList"] == "node[1-2]"
-        survivors = ranks_of("node1", static_id) + ranks_of("node1", elastic_id)
-        send(survivors, signal.SIGSTOP)  # neither job can finish before the kill, however fast this machine
+        survivors = frozen[static_id] + frozen[elastic_id]
         send(slurm_processes("node2"), signal.SIGKILL)
         send(survivors, signal.SIGCONT)
         killed = time.monotonic()
@@ -202,4 +212,5 @@ def test_a_lost_node_ends_the_survivors_and_the_job_goes_on_with_the_node_left(u
             print(f"{out.name}: 4 -> 2 processes, largest weight difference from the uninterrupted run {difference:.1e}")
             assert difference < 1e-5
     finally:
+        send([pid for ranks in frozen.values() for pid in ranks], signal.SIGCONT)  # a failure before the kill
         subprocess.run(["bash", CLUSTER, "node-up", "node2"], check=True)
