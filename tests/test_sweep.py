@@ -10,12 +10,11 @@ import time
 
 import pytest
 
-from conftest import REPO, clean_env
+from conftest import REPO, clean_env, descendants
 from data.errors import UserError
 
 # one process per trial and a few seconds of training each: what is tested is the bookkeeping
 ARGS = {"num_train_epochs": 3, "num_train_samples": 2048, "per_device_train_batch_size": 16}
-ARGS_BUT_SAMPLES = {k: v for k, v in ARGS.items() if k != "num_train_samples"}
 
 
 def sweep_file(tmp_path, n_trials, space=None, **extra):
@@ -58,6 +57,41 @@ def enqueue(out, trials):
         study.enqueue_trial(params)
 
 
+def hold_at_first_checkpoint(sweep, out, trial):
+    """SIGSTOP the trial's processes (its launcher, then the rank below it) as soon as the trial's first
+    checkpoint is published: a trial of a few seconds is then still training whenever the test signals
+    the sweep. Returns them, for release()."""
+    checkpoints, deadline = out / "trials" / f"trial_{trial:04d}" / "checkpoints", time.monotonic() + 300
+    while not (checkpoints.is_dir() and any(p.name.startswith("step_") for p in checkpoints.iterdir())):
+        assert sweep.poll() is None and time.monotonic() < deadline, finish(sweep)[1]
+        time.sleep(0.01)  # it trains on from there to its end in about 0.5 s
+    held = descendants(sweep.pid)
+    for pid in held:
+        os.kill(pid, signal.SIGSTOP)
+    assert len(held) >= 2 and not (checkpoints.parent / "all_results.json").exists(), "the trial ended before it was held"
+    return held
+
+
+def sigterm_waiting(pid):
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return any(int(fields[name], 16) >> (signal.SIGTERM - 1) & 1 for name in ("SigPnd", "ShdPnd"))
+
+
+def release(held):
+    """SIGCONT a held trial's launcher and, once a SIGTERM waits for its rank (the sweep's, or the kernel's
+    for a dead launcher), the rank: a stopped process takes its signals when continued, so the rank's
+    next step is its stop, and it saves where it stood."""
+    launcher, rank, *below = held
+    os.kill(launcher, signal.SIGCONT)
+    deadline = time.monotonic() + 60
+    while not sigterm_waiting(rank):
+        assert time.monotonic() < deadline, "no SIGTERM reached the held trial's rank"
+        time.sleep(0.05)
+    for pid in (rank, *below):
+        os.kill(pid, signal.SIGCONT)
+
+
 def launches(out, trial):
     with open(out / "logs" / f"trial_{trial:04d}.log") as f:
         text = f.read()
@@ -66,25 +100,21 @@ def launches(out, trial):
 
 def test_a_sigkilled_sweep_goes_on_with_every_trial_run_once(tmp_path):
     out = tmp_path / "sweep"
-    # trial 1 (0.03, the best) is the one the SIGKILL interrupts: it trains 20 times longer, so the kill
-    # finds it between its first two evaluations; trial 2 is the one a sweep that goes on must still run,
-    # before the queued resume: at its first evaluation it is far worse than trial 0 (eval_mse 15.9
-    # against 3.7), so the median pruner stops it
-    enqueue(out, [{"learning_rate": lr, "num_train_samples": 40960 if n == 1 else 2048}
-                  for n, lr in enumerate([0.003, 0.03, 0.0002])])
-    path = sweep_file(tmp_path, 3, {"learning_rate": {"low": 0.0001, "high": 0.3, "log": True},
-                                    "num_train_samples": [2048, 40960]}, args=ARGS_BUT_SAMPLES,
+    # trial 1 (0.03, the best) is the one the SIGKILL interrupts, held from its first checkpoint on; trial 2
+    # is the one a sweep that goes on must still run, before the queued resume: at its first evaluation it
+    # is far worse than trial 0 (eval_mse 15.9 against 3.7), so the median pruner stops it
+    enqueue(out, [{"learning_rate": lr} for lr in (0.003, 0.03, 0.0002)])
+    path = sweep_file(tmp_path, 3, {"learning_rate": {"low": 0.0001, "high": 0.3, "log": True}},
                       pruner={"name": "median", "n_startup_trials": 1})
     first = start(path, out, start_new_session=True)
-    checkpoints = out / "trials" / "trial_0001" / "checkpoints"
-    deadline = time.monotonic() + 400
-    while not (checkpoints.is_dir() and any(p.name.startswith("step_") for p in checkpoints.iterdir())):
-        assert first.poll() is None and time.monotonic() < deadline, finish(first)[1]
-        time.sleep(0.1)
-    time.sleep(0.5)  # the sweep reads the first evaluation (it polls every 0.2 s); the trial trains on
-    assert not (out / "trials" / "trial_0001" / "all_results.json").exists()
+    held = hold_at_first_checkpoint(first, out, 1)
+    deadline = time.monotonic() + 60
+    while 128 not in study_of(out).trials[1].intermediate_values:  # the sweep has read the first evaluation
+        assert time.monotonic() < deadline, "the sweep never reported trial 1's first evaluation"
+        time.sleep(0.2)
     first.send_signal(signal.SIGKILL)
     first.wait()
+    release(held)  # the kernel's SIGTERM for its dead parent waits for the launcher
     assert not (out / "logs" / "trial_0002.log").exists()  # never started before the kill
     code, text = finish(start(path, out))
     assert code == 0, text
@@ -101,7 +131,7 @@ def test_a_sigkilled_sweep_goes_on_with_every_trial_run_once(tmp_path):
     assert "stopped on SIGTERM at step" in (out / "logs" / "trial_0001.log").read_text()
     with open(out / "trials" / "trial_0001" / "all_results.json") as f:
         assert "/checkpoints/step_" in json.load(f)["resumed_from"]
-    assert "| 1 | 0.03 | 40960 |" in text and "complete (resumed)" in text and "pruned at step 128" in text, text
+    assert "| 1 | 0.03 |" in text and "complete (resumed)" in text and "pruned at step 128" in text, text
     assert (out / "optimization_history.png").is_file() and (out / "param_importances.png").is_file()
     code, again = finish(start(path, out))  # a finished study: nothing more runs
     assert code == 0 and "trial 4" not in again and len(study_of(out).get_trials()) == 4  # 3 and the retry
@@ -128,14 +158,11 @@ def test_two_sweep_processes_share_one_study_and_count_a_failing_trial(tmp_path)
 
 def test_ctrl_c_stops_the_trial_with_a_checkpoint_and_the_same_command_goes_on(tmp_path):
     out = tmp_path / "sweep"
-    path = sweep_file(tmp_path, 1, args={**ARGS, "num_train_samples": 40960})
+    path = sweep_file(tmp_path, 1)
     first = start(path, out)
-    checkpoints = out / "trials" / "trial_0000" / "checkpoints"
-    deadline = time.monotonic() + 300
-    while not (checkpoints.is_dir() and any(p.name.startswith("step_") for p in checkpoints.iterdir())):
-        assert first.poll() is None and time.monotonic() < deadline, finish(first)[1]
-        time.sleep(0.1)
+    held = hold_at_first_checkpoint(first, out, 0)
     first.send_signal(signal.SIGINT)
+    release(held)  # once the sweep has passed on its SIGTERM
     code, text = finish(first)
     assert code == 130 and "sweep stopped; the interrupted trial saved a checkpoint" in text, text
     assert "stopped on SIGTERM at step" in (out / "logs" / "trial_0000.log").read_text()
