@@ -1,13 +1,13 @@
 """train/sft.py: tiny random causal LMs of two architectures (GPT-2 and Llama, tests/hf_models.py)
 fine-tuned on prompt/response pairs of very different lengths, in real processes.
 
-The promise tested first: 1 process with batch 8, 2 processes with batch 4 and 2 processes with
-batch 2 x 2 accumulation steps take the same optimizer steps (the loss of a step is the sum over its
-response tokens divided by their count, counted before the backward passes), and evaluate exactly
-the validation set's response tokens. Then: the output folder loads with from_pretrained and
-generates; SIGKILL (LoRA) and SIGTERM (full) then resume are bit-identical; FSDP2 takes the same
-steps and its sharded checkpoint resumes in 1 process; packing keeps examples apart; chat turns
-render with the template and only assistant turns are scored; bad input is one line each."""
+The promise tested first: 1 process with batch 8, 2 processes with batch 2 x 2 accumulation steps
+and 2 FSDP2 processes with batch 4 take the same optimizer steps (the loss of a step is the sum over
+its response tokens divided by their count, counted before the backward passes), and evaluate
+exactly the validation set's response tokens. Then: the output folder loads with from_pretrained and
+generates; SIGKILL (LoRA) and SIGTERM (full, with accumulation) then resume are bit-identical; FSDP2's
+sharded checkpoint resumes in 1 process; packing keeps examples apart; chat turns render with the
+template and only assistant turns are scored; bad input is one line each."""
 import json
 import os
 import random
@@ -79,29 +79,43 @@ def largest_difference(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+ACCUMULATED = ["--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2]
+
+
 @pytest.fixture(scope="module")
-def runs(data):
-    """The same 6 steps three ways; 2 x 4 is the reference of the tests below."""
-    root = data["root"]
-    sft_run("cpu_2proc", data, root / "two", "--per_device_train_batch_size", 4)
-    sft_run("cpu_2proc", data, root / "accumulated", "--per_device_train_batch_size", 2,
-            "--gradient_accumulation_steps", 2)
-    return {"two": root / "two", "accumulated": root / "accumulated"}
+def accumulated(data):
+    """2 processes x 2 rows x 2 accumulation steps: the reference of the tests below (2 processes
+    without accumulation: the FSDP2 run, 2 x 4)."""
+    out = data["root"] / "accumulated"
+    sft_run("cpu_2proc", data, out, *ACCUMULATED)
+    return out
 
 
-def test_one_process_two_processes_and_accumulation_take_the_same_steps(data, runs, capsys):
-    one = data["root"] / "one"
-    proc = run_as_script(capsys, "sft", *args_for(data, "--per_device_train_batch_size", 8), "--output_dir", one)
-    assert proc.returncode == 0, output_of(proc)
+@pytest.fixture(scope="module")
+def one(data):
+    """1 process x 8, in this process: the same 6 steps."""
+    from conftest import reset_accelerate_state
+    from train import sft
+
+    out = data["root"] / "one"
+    try:
+        sft.run(sft.main, sft.parse_args(list(map(str, args_for(data, "--per_device_train_batch_size", 8)))
+                                         + ["--output_dir", str(out)]))
+    finally:
+        reset_accelerate_state()
+    return out
+
+
+def test_one_process_and_two_with_accumulation_take_the_same_steps(data, one, accumulated):
     start = weights(data["gpt2"])
     moved = largest_difference(weights(one), {k: start[k] for k in weights(one)})
-    differences = [largest_difference(weights(one), weights(runs[k])) for k in ("two", "accumulated")]
-    print(f"largest weight change {moved:.2e}; 1x8 vs 2x4 {differences[0]:.2e}, vs 2x2x2 {differences[1]:.2e}")
-    assert moved > 1e-3 and max(differences) < 2e-5, (moved, differences)  # fp32 rounding; a per-batch mean: 1e-2
-    results = [json.load(open(folder / "all_results.json")) for folder in (one, runs["two"], runs["accumulated"])]
+    difference = largest_difference(weights(one), weights(accumulated))
+    print(f"largest weight change {moved:.2e}; 1x8 vs 2x2x2 {difference:.2e}")
+    assert moved > 1e-3 and difference < 2e-5, (moved, difference)  # fp32 rounding; a per-batch mean: 1e-2
+    results = [json.load(open(folder / "all_results.json")) for folder in (one, accumulated)]
     scored = sum(row["targets"] for row in encoded(data, "validation"))
     assert all(r["eval_tokens"] == scored for r in results)  # every validation response token once
-    assert max(abs(r["eval_loss"] - results[0]["eval_loss"]) for r in results) < 1e-5
+    assert abs(results[1]["eval_loss"] - results[0]["eval_loss"]) < 1e-5
     history = [h["eval_loss"] for h in results[0]["history"]]
     assert len(history) == 2 and history[-1] < history[0]  # the mid-run evaluation's loss, then a lower one
 
@@ -145,10 +159,10 @@ def encoded(data, split):
     return datasets.load_from_disk(os.path.join(folder, split))
 
 
-def test_the_output_folder_loads_with_from_pretrained_and_generates(data, runs, capsys):
+def test_the_output_folder_loads_with_from_pretrained_and_generates(data, accumulated, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = runs["two"]
+    folder = accumulated
     assert {"config.json", "model.safetensors", "tokenizer.json", "all_results.json"} <= set(os.listdir(folder))
     model, tokenizer = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
     ids = tokenizer("define water\n", return_tensors="pt")["input_ids"]
@@ -179,25 +193,31 @@ def test_sigkill_then_resume_is_bit_identical_with_lora(data, tmp_path):
     assert torch.allclose(merged(ids).logits, adapted.eval()(ids).logits, atol=1e-5)
 
 
-def test_fsdp2_takes_the_same_steps_and_its_checkpoint_resumes_in_one_process(data, runs, tmp_path, capsys):
+def test_fsdp2_takes_the_same_steps_and_its_checkpoint_resumes_in_one_process(data, one, tmp_path, capsys):
+    """2 FSDP2 processes x 4, without accumulation: the steps of 1 process x 8."""
     out = tmp_path / "fsdp"
     proc = sft_run("fsdp2_cpu_2proc", data, out, "--per_device_train_batch_size", 4)
     line = next(line for line in proc.stdout.splitlines() if line.startswith("fsdp2: "))
     assert "units: 2 GPT2Block" in line, line  # the model's own _no_split_modules
-    assert largest_difference(weights(out), weights(runs["two"])) < 2e-5
-    one = resume_copy(out, 3, str(tmp_path / "one"))
+    difference = largest_difference(weights(out), weights(one))
+    with capsys.disabled():
+        print(f"\n1x8 vs FSDP2 2x4 {difference:.2e}")
+    assert difference < 2e-5
+    results = [json.load(open(folder / "all_results.json")) for folder in (one, out)]
+    assert results[1]["eval_tokens"] == results[0]["eval_tokens"]
+    assert abs(results[1]["eval_loss"] - results[0]["eval_loss"]) < 1e-5
+    resumed = resume_copy(out, 3, str(tmp_path / "one"))
     proc = run_as_script(capsys, "sft", *args_for(data, "--per_device_train_batch_size", 8, "--checkpoint_format",
-                                                  "sharded"), "--output_dir", one, "--resume_from_checkpoint", "latest")
+                                                  "sharded"), "--output_dir", resumed, "--resume_from_checkpoint", "latest")
     assert proc.returncode == 0 and "saved with 2 processes" in proc.stdout, output_of(proc)
-    assert largest_difference(weights(one), weights(runs["two"])) < 2e-5
+    assert largest_difference(weights(resumed), weights(out)) < 2e-5
 
 
-def test_sigterm_saves_at_one_step_on_every_rank_and_the_resume_is_bit_identical(data, runs, tmp_path):
-    """Stopped and saved at step 1 on every rank, restarted, it ends where the module's
-    uninterrupted 2 x 4 run ended."""
-    _, out = sigterm_at_step_one_and_resume("cpu_2proc", "sft", 6, tmp_path,
-                                            *args_for(data, "--per_device_train_batch_size", 4))
-    assert identical(weights(out), weights(runs["two"]))
+def test_sigterm_saves_at_one_step_on_every_rank_and_the_resume_is_bit_identical(data, accumulated, tmp_path):
+    """Stopped and saved at step 1 (after its 2 accumulated micro-batches) on every rank, restarted,
+    it ends where the module's uninterrupted 2 x 2 x 2 run ended."""
+    _, out = sigterm_at_step_one_and_resume("cpu_2proc", "sft", 6, tmp_path, *args_for(data, *ACCUMULATED))
+    assert identical(weights(out), weights(accumulated))
 
 
 # ------------------------------------------------------------------------------------ packing, chat, Llama
