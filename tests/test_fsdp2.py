@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import launch, output_of, reset_accelerate_state, run_as_script
-from test_checkpointing import identical, kill_launch, resume_copy, weights
+from test_checkpointing import identical, kill_launch, resume_copy, same_state, weights
 from test_lm import TINY, text  # noqa: F401 (the module's text fixture)
 
 # accumulation and clipping (lm.py clips at 1.0 by default) on the GPT, whose output layer is tied
@@ -40,16 +40,46 @@ def one_process(shards, out):
         reset_accelerate_state()
 
 
+def sharded_contents(checkpoint):
+    """The model and optimizer a sharded checkpoint's state/ holds, read whole in this process."""
+    import io
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    buffer = io.BytesIO()
+    dcp_to_torch_save(os.path.join(checkpoint, "state"), buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def same_sharded_checkpoint(a, b):
+    """test_checkpointing.py's same_checkpoint for sharded checkpoints: the same model and optimizer
+    (state/), schedule, every rank's RNG streams and buffers, and data position."""
+    names = sorted(f for f in os.listdir(a) if f.endswith(".pt"))
+    assert "rank_state_1.pt" in names and names == sorted(f for f in os.listdir(b) if f.endswith(".pt")), names
+    for name in names:
+        assert same_state(*(torch.load(os.path.join(f, name), weights_only=True) for f in (a, b))), name
+    contents = [sharded_contents(f) for f in (a, b)]
+    assert contents[0]["optimizer"]["state"] and same_state(*contents)
+    positions = [json.load(open(os.path.join(f, "meta.json")))["data"] for f in (a, b)]
+    assert positions[0] == positions[1], positions
+
+
 @pytest.fixture(scope="module")
 def runs(text, tmp_path_factory):  # noqa: F811
-    """One uninterrupted run under FSDP2, its checkpoints written in the background (--checkpoint_async),
-    and one unsharded in 1 process, the same global batch."""
+    """One run under FSDP2, its checkpoints written in the background (--checkpoint_async), whose rank 0
+    is SIGKILLed as checkpoint 8 is about to be published (its finished files kept aside: the
+    uninterrupted run's state there); torch elastic's restart resumes from step 4 and runs to the end.
+    And one unsharded in 1 process, the same global batch."""
     _, shards = text
     root = tmp_path_factory.mktemp("fsdp2")
-    fsdp, unsharded = root / "fsdp", root / "unsharded"
+    fsdp, unsharded, kept = root / "fsdp", root / "unsharded", root / "uninterrupted_step_8"
     one_process(shards, unsharded)
-    return {"shards": shards, "fsdp": fsdp, "unsharded": unsharded,
-            "fsdp_proc": lm("fsdp2_cpu_2proc", shards, fsdp, "--checkpoint_async")}
+    kill = ["--rank", 0, "--step", 8, "--marker", root / "killed", "--during_save", "--keep", kept]
+    proc = kill_launch("fsdp2_cpu_2proc", "lm", kill, "--dataset_dir", shards, *ARGS, "--checkpoint_async",
+                       "--resume_from_checkpoint", "latest", "--output_dir", fsdp, max_restarts=1)
+    assert proc.returncode == 0 and (root / "killed").exists() and kept.is_dir(), output_of(proc)
+    return {"shards": shards, "fsdp": fsdp, "unsharded": unsharded, "kept": kept, "fsdp_proc": proc}
 
 
 def test_fsdp2_shards_the_model_and_takes_the_unsharded_steps(runs):
@@ -81,26 +111,31 @@ def test_checkpoints_are_sharded_under_fsdp2_and_full_unsharded(runs):  # and un
     assert json.load(open(full / "meta.json"))["checkpoint_format"] == "full" and (full / "model.safetensors").exists()
 
 
-def test_sigkill_under_fsdp2_then_resume_is_bit_identical(runs, tmp_path):
-    """Saved and resumed in the foreground, it ends where the run that saved in the background ends:
-    training went on while a thread wrote, from a copy of the state, and changed nothing."""
-    crashed = tmp_path / "crashed"
-    kill = ["--rank", 1, "--step", 6, "--marker", tmp_path / "killed"]
-    proc = kill_launch("fsdp2_cpu_2proc", "lm", kill, "--dataset_dir", runs["shards"], *ARGS, "--output_dir", crashed)
-    assert proc.returncode != 0 and (tmp_path / "killed").exists(), output_of(proc)
-    proc = lm("fsdp2_cpu_2proc", runs["shards"], crashed, "--resume_from_checkpoint", "latest")
-    assert f"resumed from {crashed}/checkpoints/step_00000004 (step 4, saved with 2 processes)" in proc.stdout
-    assert identical(weights(crashed), weights(runs["fsdp"]))
+def test_sigkill_under_fsdp2_then_resume_is_bit_identical(runs):
+    """The module's run: killed as its background-written step 8 was about to be published, it
+    resumed from step 4 (a checkpoint not yet published is none) and saved the same step 8."""
+    out = output_of(runs["fsdp_proc"])
+    assert "no checkpoint in" in out  # the first attempt started fresh
+    assert any(s in out for s in ("SIGKILL", "exitcode: -9", "Signal 9")), out[-3000:]
+    assert f"resumed from {runs['fsdp']}/checkpoints/step_00000004 (step 4, saved with 2 processes)" in out
+    same_sharded_checkpoint(runs["kept"], runs["fsdp"] / "checkpoints" / "step_00000008")
 
 
 def test_a_sharded_checkpoint_resumes_at_other_process_counts_and_under_ddp(runs, tmp_path, capsys):
     # 1 process, twice the per-process batch: the same global batch, so the same steps
-    one = resume_copy(runs["fsdp"], 4, str(tmp_path / "one"))
-    proc = run_as_script(capsys, "lm", "--dataset_dir", runs["shards"], *ARGS, "--per_device_train_batch_size", 8,
-                         "--checkpoint_format", "sharded", "--output_dir", one, "--resume_from_checkpoint", "latest")
-    assert proc.returncode == 0, output_of(proc)
-    assert "world_size=1 " in proc.stdout and "saved with 2 processes" in proc.stdout
+    def one_process_resume(name, *extra):
+        folder = resume_copy(runs["fsdp"], 4, str(tmp_path / name))
+        proc = run_as_script(capsys, "lm", "--dataset_dir", runs["shards"], *ARGS, "--per_device_train_batch_size", 8,
+                             *extra, "--output_dir", folder, "--resume_from_checkpoint", "latest")
+        assert proc.returncode == 0, output_of(proc)
+        assert "world_size=1 " in proc.stdout and "saved with 2 processes" in proc.stdout
+        return folder
+
+    one = one_process_resume("one", "--checkpoint_format", "sharded", "--checkpoint_async")
     assert closest(weights(one), weights(runs["fsdp"])) < 1e-5
+    # saving in the foreground gives the same weights to the bit: training went on while a thread
+    # wrote, from a copy of the state, and changed nothing
+    assert identical(weights(one_process_resume("foreground")), weights(one))
     # and the sharded checkpoint that 1 process wrote at step 8, resumed by 2 FSDP2 processes
     two = resume_copy(one, 8, str(tmp_path / "two"))
     proc = lm("fsdp2_cpu_2proc", runs["shards"], two, "--resume_from_checkpoint", "latest")
