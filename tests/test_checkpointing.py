@@ -121,19 +121,23 @@ def run_regression(config, *args):
 
 @pytest.fixture(scope="module")
 def regression_runs(tmp_path_factory):
-    """Uninterrupted runs with a checkpoint at every step: 1 process (batch 32), 2 processes (16 each)."""
-    runs = {}
-    for config, batch in (("cpu", 32), ("cpu_2proc", 16)):
-        out = str(tmp_path_factory.mktemp(config))
-        run_regression(config, *REGRESSION, "--per_device_train_batch_size", batch, "--checkpointing_steps", 1,
-                       "--output_dir", out)
-        runs[config] = (out, batch)
-    return runs
+    """Runs with a checkpoint at every step, to the end: 1 process (batch 32) uninterrupted, in this
+    process; 2 processes (16 each) in one launch whose rank 0 is SIGKILLed as it publishes checkpoint
+    33, which torch elastic's restart resumes from 32 (an epoch's start: no batch to skip) and saves
+    again, the same as the uninterrupted run's 33 (crash_during_save_and_resume). Values: (run folder,
+    batch); "restarted": that launch."""
+    out = str(tmp_path_factory.mktemp("cpu"))
+    run_regression("cpu", *REGRESSION, "--per_device_train_batch_size", 32, "--checkpointing_steps", 1,
+                   "--output_dir", out)
+    proc, crashed = crash_during_save_and_resume("cpu_2proc", "regression", 33, tmp_path_factory.mktemp("cpu_2proc"),
+                                                 *REGRESSION, "--per_device_train_batch_size", 16,
+                                                 "--checkpointing_steps", 1)
+    return {"cpu": (out, 32), "cpu_2proc": (str(crashed), 16), "restarted": proc}
 
 
 # an epoch's start and its last step (31 batches skipped, the one left also the loader's last), the
-# latter under 2 processes too (an epoch's start under 2: the --max_restarts test); mid-epoch, the
-# same skip with batches after it, in one process
+# latter under 2 processes too (an epoch's start under 2: the restart of regression_runs); mid-epoch,
+# the same skip with batches after it, in one process
 @pytest.mark.parametrize("config, step", [
     pytest.param("cpu", 32, id="epoch_start-cpu"), pytest.param("cpu", 45, id="mid_epoch-cpu"),
     pytest.param("cpu", 63, id="last_step-cpu"), pytest.param("cpu_2proc", 63, id="last_step-cpu_2proc")])
@@ -167,18 +171,33 @@ def test_control_resume_without_the_data_position_differs(regression_runs, tmp_p
     assert not identical(weights(out), weights(full))
 
 
+@pytest.fixture(scope="module")
+def mnist_1proc_runs(fashion_dir, tmp_path_factory):
+    """Uninterrupted 1-process MNIST runs in this process (24 optimizer steps of 2 accumulated batches
+    per epoch), a checkpoint every 12 steps, by their extra arguments: made on first use."""
+    runs = {}
+
+    def run(extra):
+        if tuple(extra) not in runs:
+            args = [*map(str, MNIST), "--checkpointing_steps", "12", *extra]
+            full = str(tmp_path_factory.mktemp("mnist_full"))
+            try:
+                mnist.main(mnist.parse_args(args + ["--output_dir", full, "--overwrite_output_dir"]))
+            finally:
+                reset_accelerate_state()
+            runs[tuple(extra)] = full, args
+        return runs[tuple(extra)]
+    return run
+
+
 @pytest.mark.usefixtures("fresh_accelerate_state")
-@pytest.mark.parametrize("step,extra", [(12, []), (24, []), (35, []),  # mid-epoch, epoch boundary, mid-epoch 2
-                                        (35, ["--augment", "--label_smoothing", "0.1"])])
-def test_mnist_resume_in_process_with_accumulation_is_bit_identical(tmp_path, fashion_dir, step, extra):
-    full = str(tmp_path / "full")
-    args = [*map(str, MNIST), "--checkpointing_steps", str(step), *extra]
-    mnist.main(mnist.parse_args(args + ["--output_dir", full]))
-    from accelerate.state import AcceleratorState, GradientState
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+@pytest.mark.parametrize("step,extra", [(12, []), (24, []), (36, []),  # mid-epoch, epoch boundary, mid-epoch 2
+                                        (36, ["--augment", "--label_smoothing", "0.1"])])
+def test_mnist_resume_in_process_with_accumulation_is_bit_identical(mnist_1proc_runs, tmp_path, step, extra):
+    full, args = mnist_1proc_runs(extra)
     out = resume_copy(full, step, str(tmp_path / "resumed"))
     results = mnist.main(mnist.parse_args(args + ["--output_dir", out, "--resume_from_checkpoint", "latest"]))
+    assert results["resumed_from"].endswith(f"step_{step:08d}")
     assert identical(weights(out), weights(full))
     assert [h["epoch"] for h in results["history"]] == [1, 2]  # history survives the resume
 
@@ -199,16 +218,19 @@ def mnist_2proc_runs(fashion_dir, tmp_path_factory):
 
 
 # SIGTERM to the launcher (map-style, a DataLoader worker per rank: torch elastic signals each rank's
-# process group) and to rank 1 alone (streaming), after optimizer step 9 of 48
+# process group; the launch ends, and a second one resumes it) and to rank 1 alone (streaming: its
+# ranks' exit restarts them, --max_restarts 1, and the restart resumes), after optimizer step 9 of 48
 @pytest.mark.parametrize("streaming, to", [(False, "launcher"), (True, "self")], ids=["map_style", "streaming"])
 def test_sigterm_saves_one_step_on_every_rank_and_the_resume_is_bit_identical(mnist_2proc_runs, tmp_path,
                                                                               streaming, to):
     full, args = mnist_2proc_runs[streaming]
     args = [*args, "--dataloader_num_workers", 1 if to == "launcher" else 0]  # the data order is the same
     out = tmp_path / "preempted"
+    restart = to == "self"
     proc = kill_launch("cpu_2proc", "mnist", ["--rank", 1, "--step", 9, "--marker", tmp_path / "signalled",
-                                              "--sigterm", to], *args, "--output_dir", out)
-    assert proc.returncode != 0 and (tmp_path / "signalled").exists(), output_of(proc)
+                                              "--sigterm", to], *args, "--output_dir", out,
+                       *(["--resume_from_checkpoint", "latest"] if restart else []), max_restarts=1 if restart else None)
+    assert (proc.returncode == 0) is restart and (tmp_path / "signalled").exists(), output_of(proc)
     said = [line for line in output_of(proc).splitlines() if line.startswith("stopped on SIGTERM at step ")]
     assert len(said) == 1, output_of(proc)  # from the first process only
     step = int(said[0].split()[5])
@@ -218,49 +240,29 @@ def test_sigterm_saves_one_step_on_every_rank_and_the_resume_is_bit_identical(mn
     assert said[0].endswith(" --resume_from_checkpoint latest")
     assert sorted(os.listdir(out / "checkpoints")) == [checkpoint.name]  # one step, saved by both ranks
     assert {"rank_state_0.pt", "rank_state_1.pt", "meta.json"} <= set(os.listdir(checkpoint))
-    assert not (out / "model.safetensors").exists()
-    proc = launch("cpu_2proc", "mnist", *args, "--resume_from_checkpoint", "latest", "--output_dir", out)
-    assert proc.returncode == 0, output_of(proc)
+    if not restart:
+        assert not (out / "model.safetensors").exists()  # the stopped run is not taken for a finished one
+        proc = launch("cpu_2proc", "mnist", *args, "--resume_from_checkpoint", "latest", "--output_dir", out)
+        assert proc.returncode == 0, output_of(proc)
     assert f"resumed from {checkpoint}" in proc.stdout and "world_size=2 " in proc.stdout  # mid-epoch, 2 ranks
     assert identical(weights(out), weights(full))
 
 
 # ----------------------------------------------------------------------------- crashes
 
-def test_max_restarts_resumes_from_latest_and_matches_uninterrupted(regression_runs, tmp_path):
-    common = [*REGRESSION, "--per_device_train_batch_size", 16, "--checkpointing_steps", 4,
-              "--resume_from_checkpoint", "latest"]
-    reference, batch = regression_runs["cpu_2proc"]  # the same run uninterrupted (its checkpoints change nothing)
-    assert batch == 16
-    marker = tmp_path / "killed"
-    out = tmp_path / "restarted"
-    # killed 2 steps into epoch 2: the restart resumes from the epoch's start (step 32, a 2-process
-    # resume with no batch to skip)
-    proc = kill_launch("cpu_2proc", "regression", ["--rank", 1, "--step", 34, "--marker", marker],
-                       *common, "--output_dir", out, max_restarts=1)
-    assert marker.exists() and proc.returncode == 0, output_of(proc)
-    assert "no checkpoint in" in proc.stdout  # the first attempt started fresh
-    assert f"resumed from {out}/checkpoints/step_00000032" in proc.stdout  # the restart picked the latest
-    assert identical(weights(out), weights(reference))
-
-
-@pytest.mark.usefixtures("fresh_accelerate_state")
-def test_sigkill_during_save_leaves_latest_on_the_previous_checkpoint(tmp_path):
-    args = [*REGRESSION, "--per_device_train_batch_size", 32, "--checkpointing_steps", 4]
-    out = tmp_path / "run"
-    proc = kill_launch("cpu", "regression", ["--rank", 0, "--step", 8, "--marker", tmp_path / "killed", "--during_save"],
-                       *args, "--output_dir", out)
-    assert proc.returncode != 0 and (tmp_path / "killed").exists(), output_of(proc)
-    assert sorted(os.listdir(out / "checkpoints")) == [".tmp-step_00000008", "step_00000004"]
-    assert list_checkpoints(str(out)) == [str(out / "checkpoints" / "step_00000004")]
-    results = regression.main(regression.parse_args([*map(str, args), "--output_dir", str(out),
-                                                     "--resume_from_checkpoint", "latest"]))
-    assert results["resumed_from"].endswith("step_00000004")
-    assert not (out / "checkpoints" / ".tmp-step_00000008").exists()  # the next save of step 8 replaced it
-    reference = tmp_path / "reference"
-    reset_accelerate_state()
-    regression.main(regression.parse_args([*map(str, args), "--output_dir", str(reference)]))
-    assert identical(weights(out), weights(reference))
+def test_sigkill_during_save_leaves_latest_on_the_previous_checkpoint_and_max_restarts_resumes_there(
+        regression_runs):
+    """The 2-process launch of regression_runs: checkpoint 33 was finished but unpublished (.tmp-) when
+    rank 0 was SIGKILLed; torch elastic's restart found the latest at 32, not 33, and its 33 is the
+    uninterrupted run's (weights, optimizer, schedule, both ranks' RNG, data position: compared by
+    crash_during_save_and_resume)."""
+    out, _ = regression_runs["cpu_2proc"]
+    proc = regression_runs["restarted"]
+    assert proc.stdout.count("resumed from ") == 1, output_of(proc)
+    assert f"resumed from {out}/checkpoints/step_00000032" in proc.stdout
+    # the next save of 33 replaced the unpublished one; every step's checkpoint is there, once
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == [f"step_{s:08d}" for s in range(1, 65)]
+    assert list_checkpoints(out)[-1].endswith("step_00000064") and os.path.isfile(os.path.join(out, "model.safetensors"))
 
 
 # ----------------------------------------------------------------------------- safety and bad input
