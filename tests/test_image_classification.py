@@ -39,22 +39,25 @@ def folders(fashion_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained(folders, tmp_path_factory):
+    """The map-style run of the tests below, with a DataLoader worker per rank: 2 processes, 3 epochs of
+    18 steps; rank 0 SIGKILLed as checkpoint 28 (mid epoch 2) is published, then torch elastic's restart
+    resumes from 24 and must save the same 28 (crash_during_save_and_resume), and trains to the end."""
     train_dir, validation_dir = folders
-    out = tmp_path_factory.mktemp("trained")
-    proc = launch("cpu_2proc", "image_classification", "--train_dir", train_dir, "--validation_dir", validation_dir,
-                  "--image_size", 32, "--num_train_epochs", 4, "--output_dir", out)
-    assert proc.returncode == 0, output_of(proc)
-    return proc, out
+    return crash_during_save_and_resume("cpu_2proc", "image_classification", 28, tmp_path_factory.mktemp("trained"),
+                                        "--train_dir", train_dir, "--validation_dir", validation_dir, *SMALL,
+                                        "--num_train_epochs", 3, "--checkpointing_steps", 4)
 
 
 def test_two_processes_learn_well_above_chance_and_count_every_image_once(trained):
     proc, out = trained
     assert "world_size=2 " in proc.stdout
-    assert proc.stdout.count("train: 600 images in 10 classes; validation: 299 images in 10 classes") == 1
-    assert "images: 4 MB decoded, kept by each process as it decodes them" in proc.stdout  # 600 x 28^2 + 299 x 32^2 RGB
+    # once per attempt (the crashed one and its restart): the main process's line only
+    assert proc.stdout.count("train: 600 images in 10 classes; validation: 299 images in 10 classes") == 2
+    # 600 x 28^2 + 299 x 32^2 RGB; the pixels kept without workers: the streaming run's
+    assert proc.stdout.count("images: 4 MB decoded, decoded again each time (DataLoader workers)") == 2
     results = json.load(open(out / "all_results.json"))
     assert results["eval_samples"] == 299 and results["world_size"] == 2 and results["train_samples"] == 600
-    assert [h["eval_samples"] for h in results["history"]] == [299] * 4
+    assert [h["eval_samples"] for h in results["history"]] == [299] * 3  # the epochs before the crash kept
     assert results["eval_accuracy"] > 0.5, results  # chance is 0.1
     assert json.load(open(out / "labels.json")) == CLASSES == results["classes"]
     assert (out / "curves.png").stat().st_size > 0 and (out / "metrics.jsonl").stat().st_size > 0
@@ -74,17 +77,23 @@ def test_predict_agrees_with_the_evaluation(trained, folders, capsys):
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["map_style", "streaming"])
-def test_resume_after_a_crash_is_bit_identical_under_two_processes(folders, tmp_path, streaming):
-    # a SIGKILL as checkpoint 16 (mid epoch 2) is published: the restart resumes from 12 and must save
-    # the same 16; map-style with a DataLoader worker per rank at the SIGKILL, streaming without
+def test_resume_after_a_crash_is_bit_identical_under_two_processes(request, folders, tmp_path, streaming):
+    # a SIGKILL as a checkpoint mid epoch 2 is published: the restart resumes from the one before and must
+    # save the same (crash_during_save_and_resume compares every rank's RNG streams too: torch's global
+    # generator, which a mid-epoch iterator of a resumed run would draw its workers' base seed from
+    # without the loader's own generator); map-style with a DataLoader worker per rank at the SIGKILL
+    # (the `trained` run: 28, resumed from 24), streaming without (16 of 2 x 10 steps, from 12)
+    if not streaming:
+        proc, crashed = request.getfixturevalue("trained")
+        assert f"resumed from {crashed}/checkpoints/step_00000024" in proc.stdout
+        return
     args = ["--train_dir", folders[0], "--validation_dir", folders[1], *SMALL, "--max_train_samples", 320,
-            "--num_train_epochs", 2, "--checkpointing_steps", 4,
-            *(["--streaming", "--dataloader_num_workers", 0] if streaming else [])]
-    # every rank's RNG streams included: torch's global generator too, which a mid-epoch iterator of a
-    # resumed run would draw its workers' base seed from without the loader's own generator
+            "--num_train_epochs", 2, "--checkpointing_steps", 4, "--streaming", "--dataloader_num_workers", 0]
     proc, crashed = crash_during_save_and_resume("cpu_2proc", "image_classification", 16, tmp_path, *args)
     assert f"resumed from {crashed}/checkpoints/step_00000012" in proc.stdout
     assert (crashed / "model.safetensors").exists()
+    # without workers each process keeps the pixels it decodes (320 x 28^2 + 299 x 32^2 RGB)
+    assert proc.stdout.count("images: 3 MB decoded, kept by each process as it decodes them") == 2
 
 
 def test_streaming_source_reads_each_image_once_per_epoch_split_across_ranks(folders):
@@ -329,6 +338,6 @@ def test_picked_defaults_are_said_recorded_and_kept_by_a_resume(tmp_path, capsys
     assert "epochs=50 steps=50 steps_per_epoch=1 resuming at step 48" in said and args["num_train_epochs"] == 50
     said, args = train(tmp_path / "chosen", "--image_size", 16, "--max_train_steps", 3)  # flags win; nothing said
     assert "pass --" not in said and (args["image_size"], args["num_train_epochs"]) == (16, 3)  # 3 steps: 3 epochs
-    parse = image_classification.parse_args  # an explicit --num_train_epochs in a run: the `trained` fixture's 4
+    parse = image_classification.parse_args  # an explicit --num_train_epochs in a run: the `trained` fixture's 3
     assert parse(["--train_dir", root]).num_train_epochs is None  # main() picks it
     assert parse(["--train_dir", root, "--num_train_epochs", "2"]).num_train_epochs == 2
