@@ -1,8 +1,9 @@
 """Sweeps (train/sweep.py): an Optuna study whose trials are real `accelerate launch` runs, pruned
-from their evaluations, resumed after a SIGKILL without running any trial twice, shared by two
+from their evaluations, resumed after a SIGKILL or a Ctrl-C without running any trial twice, shared by two
 sweep processes, and bad sweep files refused in one line before any trial runs."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,6 +34,19 @@ def start(path, out, **kwargs):
                             env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
 
 
+def sweep_here(path, out):
+    """What `python train/sweep.py PATH --output_dir OUT` does, in this process (no interpreter and torch to
+    start), its Ctrl-C and SIGTERM handlers put back after."""
+    from train import sweep
+
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        sweep.main(sweep.parse_args([str(path), "--output_dir", str(out)]))
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+
+
 def finish(proc, timeout=600):
     out, _ = proc.communicate(timeout=timeout)
     return proc.returncode, out
@@ -57,12 +71,13 @@ def enqueue(out, trials):
         study.enqueue_trial(params)
 
 
-def hold_at_first_checkpoint(sweep, out, trial):
-    """SIGSTOP the trial's processes (its launcher, then the rank below it) as soon as the trial's first
-    checkpoint is published: a trial of a few seconds is then still training whenever the test signals
-    the sweep. Returns them, for release()."""
+def hold_at_checkpoint(sweep, out, trial, after=0):
+    """SIGSTOP the trial's processes (its launcher, then the rank below it) as soon as it publishes a
+    checkpoint past step `after`: a trial of a few seconds is then still training whenever the test
+    signals the sweep. Returns them, for release()."""
     checkpoints, deadline = out / "trials" / f"trial_{trial:04d}" / "checkpoints", time.monotonic() + 300
-    while not (checkpoints.is_dir() and any(p.name.startswith("step_") for p in checkpoints.iterdir())):
+    while not (checkpoints.is_dir() and any(p.name.startswith("step_") and int(p.name[5:]) > after
+                                            for p in checkpoints.iterdir())):
         assert sweep.poll() is None and time.monotonic() < deadline, finish(sweep)[1]
         time.sleep(0.01)  # it trains on from there to its end in about 0.5 s
     held = descendants(sweep.pid)
@@ -92,22 +107,36 @@ def release(held):
         os.kill(pid, signal.SIGCONT)
 
 
+def launched_log(out, trial):
+    return (out / "logs" / f"trial_{trial:04d}.log").read_text()
+
+
+def stopped_at(out, trial, count):
+    """The step of the trial's `count`-th stop on SIGTERM, once its log says it saved there."""
+    deadline = time.monotonic() + 120
+    while len(steps := re.findall(r"stopped on SIGTERM at step (\d+)", launched_log(out, trial))) < count:
+        assert time.monotonic() < deadline, launched_log(out, trial)
+        time.sleep(0.1)
+    return int(steps[count - 1])
+
+
 def launches(out, trial):
-    with open(out / "logs" / f"trial_{trial:04d}.log") as f:
-        text = f.read()
+    text = launched_log(out, trial)
     return text.count("starting fresh"), text.count("resumed from ")
 
 
-def test_a_sigkilled_sweep_goes_on_with_every_trial_run_once(tmp_path):
+def test_a_sweep_sigkilled_then_stopped_with_ctrl_c_goes_on_with_every_trial_run_once(tmp_path, capsys):
     out = tmp_path / "sweep"
-    # trial 1 (0.03, the best) is the one the SIGKILL interrupts, held from its first checkpoint on; trial 2
-    # is the one a sweep that goes on must still run, before the queued resume: at its first evaluation it
-    # is far worse than trial 0 (eval_mse 15.9 against 3.7), so the median pruner stops it
+    # trial 1 (0.03, the best) is interrupted twice, held (SIGSTOP) from a checkpoint on each time: the first
+    # sweep is SIGKILLed, the second gets a Ctrl-C once it resumed the trial, the third finishes it. Trial 2
+    # is the one the second sweep must still run, before the queued resume: at its first evaluation it is
+    # far worse than trial 0 (eval_mse 15.9 against 3.7), so the median pruner stops it
     enqueue(out, [{"learning_rate": lr} for lr in (0.003, 0.03, 0.0002)])
     path = sweep_file(tmp_path, 3, {"learning_rate": {"low": 0.0001, "high": 0.3, "log": True}},
                       pruner={"name": "median", "n_startup_trials": 1})
+
     first = start(path, out, start_new_session=True)
-    held = hold_at_first_checkpoint(first, out, 1)
+    held = hold_at_checkpoint(first, out, 1)
     deadline = time.monotonic() + 60
     while 128 not in study_of(out).trials[1].intermediate_values:  # the sweep has read the first evaluation
         assert time.monotonic() < deadline, "the sweep never reported trial 1's first evaluation"
@@ -115,27 +144,38 @@ def test_a_sigkilled_sweep_goes_on_with_every_trial_run_once(tmp_path):
     first.send_signal(signal.SIGKILL)
     first.wait()
     release(held)  # the kernel's SIGTERM for its dead parent waits for the launcher
+    # it reached the launcher, whose rank then got its own: the trial saved where it stood
+    killed_at = stopped_at(out, 1, 1)
     assert not (out / "logs" / "trial_0002.log").exists()  # never started before the kill
-    code, text = finish(start(path, out))
-    assert code == 0, text
-    assert "trial 1: its sweep process is gone; queued to resume from its latest checkpoint" in text
+
+    second = start(path, out)
+    held = hold_at_checkpoint(second, out, 1, after=killed_at)  # the resumed trial's next checkpoint
+    second.send_signal(signal.SIGINT)
+    release(held)  # once the sweep has passed on its SIGTERM
+    code, text = finish(second)
+    assert code == 130 and "sweep stopped; the interrupted trial saved a checkpoint" in text, text
+    assert "trial 1: its sweep process is gone; queued to resume from its latest checkpoint" in text, text
+    assert "trial 2: pruned" in text and "trial 1: learning_rate=0.03 (resuming)" in text, text
+    assert stopped_at(out, 1, 2) > killed_at
+
+    code, text = finish(start(path, out))  # the trial the Ctrl-C left RUNNING is resumed, as after the kill
+    assert code == 0 and "trial 1: its sweep process is gone" in text and "trial 1: complete" in text, text
     study = study_of(out)
     states = {t.number: t.state.name for t in study.get_trials()}
-    assert list(states.values()).count("FAIL") == 1 and states[1] == "FAIL"  # the interrupted attempt alone
+    assert [n for n, state in states.items() if state == "FAIL"] == [1, 3]  # the interrupted attempts alone
     assert sorted(t.user_attrs.get("folder", t.number) for t in study.get_trials() if t.state.name != "FAIL") == \
         list(range(3))
     assert states[2] == "PRUNED", text
-    for trial in range(3):  # each started from step 0 once; trial 1 once more, from its checkpoint
-        assert launches(out, trial) == ((1, 1) if trial == 1 else (1, 0)), trial
-    # the kernel's SIGTERM for a dead parent reached the trial's launcher: it saved where it stood
-    assert "stopped on SIGTERM at step" in (out / "logs" / "trial_0001.log").read_text()
+    for trial in range(3):  # each started from step 0 once; trial 1 twice more, from its checkpoints
+        assert launches(out, trial) == ((1, 2) if trial == 1 else (1, 0)), trial
     with open(out / "trials" / "trial_0001" / "all_results.json") as f:
         assert "/checkpoints/step_" in json.load(f)["resumed_from"]
     assert "| 1 | 0.03 |" in text and "complete (resumed)" in text and "pruned at step 128" in text, text
     assert (out / "optimization_history.png").is_file() and (out / "param_importances.png").is_file()
-    code, again = finish(start(path, out))  # a finished study: nothing more runs
-    assert code == 0 and "trial 4" not in again and len(study_of(out).get_trials()) == 4  # 3 and the retry
-    assert os.listdir(out / "workers") == []  # the dead and the finished sweeps' lock files are gone
+    capsys.readouterr()
+    sweep_here(path, out)  # a finished study: nothing more runs
+    assert "trial 5" not in capsys.readouterr().out and len(study_of(out).get_trials()) == 5  # 3 and two retries
+    assert os.listdir(out / "workers") == []  # the dead, the stopped and the finished sweeps' lock files are gone
 
 
 def test_two_sweep_processes_share_one_study_and_count_a_failing_trial(tmp_path):
@@ -156,21 +196,6 @@ def test_two_sweep_processes_share_one_study_and_count_a_failing_trial(tmp_path)
     assert "fail: error: the training set is smaller than one global batch" in (out / "results.md").read_text()
 
 
-def test_ctrl_c_stops_the_trial_with_a_checkpoint_and_the_same_command_goes_on(tmp_path):
-    out = tmp_path / "sweep"
-    path = sweep_file(tmp_path, 1)
-    first = start(path, out)
-    held = hold_at_first_checkpoint(first, out, 0)
-    first.send_signal(signal.SIGINT)
-    release(held)  # once the sweep has passed on its SIGTERM
-    code, text = finish(first)
-    assert code == 130 and "sweep stopped; the interrupted trial saved a checkpoint" in text, text
-    assert "stopped on SIGTERM at step" in (out / "logs" / "trial_0000.log").read_text()
-    code, text = finish(start(path, out))
-    assert code == 0 and "trial 0: complete" in text, text
-    assert launches(out, 0) == (1, 1)
-
-
 def test_three_failures_in_a_row_stop_the_sweep_with_the_last_error(tmp_path, monkeypatch, capsys):
     from train import sweep
 
@@ -180,13 +205,8 @@ def test_three_failures_in_a_row_stop_the_sweep_with_the_last_error(tmp_path, mo
         sys.executable, "-c", "print('error: the training set is smaller than one global batch'); raise SystemExit(1)"])
     path = sweep_file(tmp_path, 5, {"per_device_train_batch_size": [100000, 200000]},
                       args={"num_train_epochs": 1, "num_train_samples": 512})
-    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        with pytest.raises(UserError) as raised:
-            sweep.main(sweep.parse_args([str(path), "--output_dir", str(tmp_path / "sweep")]))
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
+    with pytest.raises(UserError) as raised:
+        sweep_here(path, tmp_path / "sweep")
     assert capsys.readouterr().out.count(": failed") == 3
     assert str(raised.value).startswith("3 trials in a row failed, the last with: error: the training set is smaller "
                                         "than one global batch"), raised.value
