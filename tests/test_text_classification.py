@@ -1,9 +1,10 @@
 """train/text_classification.py: a tiny random BERT (tests/hf_models.py) with MiniLM's real tokenizer
-on labelled text of varied lengths, in real processes: it learns, evaluates every validation row once
-for any process count, writes a folder from_pretrained loads and that scores what the run said;
-1 process takes the steps 2 take; SIGKILL (LoRA) and SIGTERM (full) then resume are bit-identical;
-FSDP2 shards the BERT layers and its sharded checkpoint resumes in 1 process; bad input is one line.
-The data side (tokenized once, padding, grouping by length) is tested in one process."""
+on labelled text of varied lengths: 2 real processes evaluate every validation row once; 1 process
+takes the steps 2 take, and (in this process) learns and writes a folder from_pretrained loads and
+that scores what the run said; SIGKILL (LoRA) and SIGTERM (full) then resume are bit-identical;
+FSDP2 (LoRA) shards the BERT layers, takes DDP's steps and its sharded checkpoint resumes in 1
+process; bad input is one line. The data side (tokenized once, padding, grouping by length) is
+tested in one process."""
 import json
 import os
 import random
@@ -70,33 +71,79 @@ def text_run(config, data, out, *extra):
     return proc
 
 
+def closest(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+# grouped by length (the default); evaluated at steps 4 and 8, no best model kept: the runs below compare
+# the last step's weights (at lr 5e-3 step 4's loss is the lower one)
+SHORT = ["--max_train_steps", 8, "--checkpointing_steps", 3, "--eval_steps", 4, "--metric_for_best_model", "none"]
+
+
 @pytest.fixture(scope="module")
-def trained(data):
-    out = data["root"] / "trained"
-    proc = text_run("cpu_2proc", data, out, "--num_train_epochs", 4, "--per_device_train_batch_size", 16,
-                    "--group_by_length", "false", "--metric_for_best_model", "f1", "--checkpointing_steps", "epoch")
-    return proc, out
+def two_launch(data):
+    out = data["root"] / "two"
+    return text_run("cpu_2proc", data, out, *SHORT, "--per_device_train_batch_size", 8), out
 
 
-def test_two_processes_learn_and_count_every_validation_row_once(trained):
-    proc, out = trained
+@pytest.fixture(scope="module")
+def two(two_launch):
+    """2 processes x 8 rows, the reference of the tests below."""
+    return two_launch[1]
+
+
+def test_two_processes_count_every_validation_row_once_in_each_evaluation(two_launch):
+    proc, out = two_launch
     assert "world_size=2 " in proc.stdout
     assert proc.stdout.count(f"384 train, {N_VALIDATION} validation rows, 4 labels (food, music, space, sport)") == 1
     results = json.load(open(out / "all_results.json"))
-    assert [h["eval_samples"] for h in results["history"]] == [N_VALIDATION] * 4
-    assert results["eval_accuracy"] > 0.6, results  # chance is about 0.25
-    assert results["best_model"]["metric"] == "eval_f1"
-    confusion = results["confusion_matrix"]
+    assert [(h["step"], h["eval_samples"]) for h in results["history"]] == [(4, N_VALIDATION), (8, N_VALIDATION)]
+    assert "best_model" not in results and results["eval_accuracy"] == results["history"][-1]["eval_accuracy"]
+    confusion = results["confusion_matrix"]  # the last evaluation's
     assert sum(map(sum, confusion)) == N_VALIDATION and results["labels"] == ["food", "music", "space", "sport"]
-    best = results["best_model"]["metrics"]  # the saved model's evaluation, and its matrix
-    assert confusion_metrics(confusion)["accuracy"] == pytest.approx(best["eval_accuracy"])
+    assert confusion_metrics(confusion)["accuracy"] == pytest.approx(results["eval_accuracy"])
     assert (out / "confusion.png").stat().st_size > 0 and (out / "curves.png").stat().st_size > 0
 
 
-def test_the_output_is_a_hugging_face_folder_that_scores_what_the_run_said(trained, data, capsys):
+def test_one_process_takes_the_steps_two_take(data, two, capsys):
+    one = data["root"] / "one"
+    proc = run_as_script(capsys, "text_classification", *args_for(data, *SHORT, "--per_device_train_batch_size", 16),
+                         "--output_dir", one)
+    assert proc.returncode == 0, output_of(proc)
+    assert closest(weights(one), weights(two)) < 1e-5  # each rank pads its own rows: the same to float rounding
+
+
+@pytest.fixture(scope="module")
+def trained(data):
+    """The steps of 2 processes x 16 as drawn (1 x 32: the same steps, above), 4 epochs, in this process."""
+    from conftest import reset_accelerate_state
+    from train import text_classification
+
+    out = data["root"] / "trained"
+    args = args_for(data, "--num_train_epochs", 4, "--per_device_train_batch_size", 32, "--group_by_length", "false",
+                    "--metric_for_best_model", "f1", "--checkpointing_steps", "epoch", "--output_dir", out)
+    try:
+        text_classification.run(text_classification.main, text_classification.parse_args(list(map(str, args))))
+    finally:
+        reset_accelerate_state()
+    return out
+
+
+def test_it_learns_and_keeps_the_best_evaluation_on_f1(trained):
+    results = json.load(open(trained / "all_results.json"))
+    assert [h["eval_samples"] for h in results["history"]] == [N_VALIDATION] * 4
+    assert results["eval_accuracy"] > 0.6, results  # chance is about 0.25
+    assert results["best_model"]["metric"] == "eval_f1"
+    best = results["best_model"]["metrics"]  # the saved model's evaluation, and its matrix
+    assert confusion_metrics(results["confusion_matrix"])["accuracy"] == pytest.approx(best["eval_accuracy"])
+
+
+@pytest.mark.parametrize("run", ["trained", "two"])
+def test_the_output_is_a_hugging_face_folder_that_scores_what_the_run_said(run, request, data, capsys):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    _, out = trained
+    out = request.getfixturevalue(run)  # the trained run's folder, and the 2-process run's
     model = AutoModelForSequenceClassification.from_pretrained(out).eval()
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert model.config.id2label == {0: "food", 1: "music", 2: "space", 3: "sport"}
@@ -105,9 +152,10 @@ def test_the_output_is_a_hugging_face_folder_that_scores_what_the_run_said(train
         inputs = tokenizer([r["text"] for r in validation], padding=True, truncation=True, return_tensors="pt")
         predicted = model(**inputs).logits.argmax(-1).tolist()
     correct = sum(model.config.id2label[p] == r["label"] for p, r in zip(predicted, validation))
-    best = json.load(open(out / "all_results.json"))["best_model"]["metrics"]
-    assert correct == round(best["eval_accuracy"] * N_VALIDATION)
-    lines = data["root"] / "lines.txt"
+    results = json.load(open(out / "all_results.json"))
+    said = results["best_model"]["metrics"] if run == "trained" else results  # the saved weights' evaluation
+    assert correct == round(said["eval_accuracy"] * N_VALIDATION)
+    lines = data["root"] / f"lines_{run}.txt"
     lines.write_text("".join(r["text"] + "\n" for r in validation[:5]))
     proc = run_as_script(capsys, "text_classification", "--predict", lines, "--output_dir", out)
     assert proc.returncode == 0, output_of(proc)
@@ -121,37 +169,26 @@ def test_the_output_is_a_hugging_face_folder_that_scores_what_the_run_said(train
     assert again.model_fingerprint == json.load(open(out / "args.json"))["model_fingerprint"]
 
 
-def closest(a, b):
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-SHORT = ["--max_train_steps", 8, "--checkpointing_steps", 3]  # grouped by length: the default
+def lora_args(data):
+    """LoRA on the BERT with dropout: its draws (the body's and the adapters') must come back too."""
+    return ["--per_device_train_batch_size", 8, "--model_name_or_path", data["dropout_model"], "--lora_r", 4,
+            "--lora_dropout", 0.1, "--lora_target_modules", "query,key,value,dense"]
 
 
 @pytest.fixture(scope="module")
-def two(data):
-    """2 processes x 8 rows, the reference of the tests below."""
-    out = data["root"] / "two"
-    text_run("cpu_2proc", data, out, *SHORT, "--per_device_train_batch_size", 8)
-    return out
+def lora(data, tmp_path_factory):
+    """LoRA under 2 processes, SIGKILLed as it publishes checkpoint 6 and resumed from 3 (the reference of
+    LoRA under FSDP2, below)."""
+    folder = tmp_path_factory.mktemp("lora")
+    proc, crashed = crash_during_save_and_resume("cpu_2proc", "text_classification", 6, folder,
+                                                 *args_for(data, *SHORT, *lora_args(data)))
+    return proc, crashed
 
 
-def test_one_process_takes_the_steps_two_take(data, two, capsys):
-    one = data["root"] / "one"
-    proc = run_as_script(capsys, "text_classification", *args_for(data, *SHORT, "--per_device_train_batch_size", 16),
-                         "--output_dir", one)
-    assert proc.returncode == 0, output_of(proc)
-    assert closest(weights(one), weights(two)) < 1e-5  # each rank pads its own rows: the same to float rounding
-
-
-def test_sigkill_then_resume_is_bit_identical_with_lora(data, tmp_path, capsys):
-    """LoRA on the BERT with dropout: its draws (the body's and the adapters') must come back too. The
-    full fine-tuning's resume: after SIGTERM, below."""
-    extra = ["--per_device_train_batch_size", 8, "--model_name_or_path", data["dropout_model"], "--lora_r", 4,
-             "--lora_dropout", 0.1, "--lora_target_modules", "query,key,value,dense"]
-    proc, crashed = crash_during_save_and_resume("cpu_2proc", "text_classification", 6, tmp_path,
-                                                 *args_for(data, *SHORT, *extra))
+def test_sigkill_then_resume_is_bit_identical_with_lora(data, lora, tmp_path, capsys):
+    """The full fine-tuning's resume: after SIGTERM, below."""
+    proc, crashed = lora
+    extra = lora_args(data)
     assert f"resumed from {crashed}/checkpoints/step_00000003" in proc.stdout
     assert (crashed / "confusion.png").exists()
     # checkpoints hold the adapters and the head only; the adapter loads with peft
@@ -169,22 +206,29 @@ def test_sigkill_then_resume_is_bit_identical_with_lora(data, tmp_path, capsys):
     assert "was saved fine-tuning another pretrained model" in line, line
 
 
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_fsdp2_shards_the_bert_layers_and_its_checkpoint_resumes_in_one_process(data, two, tmp_path, capsys, lora):
-    extra = ["--lora_r", 4] if lora else []
+def test_fsdp2_with_lora_shards_the_bert_layers_takes_ddps_steps_and_resumes_in_one_process(data, lora, tmp_path,
+                                                                                              capsys):
+    """LoRA's frozen body and its adapters in the same FSDP2 units, with dropout: the steps of the LoRA
+    run above (its merged weights). Full fine-tuning under FSDP2: tests/test_sft.py (a GPT-2). 1 process
+    draws other dropout masks than 2: its resume from the sharded checkpoint 6 is compared with its
+    resume from the LoRA run's unsharded checkpoint 6."""
     out = tmp_path / "fsdp"
-    proc = text_run("fsdp2_cpu_2proc", data, out, *SHORT, "--per_device_train_batch_size", 8, *extra)
+    proc = text_run("fsdp2_cpu_2proc", data, out, *SHORT, *lora_args(data))
     line = next(line for line in proc.stdout.splitlines() if line.startswith("fsdp2: "))
     assert "units: 2 BertLayer, 1 BertEmbeddings" in line, line
-    if not lora:
-        assert closest(weights(out), weights(two)) < 1e-5
+    assert closest(weights(out), weights(lora[1])) < 1e-5
     step = out / "checkpoints" / "step_00000006"
     assert json.load(open(step / "meta.json"))["checkpoint_format"] == "sharded"
-    one = resume_copy(out, 6, str(tmp_path / "one"))
-    proc = run_as_script(capsys, "text_classification", *args_for(data, *SHORT, *extra), "--per_device_train_batch_size",
-                         16, "--checkpoint_format", "sharded", "--output_dir", one, "--resume_from_checkpoint", "latest")
-    assert proc.returncode == 0 and "saved with 2 processes" in proc.stdout, output_of(proc)
-    assert closest(weights(one), weights(out)) < 1e-5
+    resumed = []
+    for run, checkpoint_format in ((out, "sharded"), (lora[1], "full")):
+        one = resume_copy(run, 6, str(tmp_path / f"one_{checkpoint_format}"))
+        proc = run_as_script(capsys, "text_classification", *args_for(data, *SHORT, *lora_args(data)),
+                             "--per_device_train_batch_size", 16, "--checkpoint_format", checkpoint_format,
+                             "--output_dir", one, "--resume_from_checkpoint", "latest")
+        assert proc.returncode == 0 and "saved with 2 processes" in proc.stdout, output_of(proc)
+        assert f"resumed from {one}/checkpoints/step_00000006" in proc.stdout, output_of(proc)
+        resumed.append(weights(one))
+    assert closest(*resumed) < 1e-5
 
 
 def test_sigterm_saves_at_one_step_on_every_rank_and_the_resume_is_bit_identical(data, two, tmp_path):
