@@ -18,8 +18,8 @@ from conftest import REPO, clean_env, cluster_exports, descendants
 from data.errors import UserError
 
 SECRET = "pw-never-shown"  # the database trusts the cluster's subnet, so any password connects
-# test_sweep.py's ARGS, checkpointing every 32 of the 384 steps: the kill finds a checkpoint early in the trial
-ARGS = {"num_train_epochs": 3, "num_train_samples": 2048, "per_device_train_batch_size": 16, "checkpointing_steps": 32}
+# test_sweep.py's ARGS: 384 steps, a checkpoint every epoch (128 steps)
+ARGS = {"num_train_epochs": 3, "num_train_samples": 2048, "per_device_train_batch_size": 16}
 
 
 def cluster_database():
@@ -87,17 +87,26 @@ def test_two_hosts_share_a_study_and_one_takes_over_the_trial_of_a_host_killed_m
                                                        "--storage", url, "--study_name", name),
                                                cwd=REPO, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
                                                start_new_session=True)
-        # trial 0 (the first claimed) has a checkpoint, and the other host has claimed trial 1
-        checkpoints, deadline = out / "trials" / "trial_0000" / "checkpoints", time.monotonic() + 300
-        while not ((out / "trials" / "trial_0001.yaml").exists() and checkpoints.is_dir()
-                   and any(p.name.startswith("step_") for p in checkpoints.iterdir())):
-            assert all(procs[n].poll() is None for n in ("node1", "node2")) and time.monotonic() < deadline, \
-                {n: logs[n].read_text() for n in logs}
-            time.sleep(0.1)
+        def wait_for(done, what):
+            deadline = time.monotonic() + 300
+            while not done():
+                assert all(procs[n].poll() is None for n in ("node1", "node2")) and time.monotonic() < deadline, \
+                    (what, {n: logs[n].read_text() for n in logs})
+                time.sleep(0.01)  # a trial trains on from its first checkpoint to its end in about 0.5 s
+
+        # trial 0 (the first claimed) is held (SIGSTOP) at its first checkpoint, so it is still mid-trial
+        # however long the other host takes to claim trial 1
+        wait_for((out / "trials" / "trial_0000.yaml").exists, "trial 0 claimed")
         worker = study.trials[0].user_attrs["worker"]  # workers/HOST-PID-RANDOM.lock
         killed = worker.split("/")[1].split("-")[0]
         survivor = "node2" if killed == "node1" else "node1"
         assert worker.split("-")[1] == str(procs[killed].pid), worker
+        checkpoints = out / "trials" / "trial_0000" / "checkpoints"
+        wait_for(lambda: checkpoints.is_dir() and any(p.name.startswith("step_") for p in checkpoints.iterdir()),
+                 "a checkpoint of trial 0")
+        for pid in descendants(procs[killed].pid):  # its launcher and rank
+            os.kill(pid, signal.SIGSTOP)
+        wait_for((out / "trials" / "trial_0001.yaml").exists, "trial 1 claimed by the other host")
         kill_tree(procs[killed].pid)
         procs[killed].wait()
         assert not (out / "trials" / "trial_0000" / "all_results.json").exists()  # killed mid-trial
