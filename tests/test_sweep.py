@@ -83,7 +83,7 @@ def hold_at_checkpoint(sweep, out, trial, after=0):
     held = descendants(sweep.pid)
     for pid in held:
         os.kill(pid, signal.SIGSTOP)
-    assert len(held) >= 2 and not (checkpoints.parent / "all_results.json").exists(), "the trial ended before it was held"
+    assert len(held) >= 2 and not (checkpoints.parent / "all_results.json").exists(), "the trial ended unheld"
     return held
 
 
