@@ -253,7 +253,7 @@ def bad(capsys, *args):
 def test_bad_input_is_one_line_and_writes_no_run(data, tmp_path, capsys):
     out = tmp_path / "out"
     common = ["--cache_dir", data["cache"], "--output_dir", out]
-    train, validation = data["train"], data["validation"]
+    train = data["train"]
     assert "is not a folder; this project never downloads" in bad(
         capsys, "--model_name_or_path", "bert-base-uncased", "--train_file", train, *common)
     empty = tmp_path / "empty_model"

@@ -1,9 +1,7 @@
 """What users see while training: header, metrics.jsonl, tensorboard events, curves.png, summary line;
 after a resume, one history in both logs."""
 import json
-import math
 import os
-import random
 import shutil
 
 import pytest
