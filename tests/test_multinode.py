@@ -1,19 +1,20 @@
 """Two nodes on one machine: two `accelerate launch` processes, machine ranks 0 and 1, 2 CPU processes
-each, rendezvous on 127.0.0.1. They must form one world of 4 and train exactly as a single-node
-4-process run does. Both rendezvous styles, from the repo's own 2-node templates. Nodes on hosts with
-their own addresses, under SLURM: tests/test_cluster.py."""
+each, rendezvous on 127.0.0.1. They must form one world of 4 and train as one node does: to the
+weights one process reaches with the same global batch, within float rounding (1e-6, the bound of
+tests/test_regression.py, whose controls miss it by more than 1e-3; 4 processes measured 1.2e-7 from
+1). Both rendezvous styles, from the repo's own 2-node templates. Nodes on hosts with their own
+addresses, under SLURM: tests/test_cluster.py."""
 import os
 import socket
 import sys
 
 import pytest
-import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, clean_env, launch, output_of, run_together
+from conftest import CONFIGS, clean_env, reset_accelerate_state, run_together
+from train import regression
 
-REGRESSION = ["--per_device_train_batch_size", 8, "--max_train_steps", 20, "--seed", 11]
 # the same 32 samples per step, as the nodes work it out: 32 / (4 processes x 1 accumulation step)
 GLOBAL = ["--global_batch_size", 32, "--max_train_steps", 20, "--seed", 11]
 
@@ -46,17 +47,21 @@ def weights(folder):
 
 
 @pytest.fixture(scope="module")
-def single_node(tmp_path_factory):
+def one_process(tmp_path_factory):
+    """The reference, in the test's process: one process, batch 32 (a 4-process launch cost 4 ranks'
+    start-up for weights equal to these to 1.2e-7)."""
     out = tmp_path_factory.mktemp("regression")
-    proc = launch("cpu_4proc", "regression", *REGRESSION, "--output_dir", out)
-    assert proc.returncode == 0, output_of(proc)
-    assert "world_size=4 " in proc.stdout
+    try:
+        regression.main(regression.parse_args(["--per_device_train_batch_size", "32", "--max_train_steps", "20",
+                                               "--seed", "11", "--output_dir", str(out)]))
+    finally:
+        reset_accelerate_state()
     return weights(out)
 
 
 # each rendezvous style once, with the cheapest script: what is tested is the world the nodes form
 @pytest.mark.parametrize("template", ["2node_8gpu_c10d", "2node_8gpu"], ids=["c10d", "static"])
-def test_two_loopback_nodes_equal_one_node(single_node, tmp_path, template):
+def test_two_loopback_nodes_equal_one_node(one_process, tmp_path, template):
     config = loopback_config(template, tmp_path)
     out = tmp_path / "out"
     codes, outputs = two_nodes(config, "regression", *GLOBAL, "--output_dir", out)
@@ -64,8 +69,9 @@ def test_two_loopback_nodes_equal_one_node(single_node, tmp_path, template):
     for rank in range(4):
         assert any(f"process {rank}/4 " in o for o in outputs)
     assert "world_size=4 " in outputs[0]
-    got, expected = weights(out), single_node
-    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    got = weights(out)
+    assert set(got) == set(one_process)
+    assert max((got[k] - one_process[k]).abs().max().item() for k in got) < 1e-6
 
 
 def test_global_batch_size_that_does_not_divide_is_one_line(capsys, tmp_path):
