@@ -4,6 +4,8 @@ reads a prepared DataLoader over a ShardedIterableDataset the way a user script 
 stop the run with the error instead of training on half the data.
 
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml tests/prepare_misuse_probe.py OUT.json
+
+The test runs it after tests/sharded_probe.py's cases, in the same launch (sharded_probe.py's second argument).
 """
 import json
 import os

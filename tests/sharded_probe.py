@@ -8,6 +8,9 @@ than all of them.
     accelerate launch --config_file accelerate_configs/cpu_2proc.yaml tests/sharded_probe.py CASES.json
 
 CASES.json: [{"folder": FOLDER, "workers": K, "stream": false, "out": REPORT.json}, ...]
+
+With a second argument, MISUSE.json, the same launch then runs tests/prepare_misuse_probe.py's cases,
+which end the run with their error (a launch of their own cost 2 more processes' start-up).
 """
 import gc
 import json
@@ -100,4 +103,8 @@ if __name__ == "__main__":
     for number, case in enumerate(cases):
         print(f"case {number}: {case}", flush=True)  # which case a hang or crash happened in
         last = main(case["folder"], case["out"], case["workers"], case["stream"])
+    if len(sys.argv) > 2:
+        import prepare_misuse_probe  # tests/, where this file is
+
+        prepare_misuse_probe.main(sys.argv[2])  # raises: the run fails with its error
     last.end_training()

@@ -41,8 +41,9 @@ CASES = [("parquet", 0), ("parquet", 2), ("datasets", 2), ("stream", 1)]
 
 
 @pytest.fixture(scope="module")
-def reports(uneven_shards, saved_dataset, tmp_path_factory):
-    """Every case in one launch of the probe (one after the other, each with its own Accelerator)."""
+def launched(uneven_shards, saved_dataset, tmp_path_factory):
+    """Every case in one launch of the probe (one after the other, each with its own Accelerator), then
+    tests/prepare_misuse_probe.py's, whose last step stops the run: the launch fails, with its error."""
     root = tmp_path_factory.mktemp("probe")
     cases = [{"folder": saved_dataset if data == "datasets" else uneven_shards, "workers": workers,
               "stream": data == "stream", "out": str(root / f"{data}-{workers}" / "report.json")}
@@ -51,11 +52,18 @@ def reports(uneven_shards, saved_dataset, tmp_path_factory):
         os.makedirs(os.path.dirname(case["out"]))
     (root / "cases.json").write_text(json.dumps(cases))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, "cpu_2proc.yaml"),
-           os.path.join("tests", "sharded_probe.py"), str(root / "cases.json")]
+           os.path.join("tests", "sharded_probe.py"), str(root / "cases.json"), str(root / "misuse.json")]
     # the timeout is the failure mode of a hang on uneven batch counts
     proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, output_of(proc)
-    return {(data, workers): case["out"] for (data, workers), case in zip(CASES, cases)}
+    return proc, {(data, workers): case["out"] for (data, workers), case in zip(CASES, cases)}, root / "misuse.json"
+
+
+@pytest.fixture(scope="module")
+def reports(launched):
+    proc, reports, misuse = launched
+    # every case ran to its end: the misuse cases, which run after them, wrote their report
+    assert os.path.exists(misuse), output_of(proc)
+    return reports
 
 
 @pytest.mark.parametrize("data,workers", CASES)
@@ -74,11 +82,8 @@ def test_two_ranks_cover_every_epoch_exactly_once(reports, data, workers):
     assert sorted(seen + report["resumed_rest"]) == list(range(N)) and not set(seen) & set(report["resumed_rest"])
 
 
-def test_preparing_already_sharded_data_is_refused_in_two_real_processes(tmp_path):
-    out = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, "cpu_2proc.yaml"),
-           os.path.join("tests", "prepare_misuse_probe.py"), str(out)]
-    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=240)
+def test_preparing_already_sharded_data_is_refused_in_two_real_processes(launched):
+    proc, _, out = launched
     report = json.load(open(out))
     assert report["world_size"] == 2
     for case in ("prepared_sharded", "prepared_distributed_sampler"):
