@@ -1,13 +1,13 @@
 """Experiments beyond one command line: --config files (a run's args.json reruns it bit for bit), the
-best evaluation's weights as the run's model, and early stopping at the same step on every rank,
-resumed knowing the best so far."""
+best evaluation's weights as the run's model, and early stopping resumed knowing the best so far
+(at the same step on every rank of 2 processes: test_first_hour.py)."""
 import json
 import os
 import shutil
 
 import pytest
 
-from conftest import launch, output_of
+from conftest import reset_accelerate_state
 from data.errors import UserError
 from train import lm, mnist, regression
 
@@ -94,61 +94,38 @@ def read(path):
         return f.read()
 
 
-def results_of(out):
-    with open(os.path.join(out, "all_results.json")) as f:
-        return json.load(f)
-
-
-EARLY = ["--max_train_steps", 60, "--eval_steps", 5, "--early_stopping_patience", 2, "--checkpointing_steps", 10,
-         "--learning_rate", 0.2, "--seed", 1]
+STEPS = ["--max_train_steps", 60, "--eval_steps", 4, "--early_stopping_patience", 3, "--checkpointing_steps", 4,
+         "--learning_rate", 0.3, "--per_device_train_batch_size", 8, "--seed", 5]
 
 
 @pytest.fixture(scope="module")
-def stopped_early(tmp_path_factory):
-    out = tmp_path_factory.mktemp("early") / "run"
-    proc = launch("cpu_2proc", "regression", "--output_dir", out, *EARLY)
-    assert proc.returncode == 0, output_of(proc)
-    return out, proc
+def whole_run(tmp_path_factory):
+    """A run that stops early, in this process (early stopping on every rank of a 2-process launch:
+    test_first_hour.py's run of the wizard's multi-GPU file)."""
+    whole = tmp_path_factory.mktemp("whole") / "run"
+    try:
+        results = regression.main(regression.parse_args(["--output_dir", str(whole), *map(str, STEPS)]))
+    finally:
+        reset_accelerate_state()
+    return whole, results
 
 
-def test_early_stopping_ends_every_rank_at_one_step_with_the_best_weights(stopped_early):
-    out, proc = stopped_early
-    results = results_of(out)
-    best, last = results["best_model"], results["step"]
-    assert results["stopped_early"] and last < 60
-    # patience 2: the two evaluations after the best, every 5 steps, then the run ended (on both ranks:
-    # a rank going on alone would hang the other's next collective, and the launch would time out)
-    assert last == best["step"] + 2 * 5, output_of(proc)
-    assert [h["step"] for h in results["history"]] == list(range(5, last + 1, 5))
-    assert f"early stopping: eval_mse has not improved (lower is better) for 2 evaluations; best " \
-           f"{best['value']:.4f} at step {best['step']}" in proc.stdout
-    assert results["eval_mse"] > best["value"] == min(h["eval_mse"] for h in results["history"])
-    # model.safetensors holds the best step's weights: the checkpoint at that step holds the same
-    saved = os.path.join(out, "checkpoints", f"step_{best['step']:08d}")
-    if os.path.isdir(saved):
-        assert read(os.path.join(out, "model.safetensors")) == read(os.path.join(saved, "model.safetensors"))
-    assert read(os.path.join(out, "model.safetensors")) == \
-        read(os.path.join(out, "checkpoints", f"step_{(last // 10) * 10:08d}", "best_model.safetensors"))
-    assert not os.path.exists(os.path.join(out, "best_model.safetensors"))
-
-
-def test_a_runs_args_json_reruns_it_bit_identically(stopped_early, tmp_path):
-    out, _ = stopped_early
-    proc = launch("cpu_2proc", "regression", "--config", out / "args.json", "--output_dir", tmp_path / "again")
-    assert proc.returncode == 0, output_of(proc)
-    assert read(out / "model.safetensors") == read(tmp_path / "again" / "model.safetensors")
-    first, again = results_of(out), results_of(tmp_path / "again")
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_runs_args_json_reruns_it_bit_identically(whole_run, tmp_path):
+    # in this process as the run was: what args.json must hold (every flag off its default here) is
+    # the same under any launch, and the launch passes --config through as it came
+    whole, first = whole_run
+    again = regression.main(regression.parse_args(["--config", str(whole / "args.json"), "--output_dir",
+                                                   str(tmp_path / "again")]))
+    assert read(whole / "model.safetensors") == read(tmp_path / "again" / "model.safetensors")
     assert (again["step"], again["best_model"]) == (first["step"], first["best_model"])
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
-def test_a_resumed_run_knows_the_best_so_far(tmp_path):
+def test_a_resumed_run_knows_the_best_so_far(whole_run, tmp_path):
     """A run killed after a checkpoint, with a later best already written by the killed run, resumes to
     the uninterrupted run's best step, weights and stopping step."""
-    steps = ["--max_train_steps", 60, "--eval_steps", 4, "--early_stopping_patience", 3, "--checkpointing_steps", 4,
-             "--learning_rate", 0.3, "--per_device_train_batch_size", 8, "--seed", 5]
-    whole = tmp_path / "whole"
-    results = regression.main(regression.parse_args(["--output_dir", str(whole), *map(str, steps)]))
+    whole, results = whole_run
     best = results["best_model"]["step"]
     assert 4 < best < results["step"] and results["stopped_early"]
     # the killed run: its checkpoint at step `best - 4` (best so far: earlier), and the best weights
@@ -162,7 +139,7 @@ def test_a_resumed_run_knows_the_best_so_far(tmp_path):
             shutil.rmtree(path)
     shutil.copyfile(whole / "model.safetensors", killed / "best_model.safetensors")
     resumed = regression.main(regression.parse_args(["--output_dir", str(killed), "--resume_from_checkpoint",
-                                                     "latest", *map(str, steps)]))
+                                                     "latest", *map(str, STEPS)]))
     assert resumed["resumed_from"].endswith(f"step_{best - 4:08d}")
     assert (resumed["best_model"], resumed["step"]) == (results["best_model"], results["step"])
     assert read(killed / "model.safetensors") == read(whole / "model.safetensors")
@@ -170,7 +147,7 @@ def test_a_resumed_run_knows_the_best_so_far(tmp_path):
     at_stop = regression.main(regression.parse_args(["--output_dir", str(tmp_path / "at_stop"),
                                                      "--resume_from_checkpoint",
                                                      str(whole / "checkpoints" / f"step_{results['step']:08d}"),
-                                                     *map(str, steps)]))
+                                                     *map(str, STEPS)]))
     assert (at_stop["step"], at_stop["best_model"], at_stop["stopped_early"]) == \
         (results["step"], results["best_model"], True)
     assert read(tmp_path / "at_stop" / "model.safetensors") == read(whole / "model.safetensors")

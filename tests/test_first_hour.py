@@ -1,6 +1,7 @@
 """What a new user meets in the first hour: the precision chosen for the CPU, a finished run never
-replaced unasked, wizard configs that do what they say, one error line under `accelerate launch`,
-Ctrl-C that says how to resume, and honest figures after a resume."""
+replaced unasked, wizard configs that do what they say (the 2-process one's run stops early at one
+step on every rank), one error line under `accelerate launch`, Ctrl-C that says how to resume, and
+honest figures after a resume."""
 import json
 import os
 import shutil
@@ -11,7 +12,8 @@ import time
 
 import pytest
 
-from conftest import CONFIGS, REPO, checksums, clean_env, launch, output_of, reset_accelerate_state, run_as_script
+from conftest import (CONFIGS, REPO, checksums, clean_env, launch, output_of, reset_accelerate_state, run_as_script,
+                      run_or_dump)
 from wizard import run_wizard
 from train import check_config, mnist, regression
 from train.core.accelerator import cpu_has_native_bf16
@@ -24,7 +26,7 @@ def launch_file(config_file, script_name, *args, launch_args=(), timeout=300):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch_args]
     cmd += ["--config_file", str(config_file)] if config_file else []
     cmd += [os.path.join("train", script_name + ".py"), *map(str, args)]
-    return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    return run_or_dump(cmd, timeout, env=clean_env())
 
 
 # ----------------------------------------------------------------------------- mixed precision auto
@@ -163,11 +165,50 @@ def test_a_launch_that_asked_for_two_processes_but_got_one_warns(wizard_files, t
         assert f"mixed_precision=bf16 (from the accelerate config {wizard_files['multi_cpu']})" in proc.stdout
 
 
-def test_the_wizard_multi_gpu_file_is_two_cpu_processes_without_warnings(wizard_files, tmp_path):
-    proc = launch_file(wizard_files["multi_gpu"], "regression", "--output_dir", tmp_path)
+EARLY = ["--max_train_steps", 60, "--eval_steps", 5, "--early_stopping_patience", 2, "--checkpointing_steps", 10,
+         "--learning_rate", 0.2, "--seed", 1]
+
+
+@pytest.fixture(scope="module")
+def stopped_early(wizard_files, tmp_path_factory):
+    """The wizard's multi-GPU file's run: 2 CPU processes, evaluating, checkpointing and stopping early
+    (the rest of early stopping, in one process: test_experiments.py)."""
+    out = tmp_path_factory.mktemp("early") / "run"
+    proc = launch_file(wizard_files["multi_gpu"], "regression", "--output_dir", out, *EARLY)
     assert proc.returncode == 0, output_of(proc)
+    return out, proc
+
+
+def test_the_wizard_multi_gpu_file_is_two_cpu_processes_without_warnings(stopped_early):
+    _, proc = stopped_early
     assert "world_size=2" in proc.stdout and "distributed_type=MULTI_CPU" in proc.stdout
     assert "warning" not in output_of(proc).lower() and "FutureWarning" not in output_of(proc)
+
+
+def read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def test_early_stopping_ends_every_rank_at_one_step_with_the_best_weights(stopped_early):
+    out, proc = stopped_early
+    results = json.loads((out / "all_results.json").read_text())
+    best, last = results["best_model"], results["step"]
+    assert results["stopped_early"] and last < 60
+    # patience 2: the two evaluations after the best, every 5 steps, then the run ended (on both ranks:
+    # a rank going on alone would hang the other's next collective, and the launch would time out)
+    assert last == best["step"] + 2 * 5, output_of(proc)
+    assert [h["step"] for h in results["history"]] == list(range(5, last + 1, 5))
+    assert f"early stopping: eval_mse has not improved (lower is better) for 2 evaluations; best " \
+           f"{best['value']:.4f} at step {best['step']}" in proc.stdout
+    assert results["eval_mse"] > best["value"] == min(h["eval_mse"] for h in results["history"])
+    # model.safetensors holds the best step's weights: the checkpoint at that step holds the same
+    saved = out / "checkpoints" / f"step_{best['step']:08d}"
+    if saved.is_dir():
+        assert read(out / "model.safetensors") == read(saved / "model.safetensors")
+    assert read(out / "model.safetensors") == \
+        read(out / "checkpoints" / f"step_{(last // 10) * 10:08d}" / "best_model.safetensors")
+    assert not (out / "best_model.safetensors").exists()
 
 
 # ----------------------------------------------------------------------------- errors under accelerate launch
