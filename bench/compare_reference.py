@@ -33,9 +33,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness import FASHION_DIR, REPO, child_env, turn_order
 
-# --tiny's training samples: 4 steps of the global batch of 100; bf16 is emulated on a CPU without native bf16
-# (~0.25 s a step), and the tiny run only checks that every path runs and the table and ratios come out
-TINY_TRAIN = 400
+# --tiny's samples: 2 steps of the global batch of 100, then 100 test samples per process; bf16 is emulated on a
+# CPU without native bf16 (~0.25 s a step), and the tiny run only checks that every path runs and the table and
+# ratios come out
+TINY_TRAIN, TINY_TEST = 200, 200
 STEMS = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
@@ -54,8 +55,8 @@ def torchvision_layout(root, tiny):
         from data.mnist import load_mnist
 
         train, test, _ = load_mnist("fashion_mnist")
-        for stem, t in zip(STEMS, (train.images[:TINY_TRAIN], train.labels[:TINY_TRAIN].byte(), test.images[:500],
-                                   test.labels[:500].byte())):
+        for stem, t in zip(STEMS, (train.images[:TINY_TRAIN], train.labels[:TINY_TRAIN].byte(),
+                                   test.images[:TINY_TEST], test.labels[:TINY_TEST].byte())):
             write_idx(os.path.join(raw, stem), t)
     else:
         for stem in STEMS:
@@ -143,7 +144,7 @@ def main(argv=None):
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tiny", action="store_true",
-                        help=f"{TINY_TRAIN} training samples, 1 repeat: checks the bench runs")
+                        help=f"{TINY_TRAIN} training and {TINY_TEST} test samples, 1 repeat: checks the bench runs")
     parser.add_argument("--paths", default=",".join(PATHS),
                         help=f"Comma-separated subset of {','.join(PATHS)} (e.g. ours_bf16,raw_bf16 for the "
                              "framework-overhead ratio alone, with more repeats in the same time).")
@@ -171,7 +172,7 @@ def main(argv=None):
         floors = {"fp32": compute_floor(data_root, False), "bf16": compute_floor(data_root, True)}
     median = {name: statistics.median(r["epoch_seconds"] for r in rs) for name, rs in runs.items()}
     print(f"\n{args.repeats} alternating repeats of {args.epochs} epoch(s), 2 CPU processes, global batch 100"
-          f"{f' (tiny: {TINY_TRAIN} samples)' if args.tiny else ''}")
+          f"{f' (tiny: {TINY_TRAIN} training, {TINY_TEST} test samples)' if args.tiny else ''}")
     print("| path | train s/epoch (median) | test accuracy | eval samples | wall s (median) | vs reference |")
     print("|---|---|---|---|---|---|")
 

@@ -1,45 +1,73 @@
 """The benchmarks run (tiny mode): behaviour only, no timing assertions."""
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
+
+import pytest
 
 from conftest import REPO, clean_env
 
 
-def test_compare_reference_tiny_mode_prints_the_table(fashion_dir):
-    # three of the four paths: ours_fp32 is ours_bf16's launch with another --mixed_precision
-    proc = subprocess.run([sys.executable, "bench/compare_reference.py", "--tiny", "--paths",
-                           "reference,ours_bf16,raw_bf16"], cwd=REPO, env=clean_env(),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+@contextlib.contextmanager
+def time_limit(seconds):
+    """For a bench's main() run in this process: past `seconds` (a hang) the test fails, as a timeout
+    on its subprocess made it fail; subprocess.run kills the run the bench was waiting on."""
+    def hung(*_):
+        raise TimeoutError(f"the bench still ran after {seconds} s (a hang?)")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_compare_reference_tiny_mode_prints_the_table(fashion_dir, capsys):
+    # main() in this process, which only starts the runs (launched as users launch them) and times the
+    # floors; three of the four paths: ours_fp32 is ours_bf16's launch with another --mixed_precision
+    from bench import compare_reference
+
+    with time_limit(600):
+        compare_reference.main(["--tiny", "--paths", "reference,ours_bf16,raw_bf16"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
     paths = [r for r in rows if "recipe" in r or "train/mnist.py" in r or "raw DDP" in r]
     assert len(paths) == 3, rows  # reference, ours bf16, raw DDP
     assert sum("compute-only floor" in r for r in rows) == 2  # fp32 and bf16
-    assert all("| 500 |" in r for r in paths)  # every path evaluated the 500 test samples
+    assert all("| 200 |" in r for r in paths)  # every path evaluated the tiny copy's 200 test samples
     for ratio in ("ours_bf16/reference epoch time", "ours_bf16 throughput / raw DDP throughput"):
-        assert re.search(rf"RATIO {re.escape(ratio)} = \d+\.\d+", proc.stdout), ratio
-    assert "ours_fp32/reference" not in proc.stdout
-    assert re.search(r"per repeat: median \d+\.\d+, range \d+\.\d+-\d+\.\d+", proc.stdout)
+        assert re.search(rf"RATIO {re.escape(ratio)} = \d+\.\d+", out), ratio
+    assert "ours_fp32/reference" not in out
+    assert re.search(r"per repeat: median \d+\.\d+, range \d+\.\d+-\d+\.\d+", out)
 
 
-def test_compare_reference_refuses_an_unknown_path():
-    proc = subprocess.run([sys.executable, "bench/compare_reference.py", "--tiny", "--paths", "ours_bf16,raw"],
-                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
-    assert "--paths takes names from reference,ours_fp32,ours_bf16,raw_bf16, got 'ours_bf16,raw'" in proc.stderr
+def test_compare_reference_refuses_an_unknown_path(capsys):
+    from bench import compare_reference
+
+    with pytest.raises(SystemExit) as exit:
+        compare_reference.main(["--tiny", "--paths", "ours_bf16,raw"])
+    assert exit.value.code == 2
+    assert "--paths takes names from reference,ours_fp32,ours_bf16,raw_bf16, got 'ours_bf16,raw'" in \
+        capsys.readouterr().err
 
 
-def test_time_to_accuracy_tiny_mode_reports_runs_and_target(fashion_dir):
-    proc = subprocess.run([sys.executable, "bench/time_to_accuracy.py", "--tiny", "--seeds", "3"], cwd=REPO,
-                          env=clean_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1 |")]
+def test_time_to_accuracy_tiny_mode_reports_runs_and_target(fashion_dir, capsys):
+    # main() in this process: it only runs `make train-only` and prints what it left
+    from bench import time_to_accuracy
+
+    with time_limit(600):
+        time_to_accuracy.main(["--tiny", "--seeds", "3"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 1 |")]
     assert len(rows) == 1 and rows[0].startswith("| 1 | 3 |") and rows[0].endswith("| 500 |"), rows
     assert "run: `make train-only EPOCHS=1 'EXTRA=--max_train_samples 1280 --max_eval_samples 500 --seed 3'`" \
-        in proc.stdout  # the command the table ran
-    assert re.search(r"TARGET >= 91\.00% within 60 s: met by [01] of 1 runs", proc.stdout)
+        in out  # the command the table ran
+    assert re.search(r"TARGET >= 91\.00% within 60 s: met by [01] of 1 runs", out)
 
 
 def test_time_to_accuracy_pairs_each_seed_with_its_baseline_in_alternating_order(monkeypatch, capsys):
