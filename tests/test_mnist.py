@@ -1,28 +1,40 @@
-"""train/mnist.py on real Fashion-MNIST: 2 real processes through accelerate launch, and in-process."""
+"""train/mnist.py on real Fashion-MNIST: 2 real processes through accelerate launch (map-style and
+--streaming, both in bf16 asked of the launcher, with the recipe's flags), and in-process."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, REPO, clean_env, launch, output_of, run_as_script
+from conftest import CONFIGS, clean_env, output_of, run_as_script, run_or_dump
 from data.errors import UserError
 from train import mnist
 
 EVAL_SAMPLES = 1001  # odd: with 2 processes and eval batch 500 the last batch is padded, padding must not count
 
 
-SMALL_RUN = ["--dataset", "fashion_mnist", "--max_train_samples", 3000, "--max_eval_samples", EVAL_SAMPLES,
-             "--num_train_epochs", 1, "--per_device_train_batch_size", 32]
+# the recipe's augmentation, smoothing and warmup, and bf16 asked of the launcher (not the script), in
+# both launched runs; 20 steps, as bf16 is emulated on this CPU (ONEDNN_MAX_CPU_ISA=AVX2): 1280 samples
+# cost 18 CPU-s a launch, 3000 cost 23
+SMALL_RUN = ["--dataset", "fashion_mnist", "--max_train_samples", 1280, "--max_eval_samples", EVAL_SAMPLES,
+             "--num_train_epochs", 1, "--per_device_train_batch_size", 32, "--augment", "--label_smoothing", 0.1,
+             "--num_warmup_steps", 5]
+STEPS = 1280 // 64  # drop_last: whole global batches of 2 x 32
+
+
+def launch_bf16(*args):
+    """conftest's launch, with the launcher's --mixed_precision."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"{CONFIGS}/cpu_2proc.yaml",
+           "--mixed_precision", "bf16", "train/mnist.py", *map(str, SMALL_RUN), *map(str, args)]
+    return run_or_dump(cmd, 300, env=clean_env())
 
 
 @pytest.fixture(scope="module")
 def map_style_run(fashion_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("map")
-    return launch("cpu_2proc", "mnist", *SMALL_RUN, "--output_dir", out), out
+    return launch_bf16("--output_dir", out), out
 
 
 def test_two_processes_train_and_count_eval_exactly(fashion_dir, map_style_run):
@@ -31,31 +43,32 @@ def test_two_processes_train_and_count_eval_exactly(fashion_dir, map_style_run):
     assert proc.returncode == 0, out
     assert "process 0/2 " in proc.stdout and "process 1/2 " in proc.stdout, out
     assert "world_size=2 " in proc.stdout and "distributed_type=MULTI_CPU" in proc.stdout, out
+    assert "mixed_precision=bf16 (from accelerate launch --mixed_precision)" in proc.stdout, out
     assert f"source={fashion_dir}" in proc.stdout  # it says which data it used
 
     results = json.load(open(tmp_path / "all_results.json"))
     assert results["world_size"] == 2
     assert results["eval_samples"] == EVAL_SAMPLES
-    assert results["eval_accuracy"] > 0.6  # chance is 0.1
-    assert results["step"] == 3000 // 64  # drop_last: whole global batches of 2 x 32
+    # chance is 0.1; 20 steps of augmented bf16 training measured 0.65 (46 fp32 steps, 0.77, were held to 0.6)
+    assert results["eval_accuracy"] > 0.5
+    assert results["step"] == STEPS
     weights = load_file(str(tmp_path / "model.safetensors"))
     assert weights["classifier.weight"].shape == (10, 7 * 7 * 32)
     assert json.load(open(tmp_path / "args.json"))["max_eval_samples"] == EVAL_SAMPLES
 
 
 def test_streaming_path_under_two_processes_matches_map_style(map_style_run, tmp_path):
-    proc = launch("cpu_2proc", "mnist", *SMALL_RUN, "--streaming", "--parquet_dir", tmp_path / "parquet",
-                  "--output_dir", tmp_path / "out")
+    proc = launch_bf16("--streaming", "--parquet_dir", tmp_path / "parquet", "--output_dir", tmp_path / "out")
     assert proc.returncode == 0, output_of(proc)
-    assert "world_size=2 " in proc.stdout and "sharded iterable" in proc.stdout
+    assert "world_size=2 " in proc.stdout and "sharded iterable" in proc.stdout and "mixed_precision=bf16" in proc.stdout
     # the prepare step wrote 8 train + 8 test shards + manifest, and left its (released) lock file
     assert sorted(set(os.listdir(tmp_path / "parquet")) - {".lock"}) == sorted(
         [f"{split}-{i:05d}-of-00008.parquet" for split in ("test", "train") for i in range(8)] + ["manifest.json"])
     streaming = json.load(open(tmp_path / "out" / "all_results.json"))
     map_style = json.load(open(map_style_run[1] / "all_results.json"))
     assert streaming["eval_samples"] == EVAL_SAMPLES  # padding excluded through the valid mask
-    assert streaming["step"] == map_style["step"] == 3000 // 64
-    assert streaming["eval_accuracy"] > 0.6
+    assert streaming["step"] == map_style["step"] == STEPS
+    assert streaming["eval_accuracy"] > 0.5
     assert abs(streaming["eval_accuracy"] - map_style["eval_accuracy"]) < 0.05
 
 
@@ -154,19 +167,6 @@ def test_loaded_tensors_are_uint8_in_memory(fashion_dir):
     x = normalize_images(train.images[:2000], train.mean, train.std)
     assert x.shape == (2000, 1, 28, 28)
     assert abs(x.mean().item()) < 0.05 and abs(x.std().item() - 1) < 0.05  # the stored mean/std fit the data
-
-
-def test_bf16_and_the_recipe_flags_on_cpu_through_accelerate_launch(fashion_dir, tmp_path):
-    """bf16 asked of the launcher (not the script), with the recipe's augmentation, smoothing and warmup."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"{CONFIGS}/cpu_2proc.yaml",
-           "--mixed_precision", "bf16", "train/mnist.py", "--max_train_samples", "1280", "--max_eval_samples", "257",
-           "--num_train_epochs", "1", "--per_device_train_batch_size", "32", "--augment", "--label_smoothing", "0.1",
-           "--num_warmup_steps", "5", "--output_dir", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, output_of(proc)
-    assert "world_size=2 " in proc.stdout and "mixed_precision=bf16" in proc.stdout
-    results = json.load(open(tmp_path / "all_results.json"))
-    assert results["eval_samples"] == 257 and results["step"] == 20 and results["eval_accuracy"] > 0.4
 
 
 def test_an_fsdp1_config_on_cpu_processes_is_one_line(tmp_path, capsys, monkeypatch):
