@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness import FASHION_DIR, add_worker_flags, flag, print_result, ratio_line, run_workers, time_turns
 
 STEPS_PER_TURN = 20
+TINY_STEPS_PER_TURN = 2  # --tiny: a step already moves the weights of the model without the all-reduce apart
 
 
 def worker(args):
@@ -44,6 +45,7 @@ def worker(args):
     if args.tiny:
         train_set = train_set.subset(2000)
     batch = script_args.per_device_train_batch_size
+    steps_per_turn = TINY_STEPS_PER_TURN if args.tiny else STEPS_PER_TURN
 
     def to_inputs(images):
         return normalize_images(images, train_set.mean, train_set.std).contiguous(memory_format=torch.channels_last)
@@ -63,7 +65,7 @@ def worker(args):
         batches = Batches(loader, loader.set_epoch)
 
         def turn():
-            for _ in range(STEPS_PER_TURN):
+            for _ in range(steps_per_turn):
                 data = batches.next()
                 loss = F.cross_entropy(model(to_inputs(data["image"])), data["label"],
                                        label_smoothing=script_args.label_smoothing)
@@ -78,7 +80,7 @@ def worker(args):
     for turn in (with_all_reduce, without):  # warm-up: first steps allocate and pick kernels
         turn()
     ms = time_turns({"with all-reduce": with_all_reduce, "without": without}, turns,
-                    accelerator.wait_for_everyone, steps_per_turn=STEPS_PER_TURN)
+                    accelerator.wait_for_everyone, steps_per_turn=steps_per_turn)
 
     def latency_ms(tensor, repeats):
         for _ in range(5):
@@ -113,7 +115,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data_dir", default=FASHION_DIR)
     parser.add_argument("--turns", type=int, default=24, help="Turns of 20 steps for each of the two.")
-    parser.add_argument("--tiny", action="store_true", help="2000 samples, 2 turns: checks the bench runs")
+    parser.add_argument("--tiny", action="store_true", help=f"2000 samples, 2 turns of {TINY_STEPS_PER_TURN} steps: "
+                        "checks the bench runs")
     parser.add_argument("--mixed_precision", choices=["auto", "no", "bf16"], default="auto")
     add_worker_flags(parser)
     args = parser.parse_args(argv)
@@ -123,7 +126,8 @@ def main(argv=None):
                                     "--turns", str(args.turns), *flag("tiny", args.tiny)])
     ms = result["ms"]
     print(f"{result['processes']} processes ({result['backend']}), {result['batch']} samples per process, "
-          f"mixed_precision={result['precision']}, {len(ms['without'])} turns of {STEPS_PER_TURN} steps each")
+          f"mixed_precision={result['precision']}, {len(ms['without'])} turns of "
+          f"{TINY_STEPS_PER_TURN if args.tiny else STEPS_PER_TURN} steps each")
     print("\n| step | ms per step (median of turns) | turns |\n|---|---|---|")
     for name, values in ms.items():
         print(f"| {name} | {statistics.median(values):.2f} | {', '.join(f'{v:.1f}' for v in values)} |")

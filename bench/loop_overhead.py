@@ -142,11 +142,11 @@ def main(argv=None):
     parser.add_argument("--block", type=int, default=1, help="Steps per turn.")
     parser.add_argument("--data_dir", default=FASHION_DIR)
     parser.add_argument("--mixed_precision", choices=["auto", "no", "bf16"], default="auto")
-    parser.add_argument("--tiny", action="store_true", help="1000 samples, 30 turns: checks the bench runs")
+    parser.add_argument("--tiny", action="store_true", help="1000 samples, 19 turns: checks the bench runs")
     add_worker_flags(parser)
     args = parser.parse_args(argv)
     if args.tiny:
-        args.blocks, args.block = 30, 1  # 30 steps: epochs roll over, the loss is logged at step 20
+        args.blocks, args.block = 19, 1  # with the warm-up 20 steps: epochs roll over, the loss is logged at step 20
     if args.worker:
         return worker(args)
     result = run_workers(__file__, ["--data_dir", args.data_dir, "--blocks", str(args.blocks),
