@@ -52,11 +52,6 @@ def wait_for(condition, proc, seconds=240):
     assert condition(), "the run ended or timed out before the moment this test needs"
 
 
-def launch_cmd(config, script, *args):
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            os.path.join(CONFIGS, config + ".yaml"), os.path.join("train", script + ".py"), *args]
-
-
 @pytest.fixture
 def mount(tmp_path):
     """mount(options) -> a fresh tmpfs folder mounted with those options (root and mount(8) needed:
@@ -79,13 +74,16 @@ def mount(tmp_path):
 
 # ----------------------------------------------------------------------------- the launcher dies
 
-@pytest.mark.parametrize("config, processes", [("cpu_2proc", 2), ("cpu", 1)])
-def test_workers_die_with_their_launcher(tmp_path, config, processes):
+@pytest.mark.parametrize("launcher, processes", [(["--config_file", os.path.join(CONFIGS, "cpu_2proc.yaml")], 2),
+                                                 (["--cpu", "--num_processes", 2], 1)], ids=["cpu_2proc", "cpu_flag"])
+def test_workers_die_with_their_launcher(tmp_path, launcher, processes):
     """kill -9 (or the OOM killer) on `accelerate launch` mid-training: no worker goes on writing
-    (torch elastic's workers for 2 processes, accelerate's own one-process launcher for cpu.yaml)."""
+    (torch elastic's workers for 2 processes, accelerate's own one-process launcher, as for cpu.yaml,
+    for `--cpu --num_processes 2`: asked for two, it starts one, and the run's warning that says so is
+    checked here too; a MULTI_CPU config file's: test_first_hour.py)."""
     out = tmp_path / "run"
-    proc = start(launch_cmd(config, "mnist", *LONG_MNIST, "--checkpointing_steps", 10, "--output_dir", out),
-                 tmp_path / "log")
+    proc = start([sys.executable, "-m", "accelerate.commands.launch", *launcher, os.path.join("train", "mnist.py"),
+                  *LONG_MNIST, "--checkpointing_steps", 10, "--output_dir", out], tmp_path / "log")
     pids = []
     try:
         wait_for(lambda: (out / "checkpoints" / "step_00000010").is_dir(), proc)  # training, and writing
@@ -98,8 +96,11 @@ def test_workers_die_with_their_launcher(tmp_path, config, processes):
             time.sleep(0.1)
         assert not any(alive(pid) for pid in pids), (tmp_path / "log").read_text()[-3000:]
         if processes == 1:  # accelerate's one-process launcher: its child got SIGTERM, so it saved first
-            stopped = re.findall(r"^stopped on SIGTERM at step (\d+) ", (tmp_path / "log").read_text(), re.M)
+            log = (tmp_path / "log").read_text()
+            stopped = re.findall(r"^stopped on SIGTERM at step (\d+) ", log, re.M)
             assert len(stopped) == 1 and (out / "checkpoints" / f"step_{int(stopped[0]):08d}").is_dir()
+            assert "world_size=1" in log
+            assert log.count("warning: the launch asked for several processes but this is ONE") == 1
     finally:
         for pid in pids:
             if alive(pid):
