@@ -79,7 +79,7 @@ def hold_at_checkpoint(sweep, out, trial, after=0):
     while not (checkpoints.is_dir() and any(p.name.startswith("step_") and int(p.name[5:]) > after
                                             for p in checkpoints.iterdir())):
         assert sweep.poll() is None and time.monotonic() < deadline, finish(sweep)[1]
-        time.sleep(0.01)  # it trains on from there to its end in about 0.5 s
+        time.sleep(0.01)
     held = descendants(sweep.pid)
     for pid in held:
         os.kill(pid, signal.SIGSTOP)
@@ -132,8 +132,10 @@ def test_a_sweep_sigkilled_then_stopped_with_ctrl_c_goes_on_with_every_trial_run
     # is the one the second sweep must still run, before the queued resume: at its first evaluation it is
     # far worse than trial 0 (eval_mse 15.9 against 3.7), so the median pruner stops it
     enqueue(out, [{"learning_rate": lr} for lr in (0.003, 0.03, 0.0002)])
+    # 6 epochs of 128 steps, a checkpoint at each: from either hold's checkpoint (128, 256) at least 512 steps
+    # are left, which the test's 10 ms poll beats with a wide margin on any machine
     path = sweep_file(tmp_path, 3, {"learning_rate": {"low": 0.0001, "high": 0.3, "log": True}},
-                      pruner={"name": "median", "n_startup_trials": 1})
+                      pruner={"name": "median", "n_startup_trials": 1}, args={**ARGS, "num_train_epochs": 6})
 
     first = start(path, out, start_new_session=True)
     held = hold_at_checkpoint(first, out, 1)
