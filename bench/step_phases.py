@@ -28,12 +28,13 @@ import os
 import sys
 import time
 
+import torch.nn.functional as F
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness import FASHION_DIR, MNIST_BATCH, add_worker_flags, flag, print_result, run_workers, turn_order
 
 PHASES = ["data", "forward", "backward", "step", "zero_grad", "after_batch"]
 clock = time.perf_counter
-F = None  # torch.nn.functional, imported by the worker: the process that prints the table needs no torch
 
 
 def add(spent, t):
@@ -81,8 +82,6 @@ def our_step(accelerator, model, optimizer, loop, to_inputs, batches, spent):
 
 
 def worker(args):
-    global F
-    import torch.nn.functional as F
     from accelerate.utils import gather_object
 
     from bench.mnist_loops import MnistBench

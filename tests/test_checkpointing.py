@@ -47,12 +47,29 @@ def same_state(a, b):
     return a == b
 
 
+def sharded_contents(checkpoint):
+    """The model and optimizer a sharded checkpoint's state/ holds, read whole in this process."""
+    import io
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    buffer = io.BytesIO()
+    dcp_to_torch_save(os.path.join(checkpoint, "state"), buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
 def same_checkpoint(a, b):
     """Two checkpoints of one step hold the same run: weights, optimizer, schedule, every rank's RNG
-    streams and buffers, and the data position."""
+    streams and buffers, and the data position; a sharded checkpoint's model and optimizer are read
+    back from its DCP files."""
     names = sorted(f for f in os.listdir(a) if f.endswith(".pt"))
     assert "rank_state_1.pt" in names and names == sorted(f for f in os.listdir(b) if f.endswith(".pt")), names
-    assert identical(weights(a), weights(b))
+    if os.path.isdir(os.path.join(a, "state")):
+        contents = [sharded_contents(f) for f in (a, b)]
+        assert contents[0]["optimizer"]["state"] and same_state(*contents)
+    else:
+        assert identical(weights(a), weights(b))
     for name in names:
         states = [torch.load(os.path.join(f, name), weights_only=True) for f in (a, b)]
         assert same_state(*states), name
