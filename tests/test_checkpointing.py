@@ -28,6 +28,12 @@ def identical(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def largest_difference(a, b):
+    """The largest absolute difference between two state dicts of the same tensors."""
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
 def resume_copy(full_dir, step, new_dir):
     """A run folder as a crash after checkpoint `step` would have left it."""
     os.makedirs(os.path.join(new_dir, "checkpoints"))

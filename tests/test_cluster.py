@@ -11,9 +11,9 @@ import subprocess
 import time
 
 import pytest
-from safetensors.torch import load_file
 
 from conftest import CONFIGS, REPO, clean_env, cluster_exports
+from test_checkpointing import largest_difference, weights
 
 EXPORTS = cluster_exports()  # skips the module without the cluster (fails under REQUIRE_CLUSTER=1)
 
@@ -55,15 +55,6 @@ def wait_for(condition, timeout, what):
 
 def finished(job_id):
     return job(job_id).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
-
-
-def weights(out):
-    return load_file(os.path.join(out, "model.safetensors"))
-
-
-def max_difference(a, b):
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def slurm_processes(node, job_id=None):
@@ -153,7 +144,7 @@ def test_time_limit_saves_requeues_and_resumes_bit_for_bit(uninterrupted, tmp_pa
     assert f"requeueing job {job_id}" in log and f"resumed from {out}/checkpoints/step_{step:08d}" in log
     assert 50 <= step < 320 and "DataLoader worker" not in log
     print(f"\ntime limit: signal {signalled:.0f} s after the update, save at step {step}, requeue {requeued:.0f} s after")
-    assert max_difference(weights(out), weights(reference(uninterrupted))) == 0.0
+    assert largest_difference(weights(out), weights(reference(uninterrupted))) == 0.0
 
 
 def test_a_lost_node_ends_the_survivors_and_the_job_goes_on_with_the_node_left(uninterrupted, tmp_path):
@@ -208,7 +199,7 @@ def test_a_lost_node_ends_the_survivors_and_the_job_goes_on_with_the_node_left(u
         assert job(resumed_id)["NodeList"] == "node1"
         print(f"\nlost node: survivors ended {survivors_ended:.1f} s after the kill, the job {ended:.0f} s after")
         for out in (static, elastic):
-            difference = max_difference(weights(out), reference_weights)
+            difference = largest_difference(weights(out), reference_weights)
             print(f"{out.name}: 4 -> 2 processes, largest weight difference from the uninterrupted run {difference:.1e}")
             assert difference < 1e-5
     finally:

@@ -88,6 +88,7 @@ def test_two_hosts_share_a_study_and_one_takes_over_the_trial_of_a_host_killed_m
                                                        "--storage", url, "--study_name", name),
                                                cwd=REPO, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
                                                start_new_session=True)
+
         def wait_for(done, what):
             deadline = time.monotonic() + 300
             while not done():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import launch, output_of, reset_accelerate_state, run_as_script
-from test_checkpointing import crash_during_save_and_resume, identical, resume_copy, weights
+from test_checkpointing import crash_during_save_and_resume, identical, largest_difference, resume_copy, weights
 from test_lm import TINY, text  # noqa: F401 (the module's text fixture)
 
 # accumulation and clipping (lm.py clips at 1.0 by default) on the GPT, whose output layer is tied
@@ -21,11 +21,6 @@ def lm(config, shards, out, *extra):
     proc = launch(config, "lm", "--dataset_dir", shards, *ARGS, "--output_dir", out, *extra)
     assert proc.returncode == 0, output_of(proc)
     return proc
-
-
-def closest(a, b):
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 def one_process(shards, out):
@@ -67,7 +62,7 @@ def test_fsdp2_shards_the_model_and_takes_the_unsharded_steps(runs):
     assert "warning: the config asks for FSDP" not in out
     # the same global batch, accumulation and clipping: equal to float rounding (reduce-scatter
     # sums the two processes' gradients, one process sums its batch in another order)
-    assert closest(weights(runs["fsdp"]), weights(runs["unsharded"])) < 1e-5
+    assert largest_difference(weights(runs["fsdp"]), weights(runs["unsharded"])) < 1e-5
     f, d = (json.load(open(runs[k] / "all_results.json")) for k in ("fsdp", "unsharded"))
     assert f["eval_loss"] == pytest.approx(d["eval_loss"], rel=1e-5) and f["eval_tokens"] == d["eval_tokens"]
     final = weights(runs["fsdp"])  # the final weights are one whole file (a GPT-2 folder's: the tied layer once)
@@ -104,7 +99,7 @@ def test_a_sharded_checkpoint_resumes_at_other_process_counts_and_under_ddp(runs
         return folder
 
     one = one_process_resume("one", "--checkpoint_format", "sharded", "--checkpoint_async")
-    assert closest(weights(one), weights(runs["fsdp"])) < 1e-5
+    assert largest_difference(weights(one), weights(runs["fsdp"])) < 1e-5
     # saving in the foreground gives the same weights to the bit: training went on while a thread
     # wrote, from a copy of the state, and changed nothing
     assert identical(weights(one_process_resume("foreground")), weights(one))
@@ -112,19 +107,19 @@ def test_a_sharded_checkpoint_resumes_at_other_process_counts_and_under_ddp(runs
     two = resume_copy(one, 8, str(tmp_path / "two"))
     proc = lm("fsdp2_cpu_2proc", runs["shards"], two, "--resume_from_checkpoint", "latest")
     assert "saved with 1 process)" in proc.stdout and "world_size=2 " in proc.stdout
-    assert closest(weights(two), weights(runs["fsdp"])) < 1e-5
+    assert largest_difference(weights(two), weights(runs["fsdp"])) < 1e-5
     # FSDP2's shards read by DDP, which writes full checkpoints after them; a full checkpoint (of
     # 1 process) read by FSDP2
     ddp = resume_copy(runs["fsdp"], 4, str(tmp_path / "ddp"))
     proc = lm("cpu_2proc", runs["shards"], ddp, "--resume_from_checkpoint", "latest")
     assert "distributed_type=MULTI_CPU" in proc.stdout and "world_size=2 " in proc.stdout
-    assert closest(weights(ddp), weights(runs["unsharded"])) < 1e-5
+    assert largest_difference(weights(ddp), weights(runs["unsharded"])) < 1e-5
     step = os.path.join(ddp, "checkpoints", "step_00000008")
     assert json.load(open(os.path.join(step, "meta.json")))["checkpoint_format"] == "full"
     assert os.path.exists(os.path.join(step, "model.safetensors"))
     fsdp = resume_copy(runs["unsharded"], 4, str(tmp_path / "fsdp"))
     lm("fsdp2_cpu_2proc", runs["shards"], fsdp, "--resume_from_checkpoint", "latest")
-    assert closest(weights(fsdp), weights(runs["fsdp"])) < 1e-5
+    assert largest_difference(weights(fsdp), weights(runs["fsdp"])) < 1e-5
 
 
 def test_gradient_checkpointing_and_bf16_under_fsdp2(runs, tmp_path):
@@ -134,7 +129,7 @@ def test_gradient_checkpointing_and_bf16_under_fsdp2(runs, tmp_path):
     assert "mixed_precision=bf16" in proc.stdout
     final = weights(tmp_path / "bf16")
     assert all(t.dtype == torch.float32 for t in final.values())
-    assert 0.0 < closest(final, weights(runs["fsdp"])) < 0.1  # bf16 rounding, yet the same training
+    assert 0.0 < largest_difference(final, weights(runs["fsdp"])) < 0.1  # bf16 rounding, yet the same training
     assert json.load(open(tmp_path / "bf16" / "all_results.json"))["eval_loss"] == pytest.approx(
         json.load(open(runs["fsdp"] / "all_results.json"))["eval_loss"], rel=0.02)
 
@@ -147,7 +142,7 @@ def test_the_other_scripts_take_under_fsdp2_the_steps_they_take_unsharded(fashio
     ddp = launch("cpu_2proc", "mnist", *args, "--no_channels_last", "--output_dir", tmp_path / "ddp")
     assert fsdp.returncode == 0 and ddp.returncode == 0, output_of(fsdp) + output_of(ddp)
     assert "distributed_type=FSDP2 on CPU" in fsdp.stdout and "fsdp2: fully_shard over 2 CPU processes" in fsdp.stdout
-    assert closest(weights(tmp_path / "fsdp"), weights(tmp_path / "ddp")) == 0.0
+    assert largest_difference(weights(tmp_path / "fsdp"), weights(tmp_path / "ddp")) == 0.0
     # regression: one linear layer, whose [1, 20] weight gives rank 1 an empty shard; the steps of one
     # process with the same global batch, to float rounding
     args = ["--max_train_steps", 30, "--per_device_train_batch_size", 16]
@@ -155,7 +150,7 @@ def test_the_other_scripts_take_under_fsdp2_the_steps_they_take_unsharded(fashio
     assert fsdp.returncode == 0 and "holds 100.0% of the parameters" in fsdp.stdout, output_of(fsdp)
     one = run_as_script(capsys, "regression", *args[:-1], 32, "--output_dir", tmp_path / "one")
     assert one.returncode == 0, output_of(one)
-    assert closest(weights(tmp_path / "fsdp_regression"), weights(tmp_path / "one")) < 1e-6
+    assert largest_difference(weights(tmp_path / "fsdp_regression"), weights(tmp_path / "one")) < 1e-6
 
 
 class _WritesAFile:

@@ -3,20 +3,12 @@ that 1 process computes, so the weights agree to float rounding. The controls sh
 would catch a gradient that is not averaged across processes."""
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from conftest import launch, output_of, reset_accelerate_state
+from test_checkpointing import largest_difference, weights
 from train import regression
 
 STEPS = ["--max_train_steps", 12, "--seed", 3]  # stop mid-trajectory, where mistakes show in the weights
-
-
-def weights(output_dir):
-    return load_file(str(output_dir / "model.safetensors"))
-
-
-def max_diff(a, b):
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +25,7 @@ def test_two_processes_equal_one_process_with_the_same_global_batch(one_process,
     assert proc.returncode == 0, output_of(proc)
     assert "process 0/2 " in proc.stdout and "process 1/2 " in proc.stdout, output_of(proc)
     assert "world_size=2 " in proc.stdout and "distributed_type=MULTI_CPU" in proc.stdout
-    assert max_diff(weights(tmp_path), one_process) < 1e-6
+    assert largest_difference(weights(tmp_path), one_process) < 1e-6
 
 
 def run_in_process(out, *args):
@@ -45,14 +37,14 @@ def run_in_process(out, *args):
 def test_control_each_process_alone_differs(one_process, tmp_path):
     # What a rank computes when its gradient is never averaged with the other's: batch 16 alone.
     alone = run_in_process(tmp_path, "--per_device_train_batch_size", 16)
-    assert max_diff(alone, one_process) > 1e-3
+    assert largest_difference(alone, one_process) > 1e-3
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_control_summed_instead_of_averaged_differs(one_process, tmp_path):
     # Summing two per-rank means instead of averaging them doubles the step.
     summed = run_in_process(tmp_path, "--per_device_train_batch_size", 32, "--learning_rate", 0.1)
-    assert max_diff(summed, one_process) > 1e-3
+    assert largest_difference(summed, one_process) > 1e-3
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")

@@ -21,8 +21,8 @@ from data.errors import DataError
 from data.prompt_response import CausalBatch, encode, chat_segments, pack, prompt_response_segments
 from data.sharding import BatchPlan
 from hf_models import WORDS, tiny_bert, tiny_causal_lm
-from test_checkpointing import (crash_during_save_and_resume, identical, resume_copy, sigterm_at_step_one_and_resume,
-                                weights)
+from test_checkpointing import (crash_during_save_and_resume, identical, largest_difference, resume_copy,
+                                sigterm_at_step_one_and_resume, weights)
 
 N_VALIDATION = 21  # odd: fills no batch of any size used here
 STEPS = ["--max_train_steps", 6, "--checkpointing_steps", 3, "--eval_steps", 3, "--logging_steps", 2, "--mixed_precision", "no"]
@@ -72,11 +72,6 @@ def sft_run(config, data, out, *extra, model="gpt2"):
     proc = launch(config, "sft", *args_for(data, *extra, model=model), "--output_dir", out)
     assert proc.returncode == 0, output_of(proc)
     return proc
-
-
-def largest_difference(a, b):
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
 ACCUMULATED = ["--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2]

@@ -17,8 +17,8 @@ from conftest import launch, output_of, run_as_script
 from data.labelled_text import TokenBatch, label_names, prepare_labelled_text
 from data.sharding import BatchPlan
 from hf_models import tiny_bert
-from test_checkpointing import (crash_during_save_and_resume, identical, resume_copy, sigterm_at_step_one_and_resume,
-                                weights)
+from test_checkpointing import (crash_during_save_and_resume, identical, largest_difference, resume_copy,
+                                sigterm_at_step_one_and_resume, weights)
 from train.core.confusion import confusion_metrics
 
 TOPICS = {"sport": "goal match team ball score coach league", "food": "bread soup cheese apple sugar bake dish",
@@ -71,11 +71,6 @@ def text_run(config, data, out, *extra):
     return proc
 
 
-def closest(a, b):
-    assert a.keys() == b.keys()
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
 # grouped by length (the default); evaluated at steps 4 and 8, no best model kept: the runs below compare
 # the last step's weights (at lr 5e-3 step 4's loss is the lower one)
 SHORT = ["--max_train_steps", 8, "--checkpointing_steps", 3, "--eval_steps", 4, "--metric_for_best_model", "none"]
@@ -111,7 +106,7 @@ def test_one_process_takes_the_steps_two_take(data, two, capsys):
     proc = run_as_script(capsys, "text_classification", *args_for(data, *SHORT, "--per_device_train_batch_size", 16),
                          "--output_dir", one)
     assert proc.returncode == 0, output_of(proc)
-    assert closest(weights(one), weights(two)) < 1e-5  # each rank pads its own rows: the same to float rounding
+    assert largest_difference(weights(one), weights(two)) < 1e-5  # each rank pads its own rows: the same to float rounding
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +211,7 @@ def test_fsdp2_with_lora_shards_the_bert_layers_takes_ddps_steps_and_resumes_in_
     proc = text_run("fsdp2_cpu_2proc", data, out, *SHORT, *lora_args(data))
     line = next(line for line in proc.stdout.splitlines() if line.startswith("fsdp2: "))
     assert "units: 2 BertLayer, 1 BertEmbeddings" in line, line
-    assert closest(weights(out), weights(lora[1])) < 1e-5
+    assert largest_difference(weights(out), weights(lora[1])) < 1e-5
     step = out / "checkpoints" / "step_00000006"
     assert json.load(open(step / "meta.json"))["checkpoint_format"] == "sharded"
     resumed = []
@@ -228,7 +223,7 @@ def test_fsdp2_with_lora_shards_the_bert_layers_takes_ddps_steps_and_resumes_in_
         assert proc.returncode == 0 and "saved with 2 processes" in proc.stdout, output_of(proc)
         assert f"resumed from {one}/checkpoints/step_00000006" in proc.stdout, output_of(proc)
         resumed.append(weights(one))
-    assert closest(*resumed) < 1e-5
+    assert largest_difference(*resumed) < 1e-5
 
 
 def test_sigterm_saves_at_one_step_on_every_rank_and_the_resume_is_bit_identical(data, two, tmp_path):
