@@ -58,11 +58,11 @@ def clean_env(**extra):
     return env
 
 
-def launch(config, script, *args, timeout=300, **env):
-    """`accelerate launch --config_file accelerate_configs/CONFIG.yaml train/SCRIPT.py ARGS` from the
-    repo root, as users run it. The timeout is the failure mode of a hang: see run_or_dump."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           os.path.join(CONFIGS, config + ".yaml"), os.path.join("train", script + ".py"), *map(str, args)]
+def launch(config, script, *args, timeout=300, launch_args=(), **env):
+    """`accelerate launch --config_file accelerate_configs/CONFIG.yaml [LAUNCH_ARGS] train/SCRIPT.py ARGS`
+    from the repo root, as users run it. The timeout is the failure mode of a hang: see run_or_dump."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config + ".yaml"),
+           *launch_args, os.path.join("train", script + ".py"), *map(str, args)]
     return run_or_dump(cmd, timeout, env=clean_env(**env))
 
 
@@ -216,6 +216,18 @@ def reset_accelerate_state():
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()
+
+
+def run_main(script, *args):
+    """train/SCRIPT.py's main(parse_args(ARGS)) in this process, accelerate's state reset after (what a
+    module fixture's in-process run needs; a test can use fresh_accelerate_state). Returns main's result."""
+    import importlib
+
+    module = importlib.import_module(f"train.{script}")
+    try:
+        return module.main(module.parse_args([str(a) for a in args]))
+    finally:
+        reset_accelerate_state()
 
 
 @pytest.fixture

@@ -9,8 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import (CONFIGS, clean_env, launch, output_of, probe, reset_accelerate_state, run_as_script,
-                      run_or_dump)
+from conftest import CONFIGS, clean_env, launch, output_of, probe, run_as_script, run_main, run_or_dump
 from train import mnist, regression
 from train.core.output_dir import list_checkpoints
 
@@ -132,10 +131,7 @@ def run_regression(config, *args):
     train/regression.py` runs it, without a cold interpreter), the others through accelerate launch.
     Returns what it printed."""
     if config == "cpu":
-        try:
-            regression.main(regression.parse_args(list(map(str, args))))
-        finally:
-            reset_accelerate_state()
+        run_main("regression", *args)
         return None
     proc = launch(config, "regression", *args)
     assert proc.returncode == 0, output_of(proc)
@@ -204,10 +200,7 @@ def mnist_1proc_runs(fashion_dir, tmp_path_factory):
         if tuple(extra) not in runs:
             args = [*map(str, MNIST), "--checkpointing_steps", "12", *extra]
             full = str(tmp_path_factory.mktemp("mnist_full"))
-            try:
-                mnist.main(mnist.parse_args(args + ["--output_dir", full, "--overwrite_output_dir"]))
-            finally:
-                reset_accelerate_state()
+            run_main("mnist", *args, "--output_dir", full, "--overwrite_output_dir")
             runs[tuple(extra)] = full, args
         return runs[tuple(extra)]
     return run

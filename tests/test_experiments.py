@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from conftest import reset_accelerate_state
+from conftest import run_main
 from data.errors import UserError
 from train import lm, mnist, regression
 
@@ -103,10 +103,7 @@ def whole_run(tmp_path_factory):
     """A run that stops early, in this process (early stopping on every rank of a 2-process launch:
     test_first_hour.py's run of the wizard's multi-GPU file)."""
     whole = tmp_path_factory.mktemp("whole") / "run"
-    try:
-        results = regression.main(regression.parse_args(["--output_dir", str(whole), *map(str, STEPS)]))
-    finally:
-        reset_accelerate_state()
+    results = run_main("regression", "--output_dir", whole, *STEPS)
     return whole, results
 
 

@@ -13,9 +13,9 @@ import time
 import pytest
 
 from conftest import (CONFIGS, REPO, checksums, clean_env, launch, output_of, reset_accelerate_state, run_as_script,
-                      run_or_dump)
+                      run_main, run_or_dump)
 from wizard import run_wizard
-from train import check_config, mnist, regression
+from train import check_config, mnist
 from train.core.accelerator import cpu_has_native_bf16
 
 TINY_MNIST = ["--model", "convnet_fast", "--max_train_samples", 512, "--max_eval_samples", 100,
@@ -73,10 +73,7 @@ def test_auto_picks_fp32_on_an_avx2_cpu_and_bf16_asked_there_warns(tmp_path, cap
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("finished") / "run"
-    try:
-        regression.main(regression.parse_args(["--output_dir", str(out), "--checkpointing_steps", "64"]))
-    finally:
-        reset_accelerate_state()
+    run_main("regression", "--output_dir", out, "--checkpointing_steps", 64)
     assert os.path.isfile(out / "all_results.json") and os.listdir(out / "checkpoints")
     return out
 
@@ -181,11 +178,6 @@ def test_the_wizard_multi_gpu_file_is_two_cpu_processes_without_warnings(stopped
     assert "warning" not in output_of(proc).lower() and "FutureWarning" not in output_of(proc)
 
 
-def read(path):
-    with open(path, "rb") as f:
-        return f.read()
-
-
 def test_early_stopping_ends_every_rank_at_one_step_with_the_best_weights(stopped_early):
     out, proc = stopped_early
     results = json.loads((out / "all_results.json").read_text())
@@ -201,9 +193,9 @@ def test_early_stopping_ends_every_rank_at_one_step_with_the_best_weights(stoppe
     # model.safetensors holds the best step's weights: the checkpoint at that step holds the same
     saved = out / "checkpoints" / f"step_{best['step']:08d}"
     if saved.is_dir():
-        assert read(out / "model.safetensors") == read(saved / "model.safetensors")
-    assert read(out / "model.safetensors") == \
-        read(out / "checkpoints" / f"step_{(last // 10) * 10:08d}" / "best_model.safetensors")
+        assert (out / "model.safetensors").read_bytes() == (saved / "model.safetensors").read_bytes()
+    assert (out / "model.safetensors").read_bytes() == \
+        (out / "checkpoints" / f"step_{(last // 10) * 10:08d}" / "best_model.safetensors").read_bytes()
     assert not (out / "best_model.safetensors").exists()
 
 

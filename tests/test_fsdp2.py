@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import launch, output_of, reset_accelerate_state, run_as_script
+from conftest import launch, output_of, run_as_script, run_main
 from test_checkpointing import crash_during_save_and_resume, identical, largest_difference, resume_copy, weights
 from test_lm import TINY, text  # noqa: F401 (the module's text fixture)
 
@@ -26,13 +26,7 @@ def lm(config, shards, out, *extra):
 def one_process(shards, out):
     """The unsharded reference, in this process: 1 process with twice the per-process batch, so the
     same global batch (test_lm.py: 1 process takes the steps 2 DDP processes take, to float rounding)."""
-    from train import lm as script
-
-    try:
-        script.main(script.parse_args([str(a) for a in ("--dataset_dir", shards, *ARGS, "--per_device_train_batch_size",
-                                                        8, "--output_dir", out)]))
-    finally:
-        reset_accelerate_state()
+    run_main("lm", "--dataset_dir", shards, *ARGS, "--per_device_train_batch_size", 8, "--output_dir", out)
 
 
 @pytest.fixture(scope="module")

@@ -2,13 +2,12 @@
 --streaming, both in bf16 asked of the launcher, with the recipe's flags), and in-process."""
 import json
 import os
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, clean_env, output_of, run_as_script, run_or_dump
+from conftest import launch, output_of, run_as_script
 from data.errors import UserError
 from train import mnist
 
@@ -25,10 +24,7 @@ STEPS = 1280 // 64  # drop_last: whole global batches of 2 x 32
 
 
 def launch_bf16(*args):
-    """conftest's launch, with the launcher's --mixed_precision."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"{CONFIGS}/cpu_2proc.yaml",
-           "--mixed_precision", "bf16", "train/mnist.py", *map(str, SMALL_RUN), *map(str, args)]
-    return run_or_dump(cmd, 300, env=clean_env())
+    return launch("cpu_2proc", "mnist", *SMALL_RUN, *args, launch_args=["--mixed_precision", "bf16"])
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,8 @@ import sys
 import pytest
 import yaml
 
-from conftest import CONFIGS, clean_env, reset_accelerate_state, run_together
+from conftest import CONFIGS, clean_env, run_main, run_together
 from test_checkpointing import largest_difference, weights
-from train import regression
 
 # the same 32 samples per step, as the nodes work it out: 32 / (4 processes x 1 accumulation step)
 GLOBAL = ["--global_batch_size", 32, "--max_train_steps", 20, "--seed", 11]
@@ -47,11 +46,8 @@ def one_process(tmp_path_factory):
     """The reference, in the test's process: one process, batch 32 (a 4-process launch cost 4 ranks'
     start-up for weights equal to these to 1.2e-7)."""
     out = tmp_path_factory.mktemp("regression")
-    try:
-        regression.main(regression.parse_args(["--per_device_train_batch_size", "32", "--max_train_steps", "20",
-                                               "--seed", "11", "--output_dir", str(out)]))
-    finally:
-        reset_accelerate_state()
+    run_main("regression", "--per_device_train_batch_size", 32, "--max_train_steps", 20, "--seed", 11,
+             "--output_dir", out)
     return weights(out)
 
 

@@ -15,17 +15,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, checksums, clean_env, output_of, probe, reset_accelerate_state, run_as_script
-from train import regression
+from conftest import REPO, checksums, clean_env, output_of, probe, run_as_script, run_main
 
 QUICK = ["--max_train_steps", 6, "--checkpointing_steps", 3]
 
 
 def in_process(*args):
-    try:
-        return regression.main(regression.parse_args(list(map(str, args))))
-    finally:
-        reset_accelerate_state()
+    return run_main("regression", *args)
 
 
 def error_lines(proc):
