@@ -28,7 +28,9 @@ embedding, then logits; mnist.py: 64 images, one linear layer; fused AdamW):
 - ours: the script's loop whole.
 
 Each row is the median over turns of (variant - raw), in ms per step; `EXTRA_MS task` is ours' row.
-The pieces need not add up to ours: each is paid alone beside raw's version of it.
+The pieces need not add up to ours: each is paid alone beside raw's version of it. `accelerate's
+calls` splits accelerate's row by call of the step (every step clocks the time between its calls):
+the accelerate variant's mean per call minus raw's.
 """
 import argparse
 import json
@@ -43,6 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness import FASHION_DIR, Batches, time_turns
 
 VARIANTS = ["raw", "reader", "accelerate", "after_batch", "after_batch_nolog", "ours"]
+# a step's calls, in order: accumulate is accelerate's context (its entry and its exit)
+PHASES = ["batch", "accumulate", "forward", "device", "backward", "clip", "step", "zero_grad", "after"]
 
 
 def lm_shards(folder, block_size, windows):
@@ -60,8 +64,9 @@ def lm_shards(folder, block_size, windows):
     return os.path.join(folder, "shards")
 
 
-def task_loops(task, accelerator, args, tmp):
-    """name -> one step, for each variant of `task`, and the TrainingLoops to close afterwards."""
+def task_loops(task, accelerator, args, tmp, laps):
+    """name -> one step, for each variant of `task`, and the TrainingLoops to close afterwards. Each
+    step adds the seconds between its calls to laps[name] (Laps), phase by phase."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -162,30 +167,51 @@ def task_loops(task, accelerator, args, tmp):
                 state["losses"] = []
         return after
 
-    def raw_step(model, optimizer, next_batch, after):
+    def raw_step(model, optimizer, next_batch, after, lap):
         def step():
-            loss = loss_fn(model, next_batch())
+            lap(None)
+            batch = next_batch()
+            lap("batch")
+            loss = loss_fn(model, batch)
+            lap("forward")
             device_wait()
+            lap("device")
             loss.backward()
+            lap("backward")
             if clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            lap("clip")
             optimizer.step()
+            lap("step")
             optimizer.zero_grad(set_to_none=True)
+            lap("zero_grad")
             after(loss)
+            lap("after")
         return step
 
-    def accelerated_step(model, optimizer, next_batch, after):  # the scripts' step
+    def accelerated_step(model, optimizer, next_batch, after, lap):  # the scripts' step
         def step():
+            lap(None)
             batch = next_batch()
+            lap("batch")
             with accelerator.accumulate(model):
+                lap("accumulate")
                 loss = loss_fn(model, batch)
+                lap("forward")
                 device_wait()
+                lap("device")
                 accelerator.backward(loss)
+                lap("backward")
                 if clip and accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                lap("clip")
                 optimizer.step()
+                lap("step")
                 optimizer.zero_grad(set_to_none=True)
+                lap("zero_grad")
+            lap("accumulate")
             after(loss)
+            lap("after")
         return step
 
     def training_loop(name, model, optimizer, loader, logging_steps):
@@ -196,16 +222,18 @@ def task_loops(task, accelerator, args, tmp):
 
     steps, loops = {}, []
     model, optimizer = model_and_optimizer()
-    steps["raw"] = raw_step(model, optimizer, raw_batches(), raw_log(optimizer, "raw"))
+    steps["raw"] = raw_step(model, optimizer, raw_batches(), raw_log(optimizer, "raw"), laps["raw"])
     model, optimizer = model_and_optimizer()
     loader = accelerator.prepare(our_loader()) if task == "mnist" else our_loader()
-    steps["reader"] = raw_step(model, optimizer, Batches(loader, loader.set_epoch).next, raw_log(optimizer, "reader"))
+    steps["reader"] = raw_step(model, optimizer, Batches(loader, loader.set_epoch).next, raw_log(optimizer, "reader"),
+                               laps["reader"])
     model, optimizer = accelerator.prepare(*model_and_optimizer())
-    steps["accelerate"] = accelerated_step(model, optimizer, raw_batches(), raw_log(optimizer, "accelerate"))
+    steps["accelerate"] = accelerated_step(model, optimizer, raw_batches(), raw_log(optimizer, "accelerate"),
+                                           laps["accelerate"])
     for name, every in (("after_batch", args.logging_steps), ("after_batch_nolog", 10**9)):
         model, optimizer = model_and_optimizer()
         loops.append(training_loop(name, model, optimizer, DataLoader(raw_set, batch_size, drop_last=True), every))
-        steps[name] = raw_step(model, optimizer, raw_batches(), loops[-1].after_batch)
+        steps[name] = raw_step(model, optimizer, raw_batches(), loops[-1].after_batch, laps[name])
     model, optimizer = model_and_optimizer()
     if task == "lm":  # the loaders are sharded already
         loader = our_loader()
@@ -214,23 +242,45 @@ def task_loops(task, accelerator, args, tmp):
         model, optimizer, loader = accelerator.prepare(model, optimizer, our_loader())
     loops.append(training_loop("ours", model, optimizer, loader, args.logging_steps))
     batches = loops[-1].batches()
-    steps["ours"] = accelerated_step(model, optimizer, lambda: next(batches), loops[-1].after_batch)
+    steps["ours"] = accelerated_step(model, optimizer, lambda: next(batches), loops[-1].after_batch, laps["ours"])
     return steps, loops
 
 
+class Laps:
+    """Seconds spent per phase of a step, summed over steps: lap(None) starts a step's clock, lap(phase)
+    adds the time since the last lap to `phase`. Every variant pays the same few perf_counter calls."""
+
+    def __init__(self):
+        self.seconds, self.steps, self.last = dict.fromkeys(PHASES, 0.0), 0, 0.0
+
+    def __call__(self, phase):
+        now = time.perf_counter()
+        if phase is None:
+            self.steps += 1
+        else:
+            self.seconds[phase] += now - self.last
+        self.last = now
+
+    def ms(self):
+        return {phase: 1000 * s / max(self.steps, 1) for phase, s in self.seconds.items()}
+
+
 def measure(task, accelerator, args, tmp):
-    steps, loops = task_loops(task, accelerator, args, tmp)
+    laps = {name: Laps() for name in VARIANTS}
+    steps, loops = task_loops(task, accelerator, args, tmp, laps)
     turns = {name: (lambda step=step: [step() for _ in range(args.logging_steps)]) for name, step in steps.items()}
     for turn in turns.values():  # warm-up
         turn()
+    for lap in laps.values():
+        lap.__init__()
     ms = time_turns(turns, args.turns, lambda: None, steps_per_turn=args.logging_steps)
     for loop in loops:
         loop.progress.close()
         loop.close()
-    return ms
+    return ms, {name: lap.ms() for name, lap in laps.items()}
 
 
-def report(task, ms):
+def report(task, ms, phases):
     raw = ms["raw"]
     print(f"\n{task}: ms per step, {len(raw)} turns")
     print("| variant | median | extra vs raw (median of turns) | extra, mean of turns |")
@@ -243,6 +293,10 @@ def report(task, ms):
     print(f"breakdown {task}: reading {extra['reader']:+.3f}, accelerate's wrappers {extra['accelerate']:+.3f}, "
           f"after_batch {extra['after_batch']:+.3f} (of which logging "
           f"{extra['after_batch'] - extra['after_batch_nolog']:+.3f}) ms per step")
+    calls = {phase: phases["accelerate"][phase] - phases["raw"][phase] for phase in PHASES if phase not in
+             ("batch", "device", "after")}  # the same batches and bookkeeping: the calls alone differ
+    print(f"accelerate's calls {task}: " + ", ".join(f"{phase} {1000 * value:+.0f}" for phase, value in calls.items())
+          + " µs per step (clocked between the calls, mean of every step)")
     return extra["ours"]
 
 
@@ -271,7 +325,7 @@ def main(argv=None):
         accelerator = make_accelerator(lm.parse_args(["--output_dir", tmp, "--mixed_precision", args.mixed_precision]))
         extra = {}
         for task in args.tasks.split(","):
-            extra[task] = report(task, measure(task, accelerator, args, tmp))
+            extra[task] = report(task, *measure(task, accelerator, args, tmp))
     print(f"\ntorch {torch.__version__}, accelerate {__import__('accelerate').__version__}, "
           f"{accelerator.device}, mixed_precision={accelerator.mixed_precision}, {args.logging_steps} steps per turn, "
           f"device_ms={args.device_ms:g}, {args.dataloader_num_workers} reading workers")

@@ -303,5 +303,7 @@ def test_host_overhead_tiny_mode_prints_extra_ms_per_loop(fashion_dir, capsys, f
         assert rows[:6] == ["raw", "reader", "accelerate", "after_batch", "after_batch_nolog", "ours"], out
         assert re.search(rf"^breakdown {task}: reading [+-]\d+\.\d+, accelerate's wrappers [+-]\d+\.\d+, after_batch "
                          r"[+-]\d+\.\d+ \(of which logging [+-]\d+\.\d+\) ms per step$", out, re.M)
+        calls = re.search(rf"^accelerate's calls {task}: (.*) µs per step", out, re.M).group(1)
+        assert re.findall(r"(\w+) [+-]\d+", calls) == ["accumulate", "forward", "backward", "clip", "step", "zero_grad"]
     extra = re.findall(r"^EXTRA_MS (\w+) = (-?\d+\.\d+)$", out, re.M)  # the last lines, numbers
     assert [task for task, _ in extra] == ["lm", "mnist"] and out.rstrip().endswith(extra[-1][1]), out
