@@ -203,6 +203,8 @@ step lm_gpt2 90 bench --n_layer 12 --n_head 12 --n_embd 768 --per_device_train_b
   --dataloader_num_workers 0
 step lm_gpt2_workers 90 bench --n_layer 12 --n_head 12 --n_embd 768 --per_device_train_batch_size 32 --turns 40 \
   --warmup 5 --dataloader_num_workers 2
+# host time per step beside a raw loop, the step's kernels on the GPU (docs/speed.md has the CPU's)
+step host_overhead 60 $PY bench/host_overhead.py
 
 # 5. images: the convnet of make train-images (2 epochs), then resnet50 at 224 for one epoch, both
 # with 4 decoding workers (the default on a GPU)
@@ -238,6 +240,7 @@ cat "$LOG"/mnist_*.log "$LOG"/images_*.log "$LOG"/cpu_*.log 2>/dev/null | tr '\r
   cut -c1-300
 grep "^|\|^RATIO\|^matmul peak\|^MFU\|alternating" "$LOG"/step_floor.log "$LOG"/lm_*.log 2>/dev/null |
   cut -c1-300
+grep "^breakdown\|^accelerate's calls\|^EXTRA_MS\|^torch" "$LOG"/host_overhead.log 2>/dev/null | cut -c1-300
 cat "$LOG/determinism.log" 2>/dev/null | tail -5
 tail -5 "$LOG/tests.log" 2>/dev/null
 grep -h "exit\|== " "$LOG/check_config.log" 2>/dev/null | tr '\n' ' '

@@ -42,11 +42,11 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.harness import FASHION_DIR, Batches, time_turns
+from bench.harness import FASHION_DIR, Batches, Phases, time_turns
 
 VARIANTS = ["raw", "reader", "accelerate", "after_batch", "after_batch_nolog", "ours"]
-# a step's calls, in order: accumulate is accelerate's context (its entry and its exit)
-PHASES = ["batch", "accumulate", "forward", "device", "backward", "clip", "step", "zero_grad", "after"]
+# the step's calls that accelerate wraps; accumulate is its context (the entry and the exit)
+ACCELERATE_CALLS = ["accumulate", "forward", "backward", "clip", "step", "zero_grad"]
 
 
 def lm_shards(folder, block_size, windows):
@@ -64,9 +64,9 @@ def lm_shards(folder, block_size, windows):
     return os.path.join(folder, "shards")
 
 
-def task_loops(task, accelerator, args, tmp, laps):
+def task_loops(task, accelerator, args, tmp, phases):
     """name -> one step, for each variant of `task`, and the TrainingLoops to close afterwards. Each
-    step adds the seconds between its calls to laps[name] (Laps), phase by phase."""
+    step clocks the time between its calls in phases[name] (bench/harness.py's Phases)."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -139,15 +139,27 @@ def task_loops(task, accelerator, args, tmp, laps):
         if args.device_ms:
             time.sleep(args.device_ms / 1000)
 
+    device = accelerator.device  # a GPU's when there is one: then every variant's step runs there
+
     def model_and_optimizer():
         torch.manual_seed(0)  # the same initial weights for every variant
-        model = new_model()
+        model = new_model().to(device)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
 
-    def raw_batches():
+    def raw_batches():  # on a GPU, pinned and copied without waiting, as a raw GPU loop would
+        collate = {"collate_fn": identity_collate} if task == "mnist" else {}
         loader = DataLoader(raw_set, batch_size=batch_size, shuffle=True, drop_last=True,
-                            **({"collate_fn": identity_collate} if task == "mnist" else {}))
-        return Batches(loader, lambda epoch: None).next
+                            pin_memory=device.type == "cuda", **collate)
+        batches = Batches(loader, lambda epoch: None).next
+        if device.type == "cpu":
+            return batches
+
+        def on_device():
+            batch = batches()
+            if isinstance(batch, dict):
+                return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+            return [t.to(device, non_blocking=True) for t in batch]
+        return on_device
 
     def raw_log(optimizer, name):
         """Raw's bookkeeping: the schedule, the losses, and every --logging_steps steps one line."""
@@ -167,51 +179,51 @@ def task_loops(task, accelerator, args, tmp, laps):
                 state["losses"] = []
         return after
 
-    def raw_step(model, optimizer, next_batch, after, lap):
+    def raw_step(model, optimizer, next_batch, after, phases):
         def step():
-            lap(None)
+            mark = phases.start()
             batch = next_batch()
-            lap("batch")
+            mark("batch")
             loss = loss_fn(model, batch)
-            lap("forward")
+            mark("forward")
             device_wait()
-            lap("device")
+            mark("device")
             loss.backward()
-            lap("backward")
+            mark("backward")
             if clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            lap("clip")
+            mark("clip")
             optimizer.step()
-            lap("step")
+            mark("step")
             optimizer.zero_grad(set_to_none=True)
-            lap("zero_grad")
+            mark("zero_grad")
             after(loss)
-            lap("after")
+            mark("after")
         return step
 
-    def accelerated_step(model, optimizer, next_batch, after, lap):  # the scripts' step
+    def accelerated_step(model, optimizer, next_batch, after, phases):  # the scripts' step
         def step():
-            lap(None)
+            mark = phases.start()
             batch = next_batch()
-            lap("batch")
+            mark("batch")
             with accelerator.accumulate(model):
-                lap("accumulate")
+                mark("accumulate")
                 loss = loss_fn(model, batch)
-                lap("forward")
+                mark("forward")
                 device_wait()
-                lap("device")
+                mark("device")
                 accelerator.backward(loss)
-                lap("backward")
+                mark("backward")
                 if clip and accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)
-                lap("clip")
+                mark("clip")
                 optimizer.step()
-                lap("step")
+                mark("step")
                 optimizer.zero_grad(set_to_none=True)
-                lap("zero_grad")
-            lap("accumulate")
+                mark("zero_grad")
+            mark("accumulate")
             after(loss)
-            lap("after")
+            mark("after")
         return step
 
     def training_loop(name, model, optimizer, loader, logging_steps):
@@ -222,18 +234,18 @@ def task_loops(task, accelerator, args, tmp, laps):
 
     steps, loops = {}, []
     model, optimizer = model_and_optimizer()
-    steps["raw"] = raw_step(model, optimizer, raw_batches(), raw_log(optimizer, "raw"), laps["raw"])
+    steps["raw"] = raw_step(model, optimizer, raw_batches(), raw_log(optimizer, "raw"), phases["raw"])
     model, optimizer = model_and_optimizer()
     loader = accelerator.prepare(our_loader()) if task == "mnist" else our_loader()
     steps["reader"] = raw_step(model, optimizer, Batches(loader, loader.set_epoch).next, raw_log(optimizer, "reader"),
-                               laps["reader"])
+                               phases["reader"])
     model, optimizer = accelerator.prepare(*model_and_optimizer())
     steps["accelerate"] = accelerated_step(model, optimizer, raw_batches(), raw_log(optimizer, "accelerate"),
-                                           laps["accelerate"])
+                                           phases["accelerate"])
     for name, every in (("after_batch", args.logging_steps), ("after_batch_nolog", 10**9)):
         model, optimizer = model_and_optimizer()
         loops.append(training_loop(name, model, optimizer, DataLoader(raw_set, batch_size, drop_last=True), every))
-        steps[name] = raw_step(model, optimizer, raw_batches(), loops[-1].after_batch, laps[name])
+        steps[name] = raw_step(model, optimizer, raw_batches(), loops[-1].after_batch, phases[name])
     model, optimizer = model_and_optimizer()
     if task == "lm":  # the loaders are sharded already
         loader = our_loader()
@@ -242,42 +254,27 @@ def task_loops(task, accelerator, args, tmp, laps):
         model, optimizer, loader = accelerator.prepare(model, optimizer, our_loader())
     loops.append(training_loop("ours", model, optimizer, loader, args.logging_steps))
     batches = loops[-1].batches()
-    steps["ours"] = accelerated_step(model, optimizer, lambda: next(batches), loops[-1].after_batch, laps["ours"])
+    steps["ours"] = accelerated_step(model, optimizer, lambda: next(batches), loops[-1].after_batch, phases["ours"])
     return steps, loops
 
 
-class Laps:
-    """Seconds spent per phase of a step, summed over steps: lap(None) starts a step's clock, lap(phase)
-    adds the time since the last lap to `phase`. Every variant pays the same few perf_counter calls."""
-
-    def __init__(self):
-        self.seconds, self.steps, self.last = dict.fromkeys(PHASES, 0.0), 0, 0.0
-
-    def __call__(self, phase):
-        now = time.perf_counter()
-        if phase is None:
-            self.steps += 1
-        else:
-            self.seconds[phase] += now - self.last
-        self.last = now
-
-    def ms(self):
-        return {phase: 1000 * s / max(self.steps, 1) for phase, s in self.seconds.items()}
-
-
 def measure(task, accelerator, args, tmp):
-    laps = {name: Laps() for name in VARIANTS}
-    steps, loops = task_loops(task, accelerator, args, tmp, laps)
+    import torch
+
+    phases = {name: Phases() for name in VARIANTS}
+    steps, loops = task_loops(task, accelerator, args, tmp, phases)
     turns = {name: (lambda step=step: [step() for _ in range(args.logging_steps)]) for name, step in steps.items()}
     for turn in turns.values():  # warm-up
         turn()
-    for lap in laps.values():
-        lap.__init__()
-    ms = time_turns(turns, args.turns, lambda: None, steps_per_turn=args.logging_steps)
+    for name in phases:
+        phases[name].__init__()  # the timed turns only
+    cuda = accelerator.device.type == "cuda"  # each turn's kernels finish inside its own clock
+    ms = time_turns(turns, args.turns, torch.cuda.synchronize if cuda else lambda: None,
+                    steps_per_turn=args.logging_steps, sync_after=cuda)
     for loop in loops:
         loop.progress.close()
         loop.close()
-    return ms, {name: lap.ms() for name, lap in laps.items()}
+    return ms, {name: p.means() for name, p in phases.items()}
 
 
 def report(task, ms, phases):
@@ -293,8 +290,8 @@ def report(task, ms, phases):
     print(f"breakdown {task}: reading {extra['reader']:+.3f}, accelerate's wrappers {extra['accelerate']:+.3f}, "
           f"after_batch {extra['after_batch']:+.3f} (of which logging "
           f"{extra['after_batch'] - extra['after_batch_nolog']:+.3f}) ms per step")
-    calls = {phase: phases["accelerate"][phase] - phases["raw"][phase] for phase in PHASES if phase not in
-             ("batch", "device", "after")}  # the same batches and bookkeeping: the calls alone differ
+    calls = {phase: phases["accelerate"][phase] - phases["raw"].get(phase, 0.0)  # raw has no accumulate
+             for phase in ACCELERATE_CALLS}  # the same batches and bookkeeping: the calls alone differ
     print(f"accelerate's calls {task}: " + ", ".join(f"{phase} {1000 * value:+.0f}" for phase, value in calls.items())
           + " µs per step (clocked between the calls, mean of every step)")
     return extra["ours"]
