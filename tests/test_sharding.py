@@ -348,6 +348,26 @@ def test_string_column_names_itself_and_the_fix(tmp_path):
         list(ds)
 
 
+
+def test_a_loader_without_workers_hands_out_what_a_dataloader_would():
+    # without workers ShardedLoader reads the dataset itself, not through a DataLoader: the batches must
+    # be the same, numpy arrays from a source or transform made tensors as torch's default_convert does
+    from data.loader import ShardedLoader
+
+    class NumpySource(TensorSource):
+        def read(self, ids):
+            return {"x": self.tensors["x"][ids].numpy(), "words": [f"w{i}" for i in ids.tolist()]}
+
+    def batches(read):
+        return read(ShardedIterableDataset(NumpySource({"x": torch.arange(20) * 3}, unit_size=4), 4, seed=5))
+
+    ours = batches(lambda ds: list(ShardedLoader(ds)))
+    theirs = batches(lambda ds: list(DataLoader(ds, batch_size=None)))
+    assert len(ours) == len(theirs) == 5
+    for mine, other in zip(ours, theirs):
+        assert mine.keys() == other.keys() and isinstance(mine["x"], torch.Tensor)
+        assert all(torch.equal(mine[k], other[k]) if k != "words" else mine[k] == other[k] for k in mine)
+
 # ------------------------------------------------------------------------------- Hugging Face datasets
 
 def hf_dataset(n):
