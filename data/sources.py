@@ -170,7 +170,7 @@ def table_to_columns(table):
 
     out = {}
     for name, column in zip(table.column_names, table.columns):
-        column = column.combine_chunks()
+        column = one_array(column)
         kind = column.type
         if (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)) and \
                 column.null_count == 0:
@@ -191,6 +191,11 @@ NUMPY_TYPES = {**{t: t for t in ("int8", "int16", "int32", "int64", "uint8", "ui
                "halffloat": "float16", "float": "float32", "double": "float64"}
 
 
+def one_array(column):
+    """A ChunkedArray as one Array: its only chunk as it is (combine_chunks would copy it)."""
+    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+
+
 def table_to_tensors(table):
     """Default decoder: numeric columns as tensors; equal-length binary columns as uint8 [rows, bytes]."""
     return {name: torch.from_numpy(values.copy()) for name, values in table_to_arrays(table).items()}
@@ -203,7 +208,7 @@ def table_to_arrays(table):
 
     out = {}
     for name, column in zip(table.column_names, table.columns):
-        column = column.combine_chunks()
+        column = one_array(column)
         if pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type):
             _, offset_buffer, data_buffer = column.buffers()
             offset_type = np.int64 if pa.types.is_large_binary(column.type) else np.int32
