@@ -101,7 +101,8 @@ def worker(args):
     alone = {"1 number": latency_ms(torch.zeros(1), repeats),
              f"{numel:,} numbers (the gradients)": latency_ms(torch.zeros(numel), repeats)}
     result = {"ms": ms, "alone": alone, "in_step": in_step, "precision": accelerator.mixed_precision,
-              "processes": accelerator.num_processes, "batch": batch, "backend": dist.get_backend()}
+              "processes": accelerator.num_processes, "batch": batch, "backend": dist.get_backend(),
+              "steps_per_turn": steps_per_turn}
     if accelerator.is_main_process:
         print_result(result)
     # DDP's reducers hold gloo state: every reference (the accelerator keeps its own) goes before the group
@@ -126,8 +127,7 @@ def main(argv=None):
                                     "--turns", str(args.turns), *flag("tiny", args.tiny)])
     ms = result["ms"]
     print(f"{result['processes']} processes ({result['backend']}), {result['batch']} samples per process, "
-          f"mixed_precision={result['precision']}, {len(ms['without'])} turns of "
-          f"{TINY_STEPS_PER_TURN if args.tiny else STEPS_PER_TURN} steps each")
+          f"mixed_precision={result['precision']}, {len(ms['without'])} turns of {result['steps_per_turn']} steps each")
     print("\n| step | ms per step (median of turns) | turns |\n|---|---|---|")
     for name, values in ms.items():
         print(f"| {name} | {statistics.median(values):.2f} | {', '.join(f'{v:.1f}' for v in values)} |")

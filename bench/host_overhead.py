@@ -66,7 +66,8 @@ def lm_shards(folder, block_size, windows):
 
 def task_loops(task, accelerator, args, tmp, phases):
     """name -> one step, for each variant of `task`, and the TrainingLoops to close afterwards. Each
-    step clocks the time between its calls in phases[name] (bench/harness.py's Phases)."""
+    step clocks the time between its calls in phases[name] (bench/harness.py's Phases), looked up at
+    every step: a new Phases there starts the count again."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -179,9 +180,9 @@ def task_loops(task, accelerator, args, tmp, phases):
                 state["losses"] = []
         return after
 
-    def raw_step(model, optimizer, next_batch, after, phases):
+    def raw_step(model, optimizer, next_batch, after, name):
         def step():
-            mark = phases.start()
+            mark = phases[name].start()
             batch = next_batch()
             mark("batch")
             loss = loss_fn(model, batch)
@@ -201,9 +202,9 @@ def task_loops(task, accelerator, args, tmp, phases):
             mark("after")
         return step
 
-    def accelerated_step(model, optimizer, next_batch, after, phases):  # the scripts' step
+    def accelerated_step(model, optimizer, next_batch, after, name):  # the scripts' step
         def step():
-            mark = phases.start()
+            mark = phases[name].start()
             batch = next_batch()
             mark("batch")
             with accelerator.accumulate(model):
@@ -234,18 +235,18 @@ def task_loops(task, accelerator, args, tmp, phases):
 
     steps, loops = {}, []
     model, optimizer = model_and_optimizer()
-    steps["raw"] = raw_step(model, optimizer, raw_batches(), raw_log(optimizer, "raw"), phases["raw"])
+    steps["raw"] = raw_step(model, optimizer, raw_batches(), raw_log(optimizer, "raw"), "raw")
     model, optimizer = model_and_optimizer()
     loader = accelerator.prepare(our_loader()) if task == "mnist" else our_loader()
     steps["reader"] = raw_step(model, optimizer, Batches(loader, loader.set_epoch).next, raw_log(optimizer, "reader"),
-                               phases["reader"])
+                               "reader")
     model, optimizer = accelerator.prepare(*model_and_optimizer())
     steps["accelerate"] = accelerated_step(model, optimizer, raw_batches(), raw_log(optimizer, "accelerate"),
-                                           phases["accelerate"])
+                                           "accelerate")
     for name, every in (("after_batch", args.logging_steps), ("after_batch_nolog", 10**9)):
         model, optimizer = model_and_optimizer()
         loops.append(training_loop(name, model, optimizer, DataLoader(raw_set, batch_size, drop_last=True), every))
-        steps[name] = raw_step(model, optimizer, raw_batches(), loops[-1].after_batch, phases[name])
+        steps[name] = raw_step(model, optimizer, raw_batches(), loops[-1].after_batch, name)
     model, optimizer = model_and_optimizer()
     if task == "lm":  # the loaders are sharded already
         loader = our_loader()
@@ -254,7 +255,7 @@ def task_loops(task, accelerator, args, tmp, phases):
         model, optimizer, loader = accelerator.prepare(model, optimizer, our_loader())
     loops.append(training_loop("ours", model, optimizer, loader, args.logging_steps))
     batches = loops[-1].batches()
-    steps["ours"] = accelerated_step(model, optimizer, lambda: next(batches), loops[-1].after_batch, phases["ours"])
+    steps["ours"] = accelerated_step(model, optimizer, lambda: next(batches), loops[-1].after_batch, "ours")
     return steps, loops
 
 
@@ -266,8 +267,7 @@ def measure(task, accelerator, args, tmp):
     turns = {name: (lambda step=step: [step() for _ in range(args.logging_steps)]) for name, step in steps.items()}
     for turn in turns.values():  # warm-up
         turn()
-    for name in phases:
-        phases[name].__init__()  # the timed turns only
+    phases.update({name: Phases() for name in VARIANTS})  # the timed turns only
     cuda = accelerator.device.type == "cuda"  # each turn's kernels finish inside its own clock
     ms = time_turns(turns, args.turns, torch.cuda.synchronize if cuda else lambda: None,
                     steps_per_turn=args.logging_steps, sync_after=cuda)

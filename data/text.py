@@ -206,8 +206,7 @@ def decode_windows(token_dtype_name):
         columns = table_to_arrays(table)
         tokens, targets = columns["tokens"].view(dtype), columns["targets"]
         labels = tokens[:, 1:].astype(np.int64)
-        if (targets < labels.shape[1]).any():  # a short window (a split's tail): no labels past its end
-            labels[np.arange(labels.shape[1]) >= targets[:, None]] = -100
+        labels[np.arange(labels.shape[1]) >= targets[:, None]] = -100  # past a short window's end (a split's tail)
         return {"input_ids": torch.from_numpy(tokens[:, :-1].astype(np.int64)), "labels": torch.from_numpy(labels)}
 
     return decode

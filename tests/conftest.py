@@ -218,14 +218,18 @@ def reset_accelerate_state():
     PartialState._reset_state()
 
 
-def run_main(script, *args):
+def run_main(script, *args, through_run=False):
     """train/SCRIPT.py's main(parse_args(ARGS)) in this process, accelerate's state reset after (what a
-    module fixture's in-process run needs; a test can use fresh_accelerate_state). Returns main's result."""
+    module fixture's in-process run needs; a test can use fresh_accelerate_state). Returns main's result.
+    through_run: through train.core.run.run and its teardown, as the script's __main__ calls main."""
     import importlib
 
+    from train.core.run import run
+
     module = importlib.import_module(f"train.{script}")
+    args = module.parse_args([str(a) for a in args])
     try:
-        return module.main(module.parse_args([str(a) for a in args]))
+        return run(module.main, args) if through_run else module.main(args)
     finally:
         reset_accelerate_state()
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import launch, output_of, run_as_script
+from conftest import launch, output_of, run_as_script, run_main
 from data.errors import DataError
 from data.prompt_response import CausalBatch, encode, chat_segments, pack, prompt_response_segments
 from data.sharding import BatchPlan
@@ -89,15 +89,8 @@ def accumulated(data):
 @pytest.fixture(scope="module")
 def one(data):
     """1 process x 8, in this process: the same 6 steps."""
-    from conftest import reset_accelerate_state
-    from train import sft
-
     out = data["root"] / "one"
-    try:
-        sft.run(sft.main, sft.parse_args(list(map(str, args_for(data, "--per_device_train_batch_size", 8)))
-                                         + ["--output_dir", str(out)]))
-    finally:
-        reset_accelerate_state()
+    run_main("sft", *args_for(data, "--per_device_train_batch_size", 8), "--output_dir", out, through_run=True)
     return out
 
 

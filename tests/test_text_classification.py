@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import launch, output_of, run_as_script
+from conftest import launch, output_of, run_as_script, run_main
 from data.labelled_text import TokenBatch, label_names, prepare_labelled_text
 from data.sharding import BatchPlan
 from hf_models import tiny_bert
@@ -112,16 +112,10 @@ def test_one_process_takes_the_steps_two_take(data, two, capsys):
 @pytest.fixture(scope="module")
 def trained(data):
     """The steps of 2 processes x 16 as drawn (1 x 32: the same steps, above), 4 epochs, in this process."""
-    from conftest import reset_accelerate_state
-    from train import text_classification
-
     out = data["root"] / "trained"
-    args = args_for(data, "--num_train_epochs", 4, "--per_device_train_batch_size", 32, "--group_by_length", "false",
-                    "--metric_for_best_model", "f1", "--checkpointing_steps", "epoch", "--output_dir", out)
-    try:
-        text_classification.run(text_classification.main, text_classification.parse_args(list(map(str, args))))
-    finally:
-        reset_accelerate_state()
+    run_main("text_classification", *args_for(data, "--num_train_epochs", 4, "--per_device_train_batch_size", 32,
+                                              "--group_by_length", "false", "--metric_for_best_model", "f1",
+                                              "--checkpointing_steps", "epoch", "--output_dir", out), through_run=True)
     return out
 
 
