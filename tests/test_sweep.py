@@ -227,6 +227,47 @@ def test_a_sweep_folder_belongs_to_one_study(tmp_path):
     (tmp_path / "mine" / "notes.txt").write_text("a user's file")
     with pytest.raises(UserError, match="not a sweep's folder"):
         sweep.claim_folder(sweep.parse_args(["x.yaml", "--output_dir", str(tmp_path / "mine")]))
+    assert os.listdir(tmp_path / "mine") == ["notes.txt"]  # refused before any lock file of ours went in
+
+
+def claim_in_rounds(barrier, root, rounds, results):
+    """One sweep command's start, `rounds` times: claim ROOT/round_N as soon as every claimer is ready,
+    then create what main() creates next (trials/, logs/, the study's journal), as the racing commands do."""
+    from train import sweep
+
+    for n in range(rounds):
+        out = os.path.join(root, f"round_{n}")
+        barrier.wait()
+        try:
+            sweep.claim_folder(sweep.parse_args(["x.yaml", "--output_dir", out]))
+            for folder in ("trials", "logs"):
+                os.makedirs(os.path.join(out, folder), exist_ok=True)
+            with sweep.claim_lock(out), open(os.path.join(out, "study.log"), "a"):
+                pass
+            results.put("claimed")
+        except Exception as e:  # a refusal, or a crash (two writers of one temporary file): the round goes on
+            results.put(f"{type(e).__name__}: {e}")
+
+
+def test_sweep_commands_started_together_all_claim_the_folder(tmp_path):
+    """8 sweep commands released at once by a barrier, 50 times: each claim succeeds (the second used to see
+    the first's logs/ and refuse a 'foreign' folder), and one sweep.json names the study."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    claimers, rounds = 8, 50
+    barrier, results = context.Barrier(claimers), context.Queue()
+    processes = [context.Process(target=claim_in_rounds, args=(barrier, str(tmp_path), rounds, results))
+                 for _ in range(claimers)]
+    for p in processes:
+        p.start()
+    outcomes = [results.get(timeout=120) for _ in range(claimers * rounds)]
+    for p in processes:
+        p.join(timeout=60)
+    refused = [o for o in outcomes if o != "claimed"]
+    assert not refused, f"{len(refused)} of {len(outcomes)} claims refused, e.g. {refused[0]}"
+    assert all(json.loads((tmp_path / f"round_{n}" / "sweep.json").read_text())["study_name"] == "sweep"
+               for n in range(rounds))
 
 
 @pytest.mark.parametrize("change, expected", [

@@ -31,6 +31,7 @@ from train.study.space import check_against_script, definition, load_script, rea
 from train.study.trials import TrialRun, WorkerLock, owner_gone, wait_until_free
 
 FAILURES_IN_A_ROW = 3  # then the search space or the script is broken, not one trial
+CLAIM_LOCK = ".claim.lock"  # in the sweep folder: held while a command claims it, asks for a trial, ...
 
 
 def parse_args(argv=None):
@@ -101,30 +102,47 @@ def make_study(args, sweep):
 
 def claim_folder(args):
     """The sweep folder holds one study's trials (trial_0000 of another study would collide):
-    SWEEP_DIR/sweep.json names it, written by the first sweep command."""
+    SWEEP_DIR/sweep.json names it, written by the first sweep command.
+
+    Checked and written under the folder's claim lock, so sweep commands started at the same moment
+    (on one host or several sharing the folder) make one claim: whatever the first has already
+    created (the lock, its study, trials/, logs/) is never mistaken for a foreign folder. A folder
+    that is foreign before any lock is taken is refused without one of our files left in it."""
     import json
 
     marker = os.path.join(args.output_dir, "sweep.json")
     mine = {"study_name": args.study_name, "storage": shown(args.storage) or "study.log"}
-    if os.path.isfile(marker):
-        with open(marker) as f:
-            theirs = json.load(f)
-        if theirs != mine:
-            fail(f"{args.output_dir} holds the trials of study {theirs['study_name']!r} in {theirs['storage']}; pass "
-                 "another --output_dir for another study")
-        return
-    # a study made ahead of the sweep in its default storage, study.log (and its lock), is welcome
-    if os.path.isdir(args.output_dir) and not all(n.startswith("study.log") for n in os.listdir(args.output_dir)):
+
+    def foreign():  # what is there that no sweep wrote before its sweep.json (trials/, logs/ come after it)
+        names = os.listdir(args.output_dir) if os.path.isdir(args.output_dir) else []
+        # a study made ahead of the sweep in its default storage, study.log (and its lock), is welcome, and so
+        # is sweep.json's temporary file, there while another command writes it
+        return "sweep.json" not in names and not all(n.startswith(("study.log", CLAIM_LOCK, "sweep.json")) for n in names)
+
+    def refuse():
         fail(f"{args.output_dir} is not empty and holds no sweep.json, so it is not a sweep's folder; pass another "
              "--output_dir")
+
+    if foreign():  # one listing: sweep.json appears (renamed into place) before anything else of a sweep's
+        refuse()
     os.makedirs(args.output_dir, exist_ok=True)
-    write_json(marker, mine)
+    with claim_lock(args.output_dir):
+        if os.path.isfile(marker):
+            with open(marker) as f:
+                theirs = json.load(f)
+            if theirs != mine:
+                fail(f"{args.output_dir} holds the trials of study {theirs['study_name']!r} in {theirs['storage']}; "
+                     "pass another --output_dir for another study")
+            return
+        if foreign():  # a user's file that appeared meanwhile
+            refuse()
+        write_json(marker, mine)
 
 
 def claim_lock(sweep_dir):
     from filelock import FileLock
 
-    return FileLock(os.path.join(sweep_dir, ".claim.lock"))
+    return FileLock(os.path.join(sweep_dir, CLAIM_LOCK))
 
 
 def counts(study):
