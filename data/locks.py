@@ -56,8 +56,14 @@ def lock_folder(folder, what="this folder", note=print):
     in the refusal what the folder is for; `note` prints the line about a lock taken over."""
     path = os.path.join(folder, LOCK_NAME)
     for _ in range(100):
-        os.makedirs(folder, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except (FileNotFoundError, FileExistsError):
+            if os.path.lexists(folder) and not os.path.isdir(folder):
+                raise  # a file where the folder should be: no other process will change that
+            # its holder removed the folder (a failed first write cleans up) between our makedirs and open
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
