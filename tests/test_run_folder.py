@@ -153,6 +153,50 @@ def test_a_lock_left_by_a_dead_process_is_taken_over_with_one_line(tmp_path, cap
     assert (out / ".lock").read_text() == ""  # released on purpose at the end
 
 
+
+def test_a_run_removing_the_folder_it_made_never_leaves_two_owners(tmp_path):
+    """Run A claims a new folder and fails before writing anything (it removes run.json, .lock and the
+    folder) while run B takes the folder's lock: 300 rounds. B's lock must be on the OUTPUT_DIR/.lock
+    that is there once A is done (else a third run also gets the folder), and A's clean-up must not raise."""
+    from data.locks import FolderBusy, lock_folder
+    from races import quiet, race
+    from train.core import output_dir
+
+    def fail_early(n, barrier):
+        out = str(tmp_path / f"round_{n}")
+        output_dir._claim(out, "regression", None, False)
+        barrier.wait()
+        try:
+            output_dir._remove_if_unused(out)
+        finally:
+            barrier.wait()  # B looks at its lock once A is done
+        return "removed"
+
+    def take(n, barrier):
+        out = str(tmp_path / f"round_{n}")
+        barrier.wait()
+        lock = None
+        for _ in range(200):
+            try:
+                lock = lock_folder(out, note=quiet)
+                break
+            except FolderBusy:
+                continue
+        barrier.wait()
+        if lock is None:
+            return "busy throughout"
+        try:
+            here = os.path.samestat(os.fstat(lock._fd), os.stat(os.path.join(out, ".lock")))
+        except FileNotFoundError:
+            here = False
+        lock.release()
+        return "owns the folder" if here else "holds a lock file that is gone: a second owner can come"
+
+    rounds = 300
+    removed, taken = race([fail_early, take], rounds)
+    bad = [o for o in removed if o != "removed"] + [o for o in taken if o not in ("owns the folder", "busy throughout")]
+    assert not bad, f"{len(bad)} bad outcomes in {rounds} rounds, e.g. {bad[0]}"
+
 # ----------------------------------------------------------------------------- wrong numbers
 
 def test_a_diverging_loss_stops_every_rank_with_one_line_and_no_final_model(tmp_path):

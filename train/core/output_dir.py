@@ -9,6 +9,7 @@
   once the new run has saved its first checkpoint or finished: a new run that fails early leaves
   the earlier one in reach.
 """
+import contextlib
 import json
 import os
 import re
@@ -17,7 +18,7 @@ import sys
 import time
 
 from data.errors import UserError, fail
-from data.locks import lock_folder
+from data.locks import LOCK_NAME, lock_folder
 from train.core.process import first_local_process, on_failure
 
 MARKER = "run.json"
@@ -155,12 +156,17 @@ def _claim(out, task, resume, overwrite):
 
 
 def _remove_if_unused(out):
-    """A run that fails before writing anything (bad data, say) leaves no folder it created."""
-    if out in _held and sorted(os.listdir(out)) == sorted([MARKER, ".lock"]):
-        os.remove(os.path.join(out, MARKER))
+    """A run that fails before writing anything (bad data, say) leaves no folder it created. All of it
+    goes while the lock is held: a run that opens .lock meanwhile finds that file gone and tries again
+    (data/locks.py), where after a release it would lock a file no longer in the folder, and a third
+    run would get the folder too."""
+    if out in _held and sorted(os.listdir(out)) == sorted([MARKER, LOCK_NAME]):
+        for name in (MARKER, LOCK_NAME):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(out, name))
+        with contextlib.suppress(OSError):  # another run made its .lock here meanwhile: the folder is its now
+            os.rmdir(out)
         release_output_dir(out)
-        os.remove(os.path.join(out, ".lock"))
-        os.rmdir(out)
 
 
 def _put_back(out):
