@@ -1,12 +1,13 @@
 """Labelled text for a sequence classifier: read once, tokenized once, kept as memory-mapped Arrow.
 
-prepare_labelled_text reads --train_file/--validation_file (csv, tsv, json/jsonl, parquet) or a
-`datasets` folder written by `save_to_disk`, maps the labels (strings or integers) to ids in the
-training data's order of names, tokenizes each row with the model's own tokenizer (one text column,
-or two for sentence pairs) and writes the result to a folder named by a hash of everything that
-decides it: the inputs' contents, the tokenizer's files, the columns, --max_seq_length and the
-validation split. A later run with the same inputs finds that folder and tokenizes nothing; every
-process of a run reads the main process's folder.
+prepare_labelled_text reads the two splits (data/splits.py: files, a `save_to_disk` folder or a
+dataset name), maps the labels to ids (a ClassLabel's own ids; names or integers otherwise, sorted;
+a pretrained head's order when its names are the data's), refuses or leaves out rows without a label
+(--missing_labels), tokenizes each row with the model's own tokenizer (one text column, or two for
+sentence pairs) and writes the result to a folder named by a hash of everything that decides it: the
+inputs' contents, the tokenizer's files, the columns, --max_seq_length and the validation split. A
+later run with the same inputs finds that folder and tokenizes nothing; every process of a run reads
+the main process's folder.
 
 Rows are stored unpadded (input_ids, token_type_ids for tokenizers that use them, label, length);
 TokenBatch pads each batch to its own longest row (dynamic padding), on the side the tokenizer pads.
@@ -19,10 +20,9 @@ import shutil
 import torch
 
 from data.errors import DataError
-from data.local_files import hold_out, load_files
-from data.shards import hash_files
+from data.splits import inputs_key, load_splits, missing_labels, stem
 
-FORMAT = 1  # of the folder written here; a change makes every cached folder stale
+FORMAT = 2  # of the folder written here; a change makes every cached folder stale
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.txt", "vocab.json", "merges.txt")
 
@@ -38,71 +38,63 @@ def tokenizer_files_hash(model_dir):
     return h.hexdigest()
 
 
-def _input_hash(paths):
-    """Of the inputs' contents and kinds (the same bytes as .csv and .tsv are other rows): a save_to_disk
-    folder's files, or the files themselves."""
-    if len(paths) == 1 and os.path.isdir(paths[0]):
-        paths = [os.path.join(root, n) for root, _, names in sorted(os.walk(paths[0])) for n in sorted(names)]
-    return [{"kind": os.path.splitext(entry["path"])[1], "bytes": entry["bytes"], "blake2b": entry["blake2b"]}
-            for entry in hash_files(paths)]
+MISSING_LABELS = ("error", "drop")  # --missing_labels: a row without a label is refused, or left out and counted
 
 
-def load_splits(train_files, validation_files, validation_split_percentage, seed):
-    """{"train", "validation"} datasets from files or from one `save_to_disk` folder."""
-    if len(train_files) == 1 and os.path.isdir(train_files[0]):
-        import datasets
+def label_names(train, validation, column, preferred=None):
+    """The class names and each split's label ids (None for a row without a label: splits.missing_labels).
 
-        try:
-            saved = datasets.load_from_disk(train_files[0])
-        except (FileNotFoundError, ValueError) as e:
-            raise DataError(f"--train_file {train_files[0]} is a folder but not one written by datasets' "
-                            f"save_to_disk ({' '.join(str(e).split())[:100]}); pass a csv/tsv/json/jsonl/parquet file")
-        if isinstance(saved, datasets.DatasetDict):
-            if "train" not in saved:
-                raise DataError(f"--train_file {train_files[0]} holds the splits {', '.join(saved)}, no 'train'")
-            validation = saved.get("validation", saved.get("test"))
-            saved = saved["train"]
-        else:
-            validation = None
-        if validation_files:
-            validation = load_splits(validation_files, None, None, seed)["train"]
-        if validation is None:
-            saved, validation = hold_out(saved, validation_split_percentage or 10, seed)
-        return {"train": saved, "validation": validation}
-    return load_files(train_files, validation_files, None if validation_files else (validation_split_percentage or 10),
-                      seed)
-
-
-def label_names(train, validation, column):
-    """The class names (sorted; integers in numeric order) and each split's label ids."""
+    A datasets ClassLabel column keeps its own names in its own order: its ids are the dataset's.
+    Other labels (strings, integers) are named by their values, sorted (integers in numeric order).
+    `preferred` (a pretrained classifier's names, in its id order) is the order when its names are
+    the data's: the head the model has then keeps its meaning."""
     for split, ds in (("train", train), ("validation", validation)):
         if column not in ds.column_names:
             raise DataError(f"no label column {column!r} in the {split} data (columns: {', '.join(ds.column_names)});"
                             " pass --label_column NAME")
-    values = {split: ds[column] for split, ds in (("train", train), ("validation", validation))}
-    for split, vs in values.items():
-        if any(v is None or v == "" for v in vs):
-            raise DataError(f"the {split} data has {sum(v is None or v == '' for v in vs)} row(s) without a "
-                            f"{column!r}; fill them in or drop those rows")
+    missing = {split: set(missing_labels(ds, column)) for split, ds in (("train", train), ("validation", validation))}
+    values = {split: [None if i in missing[split] else v for i, v in enumerate(ds[column])]
+              for split, ds in (("train", train), ("validation", validation))}
     class_names = getattr(train.features[column], "names", None)  # a datasets ClassLabel: its own names
     if class_names:
-        values = {split: [class_names[v] for v in vs] for split, vs in values.items()}
+        values = {split: [None if v is None else class_names[v] for v in vs] for split, vs in values.items()}
     if any(isinstance(v, float) and not v.is_integer() for vs in values.values() for v in vs):
         raise DataError(f"column {column!r} holds numbers with decimals; a classifier needs classes (names or "
                         "integers): round them, or pass another --label_column")
     values = {split: [int(v) if isinstance(v, float) else v for v in vs] for split, vs in values.items()}
-    numeric = all(isinstance(v, int) and not isinstance(v, bool) for vs in values.values() for v in vs)
-    names = sorted({str(v) for v in values["train"]}, key=int if numeric else None)
+    present = [v for vs in values.values() for v in vs if v is not None]
+    numeric = all(isinstance(v, int) and not isinstance(v, bool) for v in present)
+    names = list(class_names) if class_names else \
+        sorted({str(v) for v in values["train"] if v is not None}, key=int if numeric else None)
+    if preferred and sorted(map(str, preferred)) == sorted(names):
+        names = [str(n) for n in preferred]
     if len(names) < 2:
         raise DataError(f"the training data has {len(names)} distinct {column!r} value(s); a classifier needs at "
                         "least 2 classes")
-    unseen = sorted({str(v) for v in values["validation"]} - set(names))
+    unseen = sorted({str(v) for v in values["validation"] if v is not None} - set(names))
     if unseen:
         raise DataError(f"the validation data has label(s) never seen in training: {', '.join(unseen[:10])}; add "
                         "training rows with them, or drop those validation rows (pass a --validation_file when the "
                         "held-out split took every row of a rare class)")
     ids = {name: i for i, name in enumerate(names)}
-    return names, {split: [ids[str(v)] for v in vs] for split, vs in values.items()}
+    return names, {split: [None if v is None else ids[str(v)] for v in vs] for split, vs in values.items()}
+
+
+def without_missing_labels(ds, labels, column, split, policy):
+    """(ds, labels) without the rows that have no label, refused in one line naming them unless
+    policy is "drop"; and how many were left out."""
+    missing = [i for i, label in enumerate(labels) if label is None]
+    if not missing:
+        return ds, labels, 0
+    if policy != "drop":
+        shown = ", ".join(map(str, missing[:5])) + (", ..." if len(missing) > 5 else "")
+        raise DataError(f"the {split} data has {len(missing)} row(s) without a {column!r} (row {shown}; empty, or "
+                        "datasets' -1 for 'no label'); fill them in, or pass --missing_labels drop to leave them out")
+    keep = [i for i, label in enumerate(labels) if label is not None]
+    if not keep:
+        raise DataError(f"no row of the {split} data has a {column!r}; pass labelled data (a split without any "
+                        "label cannot train or evaluate a classifier)")
+    return ds.select(keep), [labels[i] for i in keep], len(missing)
 
 
 def text_columns(ds, columns, split):
@@ -125,32 +117,34 @@ def tokenize(tokenizer, texts, max_seq_length):
     return rows, sum(n >= max_seq_length for n in rows["length"])
 
 
-def prepare_labelled_text(train_files, validation_files, validation_split_percentage, seed, model_dir, tokenizer,
-                          text_column_names, label_column, max_seq_length, cache_root="runs/tokens"):
-    """The tokenized folder for these inputs (written if missing) and its info.json as a dict."""
+def prepare_labelled_text(inputs, model_dir, tokenizer, text_column_names, label_column, max_seq_length,
+                          cache_root="runs/tokens", preferred_labels=None, missing_labels="error"):
+    """The tokenized folder for these inputs (data.splits.DataInputs; written if missing) and its
+    info.json as a dict: the label names, which split evaluates, each split's counts."""
     import datasets
 
     datasets.disable_progress_bars()
-    key = {"format": FORMAT, "inputs": _input_hash(train_files), "validation": validation_files and
-           _input_hash(validation_files),
-           # the held-out split (its default as the number) and its seed, only where there is one
-           "split": None if validation_files else [validation_split_percentage or 10, seed],
-           "tokenizer": tokenizer_files_hash(model_dir), "text": text_column_names,
-           "label": label_column, "max_seq_length": max_seq_length}
-    stem = os.path.splitext(os.path.basename(os.path.normpath(train_files[0])))[0]
+    if missing_labels not in MISSING_LABELS:
+        raise DataError(f"--missing_labels {missing_labels}: pass one of {', '.join(MISSING_LABELS)}")
+    key = {"format": FORMAT, **inputs_key(inputs), "tokenizer": tokenizer_files_hash(model_dir),
+           "text": text_column_names, "label": label_column, "max_seq_length": max_seq_length,
+           "preferred_labels": preferred_labels, "missing_labels": missing_labels}
 
     def write(tmp):
-        splits = load_splits(train_files, validation_files, validation_split_percentage, seed)
-        names, labels = label_names(splits["train"], splits["validation"], label_column)
-        info = {"labels": names, "text_columns": text_column_names, "max_seq_length": max_seq_length, "splits": {}}
+        splits, where = load_splits(inputs, label_column)
+        names, labels = label_names(splits["train"], splits["validation"], label_column, preferred_labels)
+        info = {"labels": names, "validation": where, "text_columns": text_column_names,
+                "max_seq_length": max_seq_length, "splits": {}}
         for split, ds in splits.items():
+            ds, ids, dropped = without_missing_labels(ds, labels[split], label_column, split, missing_labels)
             rows, at_limit = tokenize(tokenizer, text_columns(ds, text_column_names, split), max_seq_length)
-            rows["label"] = labels[split]
+            rows["label"] = ids
             datasets.Dataset.from_dict(rows).save_to_disk(os.path.join(tmp, split))
-            info["splits"][split] = {"rows": len(ds), "tokens": sum(rows["length"]), "at_max_seq_length": at_limit}
+            info["splits"][split] = {"rows": len(ds), "tokens": sum(rows["length"]), "at_max_seq_length": at_limit,
+                                     "unlabelled_dropped": dropped}
         return info
 
-    return cached_folder(cache_root, stem, key, write)
+    return cached_folder(cache_root, stem(inputs), key, write)
 
 
 def cached_folder(cache_root, stem, key, write):

@@ -1,14 +1,16 @@
 """Prompt/response pairs (or chat conversations) for supervised fine-tuning of a causal language model:
 read once, tokenized once, kept as memory-mapped Arrow (the cache of data/labelled_text.py).
 
-An example is its prompt's tokens then its response's, and the end-of-text token: the response and
-that last token are the targets, the prompt is context only. A chat conversation (a column of
-[{"role", "content"}, ...] turns) is rendered with the tokenizer's own chat template, and every
-assistant turn is a target. A row stores the model's input and, beside it, the token each position
-predicts (`labels`, already shifted; -100 where nothing is scored), so an example of n tokens is a
-row of n - 1 positions, each scored response token predicted exactly once. `targets` counts a
-row's scored positions: the training loop divides the loss by their sum over every row of an
-optimizer step (data/sharding.py: step weights), so a token counts the same on any process count.
+An example is the tokenizer's tokens of its whole text, prompt then response, as the model meets it
+at inference, and the end-of-text token: the tokens that hold the response's characters (character
+offsets) and that last token are the targets, the prompt is context only. A chat conversation (a
+column of [{"role", "content"}, ...] turns) is rendered with the tokenizer's own chat template and
+tokenized whole, and every assistant turn is a target. A row stores the model's input and, beside
+it, the token each position predicts (`labels`, already shifted; -100 where nothing is scored), so
+an example of n tokens is a row of n - 1 positions, each scored response token predicted exactly
+once. `targets` counts a row's scored positions: the training loop divides the loss by their sum
+over every row of an optimizer step (data/sharding.py: step weights), so a token counts the same on
+any process count.
 
 Examples longer than --max_seq_length are cut at the end of the response (`truncate`), left out
 (`drop`) or refused (`error`); one whose prompt alone fills the length is refused unless dropped.
@@ -21,9 +23,10 @@ import bisect
 import os
 
 from data.errors import DataError
-from data.labelled_text import _input_hash, cached_folder, load_splits, tokenizer_files_hash
+from data.labelled_text import cached_folder, tokenizer_files_hash
+from data.splits import inputs_key, load_splits, stem
 
-FORMAT = 1  # of the folder written here; a change makes every cached folder stale
+FORMAT = 2  # of the folder written here; a change makes every cached folder stale
 LONG_EXAMPLES = ("truncate", "drop", "error")
 
 
@@ -92,25 +95,51 @@ def chat_segments(ds, split, column, tokenizer):
     return out
 
 
+def scored_tokens(tokenizer, examples, chat):
+    """Per example (its (text, is_target) segments): the tokenizer's ids of the whole text, and per
+    token whether it is a target.
+
+    The text is tokenized whole, as the model meets it at inference: pieces tokenized apart differ
+    where a tokenizer marks a text's start (SentencePiece's "▁") or joins a space to the next word.
+    A token is a target when any of its characters belongs to a target segment (character offsets),
+    so a token across the prompt's end and the response's start is learned with the response. The
+    tokens the tokenizer adds around a text (Llama's <s>, BERT's [CLS] and [SEP]) are not characters
+    of it: those after the text end it and are targets, those before it are context. Outside a chat
+    template (which writes its own) end-of-text follows, a target: the model learns where a response
+    stops."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError(f"the tokenizer ({type(tokenizer).__name__}) gives no character offsets, which tell the "
+                        "response's tokens from the prompt's; use the model's fast tokenizer (a tokenizer.json in its "
+                        "folder: AutoTokenizer.from_pretrained(...).save_pretrained(...) writes one where it can)")
+    texts = ["".join(text for text, _ in segments) for segments in examples]
+    encoded = tokenizer(texts, add_special_tokens=not chat, return_offsets_mapping=True,
+                        return_special_tokens_mask=True) if texts else {"input_ids": []}
+    end = [tokenizer.eos_token_id] if not chat and tokenizer.eos_token_id is not None else []
+    for i, segments in enumerate(examples):
+        spans, at = [], 0
+        for text, is_target in segments:
+            if is_target:
+                spans.append((at, at + len(text)))
+            at += len(text)
+        ids = list(encoded["input_ids"][i])
+        scored, seen_text = [], False
+        for (a, b), added in zip(encoded["offset_mapping"][i], encoded["special_tokens_mask"][i]):
+            if added and a == b:  # put there by the tokenizer, not read from the text
+                scored.append(seen_text)
+                continue
+            seen_text = True
+            scored.append(any(a < e and b > s for s, e in spans) if a < b else any(s <= a < e for s, e in spans))
+        if end and ids[-1:] != end:  # unless the tokenizer ends a text with it already
+            ids += end
+            scored.append(True)
+        yield ids, scored
+
+
 def encode(tokenizer, examples, max_seq_length, long_examples, split, chat):
     """Rows (input_ids, labels, length, targets) and counts: cut, dropped, tokens."""
-    pieces = [text for segments in examples for text, _ in segments]
-    ids = iter(tokenizer(pieces, add_special_tokens=False)["input_ids"]) if pieces else iter(())
-    # outside a chat template (which writes its own), the tokenizer's leading special token (Llama's
-    # <s>) starts each example, and end-of-text ends it: the model learns where a response stops
-    first = tokenizer("x")["input_ids"][:1] if not chat else []
-    start = first if first and first[0] in tokenizer.all_special_ids else []
-    end = [tokenizer.eos_token_id] if not chat and tokenizer.eos_token_id is not None else []
     rows = {"input_ids": [], "labels": [], "length": [], "targets": []}
     cut = dropped = 0
-    for segments in examples:
-        tokens, scored = list(start), [False] * len(start)
-        for _, is_target in segments:
-            piece = next(ids)
-            tokens += piece
-            scored += [is_target] * len(piece)
-        tokens += end
-        scored += [True] * len(end)
+    for segments, (tokens, scored) in zip(examples, scored_tokens(tokenizer, examples, chat)):
         labels = [t if s else -100 for t, s in zip(tokens[1:], scored[1:])]
         tokens = tokens[:-1]
         if not any(s for s in scored[1:]):
@@ -165,29 +194,25 @@ def pack(rows, max_seq_length):
     return packed
 
 
-def prepare_prompt_response(train_files, validation_files, validation_split_percentage, seed, model_dir, tokenizer,
-                            columns, max_seq_length, long_examples="truncate", packing=False,
-                            cache_root="runs/tokens"):
-    """The tokenized folder for these inputs (written if missing) and its info.json as a dict.
-    `columns`: {"prompt": NAME, "response": NAME} or {"messages": NAME}."""
+def prepare_prompt_response(inputs, model_dir, tokenizer, columns, max_seq_length, long_examples="truncate",
+                            packing=False, cache_root="runs/tokens"):
+    """The tokenized folder for these inputs (data.splits.DataInputs; written if missing) and its
+    info.json as a dict. `columns`: {"prompt": NAME, "response": NAME} or {"messages": NAME}."""
     import datasets
 
     if long_examples not in LONG_EXAMPLES:
         raise DataError(f"--long_examples {long_examples}: pass one of {', '.join(LONG_EXAMPLES)}")
     datasets.disable_progress_bars()
     chat = "messages" in columns
-    key = {"format": FORMAT, "inputs": _input_hash(train_files), "validation": validation_files and
-           _input_hash(validation_files),
-           "split": None if validation_files else [validation_split_percentage or 10, seed],
-           "tokenizer": tokenizer_files_hash(model_dir), "columns": columns, "max_seq_length": max_seq_length,
-           "long_examples": long_examples, "packing": packing}
-    stem = os.path.splitext(os.path.basename(os.path.normpath(train_files[0])))[0]
+    key = {"format": FORMAT, **inputs_key(inputs), "tokenizer": tokenizer_files_hash(model_dir), "columns": columns,
+           "max_seq_length": max_seq_length, "long_examples": long_examples, "packing": packing}
 
     def write(tmp):
-        splits = load_splits(train_files, validation_files, validation_split_percentage, seed)
-        info = {"columns": columns, "max_seq_length": max_seq_length, "packing": packing, "splits": {}}
+        splits, where = load_splits(inputs)
+        info = {"columns": columns, "validation": where, "max_seq_length": max_seq_length, "packing": packing,
+                "splits": {}}
         for split, ds in splits.items():
-            name = split if split == "train" or validation_files else "validation (held out of --train_file)"
+            name = split if split == "train" else f"validation ({where})"
             examples = chat_segments(ds, name, columns["messages"], tokenizer) if chat else \
                 prompt_response_segments(ds, name, columns["prompt"], columns["response"])
             rows, counts = encode(tokenizer, examples, max_seq_length, long_examples, name, chat)
@@ -199,7 +224,7 @@ def prepare_prompt_response(train_files, validation_files, validation_split_perc
             info["splits"][split] = counts
         return info
 
-    return cached_folder(cache_root, stem, key, write)
+    return cached_folder(cache_root, stem(inputs), key, write)
 
 
 class CausalBatch:

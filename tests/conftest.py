@@ -22,6 +22,9 @@ os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 # default): the in-process runs and 1-process launches took a thread per core, and beside the other
 # xdist worker's runs those threads waited on each other (2-3x slower on 2 cores, measured).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# No test reaches the Hugging Face Hub: a Hub id resolves through a cache the test builds on disk, and the
+# scripts never set offline mode themselves (the user's HF_HUB_OFFLINE decides)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -133,20 +136,20 @@ def stack_of(pid):
     return f"--- pid {pid}: {what}\n(py-spy could not read its stacks)"
 
 
-def probe(config, fault, *args, timeout=240):
-    """tests/fault_probe.py (a fault injected into train/regression.py) under accelerate launch
-    (config) or as one plain process (config None)."""
+def probe(config, fault, *args, timeout=240, script="regression"):
+    """tests/fault_probe.py (a fault injected into train/SCRIPT.py) under accelerate launch (config) or
+    as one plain process (config None)."""
     cmd = [sys.executable]
     if config:
         cmd += ["-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config + ".yaml")]
-    cmd += [os.path.join("tests", "fault_probe.py"), "regression", *map(str, fault), "--", *map(str, args)]
+    cmd += [os.path.join("tests", "fault_probe.py"), script, *map(str, fault), "--", *map(str, args)]
     return run_or_dump(cmd, timeout, env=clean_env())
 
 
-def run_script(script, *args, timeout=120):
-    """`python train/SCRIPT.py ARGS` in one process, without accelerate launch."""
+def run_script(script, *args, timeout=120, **env):
+    """`python train/SCRIPT.py ARGS` in one process, without accelerate launch (`env`: more variables)."""
     cmd = [sys.executable, os.path.join("train", script + ".py"), *map(str, args)]
-    return run_or_dump(cmd, timeout, env=clean_env())
+    return run_or_dump(cmd, timeout, env=clean_env(**env))
 
 
 def run_as_script(capsys, script, *args):

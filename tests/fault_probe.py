@@ -2,6 +2,7 @@
 
     fault_probe.py SCRIPT --nan_at K [--rank R] -- SCRIPT_ARGS...   the K-th training loss on rank R is NaN
     fault_probe.py SCRIPT --stale_latest [--rank R] -- SCRIPT_ARGS...  rank R sees no checkpoint in the folder
+    fault_probe.py sft --slow_prepare S -- SCRIPT_ARGS...     rank 0's tokenizing takes S seconds longer
 
 The second is what a rank sees when a checkpoint lands between two ranks' looks at the folder:
 only the main process's answer may count. No hooks in the training code: public functions are
@@ -23,6 +24,7 @@ def main():
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--nan_at", type=int, default=None)
     parser.add_argument("--stale_latest", action="store_true")
+    parser.add_argument("--slow_prepare", type=float, default=None)
     args = parser.parse_args(sys.argv[1:split])
     mine = int(os.environ.get("RANK", 0)) == args.rank
     if mine and args.nan_at:
@@ -38,6 +40,18 @@ def main():
         import train.core.checkpoint
 
         train.core.checkpoint.list_checkpoints = lambda output_dir: []
+    if mine and args.slow_prepare:  # before the script imports it by name
+        import time
+
+        import data.prompt_response
+
+        real = data.prompt_response.prepare_prompt_response
+
+        def prepare_prompt_response(*a, **k):
+            time.sleep(args.slow_prepare)
+            return real(*a, **k)
+
+        data.prompt_response.prepare_prompt_response = prepare_prompt_response
     from train.core.run import run
 
     module = __import__(f"train.{args.script}", fromlist=["main"])

@@ -59,6 +59,26 @@ def tiny_tokenizer(folder, bos=False, chat=False):
     return wrapped
 
 
+def metaspace_tokenizer(folder):
+    """A SentencePiece-style BPE (Llama-2's and Mistral's kind): a Metaspace pre-tokenizer that marks a
+    text's start and each space with "▁", <s> before each text, </s> to end; ~400 tokens learned from
+    WORDS (word by word, as SentencePiece learns), saved into folder."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first", split=True)
+    alphabet = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789:;.,?!'\n")
+    tok.train_from_iterator([" ".join(WORDS)] * 20, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=alphabet, show_progress=False))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)  # as Llama's
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    wrapped.save_pretrained(folder)
+    return wrapped
+
+
 def tiny_causal_lm(folder, arch="gpt2", dropout=0.0, seed=0, chat=False):
     """A 2-layer, 32-wide GPT-2 or Llama (random weights) with tiny_tokenizer's tokenizer."""
     import torch
@@ -79,3 +99,15 @@ def tiny_causal_lm(folder, arch="gpt2", dropout=0.0, seed=0, chat=False):
         model = LlamaForCausalLM(config)
     model.save_pretrained(folder)
     return str(folder)
+
+
+def into_hub_cache(hf_home, repo_id, folder, revision="0123456789abcdef0123456789abcdef01234567"):
+    """Put a model folder into a Hugging Face cache as huggingface_hub lays out a download:
+    HF_HOME/hub/models--ORG--NAME/snapshots/REVISION/ and refs/main naming it. With HF_HOME and
+    HF_HUB_OFFLINE=1 set, from_pretrained(repo_id) loads it, as a user's own cache serves a Hub id."""
+    root = os.path.join(str(hf_home), "hub", "models--" + repo_id.replace("/", "--"))
+    shutil.copytree(folder, os.path.join(root, "snapshots", revision))
+    os.makedirs(os.path.join(root, "refs"), exist_ok=True)
+    with open(os.path.join(root, "refs", "main"), "w") as f:
+        f.write(revision)
+    return repo_id

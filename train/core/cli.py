@@ -8,6 +8,7 @@ import math
 import sys
 
 from train.core.process import exit_once, first_local_process
+from train.core.schedule import SCHEDULES
 
 GROUPS = (("data", "data"), ("model", "model"), ("optimization", "optimization"),
           ("checkpoints", "output and checkpoints"), ("tracking", "logging and tracking"),
@@ -52,6 +53,25 @@ def true_or_false(text):
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def fraction(text):
+    """argparse type: a number in [0, 1)."""
+    value = non_negative_float(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"must be below 1, got {value}")
+    return value
+
+
+def json_object(text):
+    """argparse type: a JSON object, as a dict (a --config file may give the mapping itself)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"name\": 1}}', got {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"name\": 1}}', got {text!r}")
+    return value
+
+
 def steps_or_epoch(text):
     return "epoch" if text == "epoch" else positive_int(text)
 
@@ -62,6 +82,13 @@ ALIASES = {"--lr": "--learning_rate", "--epochs": "--num_train_epochs", "--num_e
            "--eval_batch_size": "--per_device_eval_batch_size", "--warmup_steps": "--num_warmup_steps",
            "--max_steps": "--max_train_steps", "--num_workers": "--dataloader_num_workers",
            "--resume": "--resume_from_checkpoint", "--fp16": "--mixed_precision", "--bf16": "--mixed_precision"}
+
+
+# flags of transformers' and TRL's scripts that users try here, and why there are none
+NEVER_UPLOADS = ("this project never uploads; when the run is done, upload OUTPUT_DIR yourself: "
+                 "hf upload ORG/NAME OUTPUT_DIR")
+UNSUPPORTED = {"--push_to_hub": NEVER_UPLOADS, "--hub_model_id": NEVER_UPLOADS, "--hub_token": NEVER_UPLOADS,
+               "--hub_strategy": NEVER_UPLOADS, "--hub_private_repo": NEVER_UPLOADS}
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -94,6 +121,8 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         if message.startswith("unrecognized arguments:"):
             for word in message.split(":", 1)[1].split():
+                if word.split("=")[0] in UNSUPPORTED:
+                    exit_once(f"error: {word.split('=')[0]}: {UNSUPPORTED[word.split('=')[0]]}", 2)
                 close = self._did_you_mean(word.split("=")[0]) if word.startswith("--") else ""
                 if close:
                     message += close
@@ -165,6 +194,8 @@ class Parser(argparse.ArgumentParser):
                 bad(f"{key} takes true or false, got {value!r}")
             return value if action.dest == key else (action.const if value else action.default)
         if action.type is true_or_false and isinstance(value, bool):
+            return value
+        if action.type is json_object and isinstance(value, dict):  # a mapping in the file itself
             return value
         if value is None:
             if action.default is not None:
@@ -275,21 +306,43 @@ def add_optimizer_args(parser, learning_rate, train_batch_size, eval_batch_size,
                    help="Evaluation batch size per process.")
     g.add_argument("--learning_rate", type=positive_float, default=learning_rate, help="Peak AdamW learning rate.")
     g.add_argument("--weight_decay", type=float, default=weight_decay, help="AdamW weight decay.")
-    g.add_argument("--lr_scheduler_type", choices=["constant", "linear", "cosine"], default="cosine",
-                   help="Learning-rate schedule after warmup.")
+    g.add_argument("--lr_scheduler_type", choices=SCHEDULES, default="cosine", metavar="{" + ",".join(SCHEDULES) + "}",
+                   help="Learning-rate schedule after warmup: constant, linear, cosine, or another of transformers' "
+                        "schedules by its name (docs/scripts.md).")
+    g.add_argument("--lr_scheduler_kwargs", type=json_object, default=None,
+                   help="JSON arguments of transformers' schedules that take more, e.g. '{\"min_lr_rate\": 0.1}' for "
+                        "cosine_with_min_lr, '{\"num_decay_steps\": 100}' for warmup_stable_decay.")
     g.add_argument("--num_warmup_steps", type=int, default=0, help="Linear warmup steps.")
+    g.add_argument("--warmup_ratio", type=fraction, default=0.0,
+                   help="Without --num_warmup_steps: warmup for this fraction of the run's optimizer steps.")
     if label_smoothing is not None:
         g.add_argument("--label_smoothing", type=float, default=label_smoothing, help="Cross-entropy label smoothing.")
 
 
-def add_data_files_args(parser, train_help, split_percentage):
-    """--train_file, --validation_file and --validation_split_percentage, for the scripts that read a user's files."""
+def add_data_files_args(parser, train_help, split_percentage, dataset_name=False):
+    """--train_file, --validation_file and --validation_split_percentage, for the scripts that read a user's files;
+    with dataset_name, also --dataset_name and --dataset_config_name (data.splits reads them)."""
     data = parser.groups["data"]
     data.add_argument("--train_file", nargs="+", help=train_help)
     data.add_argument("--validation_file", nargs="+", help="Validation rows, the same kind of file (default: a held-out "
                       "split).")
     data.add_argument("--validation_split_percentage", type=positive_float, default=None,
-                      help=f"Without --validation_file: the percent of training rows held out (default {split_percentage}).")
+                      help=f"Without a validation split: the percent of training rows held out (default "
+                           f"{split_percentage}).")
+    if dataset_name:
+        data.add_argument("--dataset_name", default=None,
+                          help="Instead of files: a dataset as datasets.load_dataset takes it, a Hub name (org/name) or "
+                               "a local dataset folder (data files, a README naming its configs); its train split "
+                               "trains, its validation (else test) split evaluates.")
+        data.add_argument("--dataset_config_name", default=None, help="The dataset's configuration, e.g. sst2 of glue.")
+
+
+def data_inputs(args):
+    """The data flags of add_data_files_args as one value for data/ (data.splits.DataInputs)."""
+    from data.splits import DataInputs
+
+    return DataInputs(args.train_file, args.validation_file, getattr(args, "dataset_name", None),
+                      getattr(args, "dataset_config_name", None), args.validation_split_percentage, args.seed)
 
 
 def reading_workers(requested, device, on_gpu):

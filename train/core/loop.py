@@ -23,7 +23,7 @@ from train.core.output_dir import drop_replaced_run, release_output_dir
 from train.core.preemption import Preempted, Preemption
 from train.core.resume import check_same_run
 from train.core.process import on_teardown, resume_command
-from train.core.schedule import make_scheduler, plan_steps
+from train.core.schedule import make_scheduler, plan_steps, warmup_steps
 from train.core.tracking import MetricsLog, format_metrics, plot_metrics, save_final
 
 
@@ -40,6 +40,8 @@ class TrainingLoop:
         self.accelerator, self.args, self.task = accelerator, args, task
         self.model, self.optimizer, self.loader = model, optimizer, train_loader
         model.train()  # from_pretrained hands back a model in eval mode: no dropout until the first evaluation
+        # LoRA: the best model's file and the final weights handed to save_model hold what trains, not the base
+        self.frozen = any(not p.requires_grad for p in model.parameters())
         self.evaluate, self.headline = evaluate, headline
         self.output_dir, self.logging_steps, self.eval_steps = args.output_dir, args.logging_steps, args.eval_steps
         self.checkpointing_steps, self.keep_last = args.checkpointing_steps, args.checkpoints_total_limit
@@ -55,7 +57,9 @@ class TrainingLoop:
             self.batches_per_epoch, args.gradient_accumulation_steps, args.num_train_epochs, args.max_train_steps)
         # stepped here once per optimizer step, so its state does not depend on the process count
         self.lr_scheduler = accelerator.prepare(make_scheduler(
-            optimizer, args.lr_scheduler_type, args.num_warmup_steps, self.max_train_steps)) if schedule else None
+            optimizer, args.lr_scheduler_type, warmup_steps(args.num_warmup_steps, args.warmup_ratio,
+                                                            self.max_train_steps),
+            self.max_train_steps, args.lr_scheduler_kwargs)) if schedule else None
         self.t_start = self._t_log = time.perf_counter()  # _t_log: a bench may call after_batch alone
         self.train_seconds = 0.0
         self.step, self.epoch, self.batches_done, self.history, self.epoch_seconds = 0, 0, 0, [], []
@@ -173,7 +177,7 @@ class TrainingLoop:
         metrics = self.evaluate()
         self.history.append({**where, "step": self.step, **metrics})
         self.metrics.log({"step": self.step, "epoch": where["epoch"], **metrics})
-        self.best.update(metrics, self.step, lambda: model_weights(self.model))
+        self.best.update(metrics, self.step, lambda: model_weights(self.model, trainable_only=self.frozen))
         if self.accelerator.is_main_process:
             best = " (best so far)" if self.best.step == self.step and len(self.history) > 1 else ""
             self.progress.write(f"{label}: {format_metrics(metrics)}{suffix}{best}")
@@ -243,7 +247,8 @@ class TrainingLoop:
         `extra`), args.json and curves.png; print the summary line; close the trackers and hand the
         folder back; return the results. `save_model(weights, output_dir)` writes the model instead
         (a Hugging Face folder, say), on the main process, before all_results.json marks the run
-        finished. The process group goes in run(), once the script's objects are gone."""
+        finished; a model with frozen weights (LoRA) must have one, and it gets the weights that train. The
+        process group goes in run(), once the script's objects are gone."""
         self.progress.close()
         self.writer.close()  # the last checkpoint written before the run counts as finished
         self.losses.check(self.model, self.step)  # no final model of a run whose numbers went bad
@@ -256,8 +261,10 @@ class TrainingLoop:
                    "train_samples_per_second": self.samples_per_second(),
                    **({"skipped_steps": self.losses.skipped_steps} if self.losses.skipped_steps else {}),
                    **({"stopped_early": True} if self.best.stopped else {}), **self.best.results(), **(extra or {})}
+        if self.frozen and save_model is None:
+            raise ValueError("a model with frozen weights needs save_model: the run's weights hold only what trains")
         # the best evaluation's weights (already on disk) or the last step's (a collective under FSDP2)
-        weights = model_weights(self.model) if self.best.step is None else None
+        weights = model_weights(self.model, trainable_only=self.frozen) if self.best.step is None else None
         if self.accelerator.is_main_process and save_model is not None:
             save_model(self.best.take() if weights is None else weights, self.output_dir)
             weights = None

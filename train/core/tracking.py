@@ -10,6 +10,8 @@ import time
 
 import torch
 
+from data.errors import fail
+
 
 def fsync_path(path):
     fd = os.open(path, os.O_RDONLY)
@@ -91,11 +93,29 @@ def save_final(accelerator, weights, output_dir, results, hparams):
         write_json(os.path.join(output_dir, "args.json"), hparams)
 
 
+# accelerate's trackers and the package each needs (accelerate itself only warns when one is missing,
+# and the run then logs nothing)
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet_ml": "comet_ml", "mlflow": "mlflow",
+                    "aim": "aim", "clearml": "clearml", "dvclive": "dvclive", "trackio": "trackio",
+                    "swanlab": "swanlab"}
+
+
 def tracking_kwargs(with_tracking, report_to, output_dir):
-    """Accelerator arguments for --with_tracking: trackers write under OUTPUT_DIR/tensorboard/."""
+    """Accelerator arguments for --with_tracking: trackers write under OUTPUT_DIR/tensorboard/. One
+    line for a tracker accelerate does not know or whose package is not installed."""
     if not with_tracking:
         return {}
-    return {"log_with": report_to, "project_dir": os.path.join(output_dir, "tensorboard")}
+    import importlib.util
+
+    for name in [n.strip() for n in report_to.split(",") if n.strip()]:
+        if name != "all" and name not in TRACKER_PACKAGES:
+            fail(f"--report_to {name}: not a tracker accelerate has; pass one or more of "
+                 f"{', '.join(TRACKER_PACKAGES)} (comma-separated), or all")
+        if name != "all" and importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
+            fail(f"--report_to {name}: the {TRACKER_PACKAGES[name]} package is not installed; pip install "
+                 f"{TRACKER_PACKAGES[name]}, or pass --report_to tensorboard")
+    names = [n.strip() for n in report_to.split(",") if n.strip()]
+    return {"log_with": names if len(names) > 1 else names[0], "project_dir": os.path.join(output_dir, "tensorboard")}
 
 
 def format_metrics(metrics):

