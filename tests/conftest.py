@@ -41,8 +41,9 @@ def pytest_xdist_auto_num_workers(config):
 # takes one whole file at a time in collection order, so a long file collected late runs alone at the
 # end while the other worker idles (5 of 22 minutes in one clean-clone run): these go first. The cluster
 # files mostly wait on SLURM and the rendezvous, beside the other worker's runs.
-LONGEST_FIRST = ("test_cluster.py", "test_cluster_sweep.py", "test_bench.py", "test_sweep.py", "test_fsdp2.py", "test_image_classification.py",
-                 "test_text_classification.py", "test_sft.py", "test_checkpointing.py", "test_first_hour.py",
+LONGEST_FIRST = ("test_cluster.py", "test_cluster_sweep.py", "test_bench.py", "test_sweep.py", "test_fsdp2.py",
+                 "test_image_classification.py", "test_text_classification.py", "test_sft.py", "test_pretrained.py",
+                 "test_checkpointing.py", "test_first_hour.py",
                  "test_sharding.py", "test_multinode.py", "test_lm.py", "test_mnist.py",
                  "test_readme_script.py", "test_run_folder.py", "test_exits.py", "test_sharded_launch.py",
                  "test_experiments.py")
