@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 
 import torch
 
@@ -156,9 +157,9 @@ def cached_folder(cache_root, stem, key, write):
     if os.path.isfile(os.path.join(folder, "info.json")):
         with open(os.path.join(folder, "info.json")) as f:
             return folder, json.load(f)
-    tmp = f"{folder}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    os.makedirs(cache_root, exist_ok=True)
+    # a name no other writer has: two hosts sharing the cache may run processes of the same pid
+    tmp = tempfile.mkdtemp(dir=cache_root, prefix=f"{stem}-{digest}.tmp-")
     try:
         info = write(tmp)
         with open(os.path.join(tmp, "info.json"), "w") as f:

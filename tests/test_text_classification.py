@@ -306,6 +306,57 @@ def test_tokenized_once_then_found_again(data, tmp_path):
     assert other[1]["splits"]["train"]["at_max_seq_length"] > 0  # rows of up to 60 words reach 32 tokens
 
 
+def write_in_pieces(tmp):
+    """What save_to_disk does for two splits, slowly enough for a second writer to meet it."""
+    import time
+
+    for split in ("train", "validation"):
+        os.makedirs(os.path.join(tmp, split))
+        with open(os.path.join(tmp, split, "data.arrow"), "wb") as f:
+            for _ in range(10):
+                f.write(b"x" * 20_000)
+                time.sleep(0.0005)
+    return {"rows": 1}
+
+
+def same_pid_writer(root, barrier, results):
+    """A run on another host (or container) sharing the token cache, with the same process id as its peer."""
+    from data.labelled_text import cached_folder
+
+    real, os.getpid = os.getpid, lambda: 4242  # two hosts' runs can have one pid
+    barrier.wait()
+    try:
+        cached_folder(root, "train", {"k": 1}, write_in_pieces)
+        outcome = "ok"
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    os.getpid = real  # multiprocessing's queue needs the real one
+    results.put(outcome)
+
+
+def test_two_hosts_writing_the_same_tokens_at_once_both_get_a_whole_folder(tmp_path):
+    """Two writers of one token folder released together, 40 times, with the same pid: each gets the
+    folder, and the folder that appears is whole (a pid-named temporary folder was shared and torn)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    outcomes = []
+    for n in range(40):
+        root = str(tmp_path / str(n))
+        barrier, results = context.Barrier(2), context.Queue()
+        writers = [context.Process(target=same_pid_writer, args=(root, barrier, results)) for _ in range(2)]
+        for w in writers:
+            w.start()
+        outcomes += [results.get(timeout=60) for _ in writers]
+        for w in writers:
+            w.join()
+        published = [name for name in os.listdir(root) if ".tmp-" not in name]
+        assert len(published) == 1 and all(
+            os.path.getsize(os.path.join(root, published[0], split, "data.arrow")) == 200_000
+            for split in ("train", "validation")), os.listdir(root)
+    assert outcomes == ["ok"] * 80, [o for o in outcomes if o != "ok"][:3]
+
+
 def test_sentence_pairs_and_a_saved_datasets_folder(data, tmp_path):
     import datasets
     from transformers import AutoTokenizer
