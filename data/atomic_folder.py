@@ -55,7 +55,8 @@ def atomic_folder(output_dir, force=False):
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-        if created and not folder_contents(output_dir) and not os.path.exists(os.path.join(output_dir, MANIFEST)):
+        if (created and lock.in_place() and not folder_contents(output_dir)
+                and not os.path.exists(os.path.join(output_dir, MANIFEST))):
             # a failed first write leaves nothing behind
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(output_dir, LOCK_NAME))
@@ -69,10 +70,15 @@ def write_error(output_dir, e):
             f"{WRITE_FIXES.get(e.errno, 'check the folder and run again')}")
 
 
-def make_temp_folder(output_dir):
+def temp_name(output_dir):
+    """A hidden name beside output_dir that remove_leftovers() knows as a prepare's of output_dir."""
     parent, name = os.path.split(os.path.abspath(output_dir))
+    return os.path.join(parent, f".prepare-{name}-{secrets.token_hex(4)}")
+
+
+def make_temp_folder(output_dir):
     while True:
-        tmp = os.path.join(parent, f".prepare-{name}-{secrets.token_hex(4)}")
+        tmp = temp_name(output_dir)
         try:
             os.mkdir(tmp)
             return tmp
@@ -109,9 +115,26 @@ def exchange(a, b):
         code = ctypes.get_errno()
         if code not in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
             raise OSError(code, os.strerror(code), b)
-    old = a + "-old"
+    exchange_by_renames(a, b)
+
+
+def exchange_by_renames(a, b):
+    """Three renames, b missing between the first two: another process locking b then makes it
+    again (data/locks.py), and a no longer fits in its place. The old set waits under a name of
+    b's temporary folders, so whatever stops us there, the next prepare of b removes it; if a cannot
+    take b's place, the old set goes back."""
+    old = temp_name(b)
     os.rename(b, old)
-    os.rename(a, b)
+    try:
+        os.rename(a, b)
+    except OSError:
+        try:
+            os.rename(old, b)
+        except OSError:
+            raise DataError(f"another process made {b} again while this prepare swapped its new set in by renames "
+                            f"(this file system cannot exchange two folders in one step); the earlier set is in {old} "
+                            f"until the next prepare of {b} removes it; run the prepare again") from None
+        raise
     os.rename(old, a)
 
 

@@ -44,6 +44,14 @@ class FolderLock:
         os.close(self._fd)  # closing the descriptor drops the flock
         self._fd = None
 
+    def in_place(self):
+        """Whether the file locked is still FOLDER/.lock: a folder swapped by renames can lose it to a
+        process that made the folder again in between, whose lock file is then not ours to remove."""
+        try:
+            return os.path.samestat(os.fstat(self._fd), os.stat(os.path.join(self.folder, LOCK_NAME)))
+        except OSError:
+            return False
+
     def __enter__(self):
         return self
 
