@@ -4,7 +4,9 @@ the whole set at once.
 - Ownership (claim): a folder is replaced only when it is new, empty, or holds nothing but what
   data.prepare's manifest lists, as written (size and sha256; --force: changed files too). A file
   the manifest does not list is never deleted: the prepare is refused naming it.
-- One writer: the folder's lock (data/locks.py) is held for the whole prepare.
+- One writer: the folder's lock (data/locks.py) is held for the whole prepare. A second prepare of
+  the same set (two runs started on the same cold data) waits for the first and uses its set; a
+  prepare of another set into the folder is refused, naming the holder.
 - All at once: the new set is written to a hidden folder beside it (.prepare-NAME-XXXXXXXX) and
   swapped in with one renameat2(RENAME_EXCHANGE), so a crash never leaves a half-written set looking
   complete; the next prepare of the folder removes what a killed one left there.
@@ -18,13 +20,14 @@ import secrets
 import shutil
 
 from data.errors import DataError
-from data.locks import LOCK_NAME, FolderBusy, lock_folder
+from data.locks import LOCK_NAME, FolderBusy, lock_folder, wait_for_job
 from data.shards import MANIFEST, check_files_written, fingerprint, folder_contents, listed_files, prepared_manifest
 
 WRITE_FIXES = {errno.ENOSPC: "free some space or pass an --output_dir on another disk",
                errno.EDQUOT: "free some space or pass an --output_dir on another disk",
                errno.EROFS: "pass an --output_dir on a writable disk",
                errno.EACCES: "pass an --output_dir you can write to", errno.EPERM: "pass an --output_dir you can write to"}
+_asked = {}  # folder -> fingerprint of the set up_to_date() found missing: the one the atomic_folder() after it writes
 
 
 @contextlib.contextmanager
@@ -33,23 +36,33 @@ def atomic_folder(output_dir, force=False):
     ends without an error it takes output_dir's place in one step and the old set is removed. What is
     in output_dir must be this module's own (claim()), checked before anything is written, then again
     under the folder's lock, which is held throughout; a folder this call created is removed again
-    if the block fails. OSErrors (a full disk, a read-only folder) are one line saying where."""
+    if the block fails. OSErrors (a full disk, a read-only folder) are one line saying where.
+    Another process preparing the set up_to_date() just found missing is waited for, not refused; if
+    it finished first, its set stays and the block's copy is dropped."""
     claim(output_dir, force)
     created = not os.path.isdir(output_dir)
+    target = os.path.realpath(output_dir)  # a link to a folder: the folder is replaced, not the link
+    job = _asked.pop(target, None)
     try:
-        lock = lock_folder(output_dir, what="a data folder being prepared", note=print)
+        lock = lock_folder(output_dir, what="a data folder being prepared", note=print, job=job)
     except FolderBusy as e:
         raise DataError(str(e)) from None
     except OSError as e:
         raise DataError(write_error(output_dir, e)) from None
-    tmp, target = None, os.path.realpath(output_dir)  # a link to a folder: the folder is replaced, not the link
+    tmp = None
     try:
         claim(output_dir, force)  # again, holding the lock: it may have changed meanwhile
+        # a prepare of the same set started with ours and finished first: its set stays, ours is dropped
+        done = job is not None and not force and finished_set(output_dir, job) is not None
         remove_leftovers(target)
         tmp = make_temp_folder(target)
         yield tmp
-        os.link(os.path.join(target, LOCK_NAME), os.path.join(tmp, LOCK_NAME))  # the held lock goes along
-        exchange(tmp, target)  # tmp now holds the old set
+        if done:
+            print(f"another process prepared {output_dir} meanwhile with the same inputs and arguments; kept its set, "
+                  "dropped this copy")
+        else:
+            os.link(os.path.join(target, LOCK_NAME), os.path.join(tmp, LOCK_NAME))  # the held lock goes along
+            exchange(tmp, target)  # tmp now holds the old set
     except OSError as e:
         raise DataError(write_error(output_dir, e)) from None
     finally:
@@ -169,20 +182,36 @@ def claim(output_dir, force=False):
 
 def up_to_date(output_dir, inputs, arguments, force=False):
     """True (and says so) if output_dir already holds these inputs written with these arguments,
-    every file still there as written (size and sha256). Takes no lock and writes nothing; anything
-    else is for claim() to judge, under the lock."""
-    try:
-        manifest = prepared_manifest(output_dir) if os.path.isdir(output_dir) else None
-    except DataError:
+    every file still there as written (size and sha256). A prepare of this same set under way in
+    another process is waited for first; the atomic_folder() that follows a False waits for one
+    started meanwhile rather than refuse it. Holds no lock and writes nothing; anything else is for
+    claim() to judge, under the lock."""
+    job = fingerprint(inputs, arguments)
+    manifest = None if force else finished_set(output_dir, job)
+    if manifest is None and not force and wait_for_job(output_dir, job):
+        manifest = finished_set(output_dir, job)
+    if manifest is None:
+        _asked[os.path.realpath(output_dir)] = job
         return False
-    if force or manifest is None or manifest.get("fingerprint") != fingerprint(inputs, arguments):
-        return False
-    missing, changed = check_files_written(output_dir, manifest)
-    if missing or changed or any(f not in listed_files(manifest) for f in folder_contents(output_dir)):
-        return False
+    _asked.pop(os.path.realpath(output_dir), None)
     rows = ", ".join(f"{split} {entry['rows']} rows" for split, entry in manifest["splits"].items())
     print(f"{output_dir} is up to date ({rows}, fingerprint {manifest['fingerprint']}); nothing written")
     return True
+
+
+def finished_set(output_dir, job):
+    """The manifest of output_dir if it holds the set of fingerprint `job`, every file as written
+    and nothing else; None otherwise."""
+    try:
+        manifest = prepared_manifest(output_dir) if os.path.isdir(output_dir) else None
+    except DataError:
+        return None
+    if manifest is None or manifest.get("fingerprint") != job:
+        return None
+    missing, changed = check_files_written(output_dir, manifest)
+    if missing or changed or any(f not in listed_files(manifest) for f in folder_contents(output_dir)):
+        return None
+    return manifest
 
 
 def report(output_dir, manifest):

@@ -51,8 +51,11 @@ INPUTS = [{"name": "eight rows", "blake2b": "0"}]
 RENAME = os.rename
 
 
-def prepare_like_a_script(out, arguments, force=False):
-    """What data/local_files.py and the others do: nothing if up to date, else a new set swapped in."""
+def prepare_like_a_script(out, arguments, force=False, seconds=0.0):
+    """What data/local_files.py and the others do: nothing if up to date, else a new set (taking
+    `seconds` more to write) swapped in."""
+    import time
+
     import torch
 
     from data.atomic_folder import atomic_folder, up_to_date
@@ -62,6 +65,7 @@ def prepare_like_a_script(out, arguments, force=False):
         return "up to date"
     with atomic_folder(out, force) as tmp:
         write_shards({"x": torch.arange(8)}, tmp, "train", 1)
+        time.sleep(seconds)
         write_manifest(tmp, INPUTS, arguments)
     return "written"
 
@@ -150,3 +154,42 @@ def test_a_swap_by_renames_that_cannot_put_the_new_set_in_puts_the_old_one_back(
         prepare_like_a_script(out, {"set": "new"})
     assert open(os.path.join(out, "manifest.json")).read() == before
     assert os.listdir(tmp_path) == ["out"]
+
+
+# ---------------------------------------------------------------------------------------- two prepares
+
+def test_two_prepares_of_the_same_set_started_together_both_get_it(tmp_path):
+    """Two runs reach the prepare of the same cold folder together (one up to 10 ms later), 100 rounds:
+    both used to see the set missing and the second was refused ('in use as a data folder being
+    prepared'); now the second waits and gets the first's set, and each folder ends up to date."""
+    import random
+    import time
+
+    from data.atomic_folder import up_to_date
+
+    def prepare(n, barrier):
+        time.sleep(random.random() * 0.01)
+        return prepare_like_a_script(str(tmp_path / f"round_{n}"), {"round": n}, seconds=0.005)
+
+    rounds = 100
+    first, second = race([prepare, prepare], rounds)
+    refused = [o for o in first + second if o not in ("written", "up to date")]
+    assert not refused, f"{len(refused)} of {2 * rounds} prepares failed, e.g. {refused[0]}"
+    assert all(up_to_date(str(tmp_path / f"round_{n}"), INPUTS, {"round": n}) for n in range(rounds))
+
+
+def test_a_prepare_of_another_set_into_a_folder_being_prepared_is_refused_naming_the_holder(tmp_path, capsys):
+    from data.atomic_folder import atomic_folder, up_to_date
+    from data.errors import DataError
+    from data.shards import fingerprint
+
+    out = str(tmp_path / "out")
+    held = lock_folder(out, what="a data folder being prepared", job=fingerprint(INPUTS, {"set": "one"}))
+    try:
+        assert not up_to_date(out, INPUTS, {"set": "two"})
+        with pytest.raises(DataError, match=f"in use as a data folder being prepared by pid {os.getpid()}"):
+            with atomic_folder(out):
+                pass
+    finally:
+        held.release()
+    assert "waiting" not in capsys.readouterr().out
