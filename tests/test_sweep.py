@@ -313,3 +313,42 @@ def test_a_second_sweep_with_another_space_is_refused_on_the_same_study(tmp_path
     other = definition(sweep_file(tmp_path, 2, {"learning_rate": {"low": 0.01, "high": 0.3}}))
     with pytest.raises(UserError, match="was started with another sweep"):
         sweep.make_study(args, other)
+
+
+def test_a_sweep_ending_while_another_clears_dead_workers_files_is_no_traceback(tmp_path):
+    """Sweep A ends (its worker lock file removed, then released) while sweep B clears the files of
+    sweep processes that are gone (reclaim_interrupted), 300 rounds: B used to find the file free
+    once A had removed it, remove it again and crash with FileNotFoundError."""
+    import fcntl
+    import random
+
+    from races import race
+    from train import sweep
+    from train.study.trials import WorkerLock
+
+    class NoTrials:
+        def get_trials(self, deepcopy=False, states=None):
+            return []
+
+    def slow_flock(fd, operation, flock=fcntl.flock):  # a network file system's round trip
+        time.sleep(0.0002)
+        flock(fd, operation)
+
+    def end(n, barrier):
+        worker = WorkerLock(str(tmp_path / f"round_{n}"))
+        barrier.wait()
+        time.sleep(random.random() * 0.003)  # somewhere in B's clearing
+        worker.release(remove=True)
+        return "ended"
+
+    def clear(n, barrier):
+        fcntl.flock = slow_flock  # in this process only
+        barrier.wait()
+        for _ in range(20):
+            sweep.reclaim_interrupted(NoTrials(), str(tmp_path / f"round_{n}"))
+        return "cleared"
+
+    rounds = 300
+    ended, cleared = race([end, clear], rounds)
+    crashed = [o for o in ended + cleared if o not in ("ended", "cleared")]
+    assert not crashed, f"{len(crashed)} of {rounds} rounds crashed, e.g. {crashed[0]}"

@@ -174,7 +174,10 @@ def reclaim_interrupted(study, sweep_dir):
     owners = {t.user_attrs.get("worker") for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
     for name in os.listdir(folder) if os.path.isdir(folder) else []:
         if os.path.join("workers", name) not in owners and owner_gone(os.path.join(folder, name)):
-            os.remove(os.path.join(folder, name))
+            try:
+                os.remove(os.path.join(folder, name))
+            except FileNotFoundError:  # a sweep ending removes its own, outside the claim lock: gone since we looked
+                pass
 
 
 def trial_command(args, sweep, config, output_dir):

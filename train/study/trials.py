@@ -8,6 +8,7 @@ passes on a SIGTERM instead, which every rank answers by saving a checkpoint at 
 RUNNING trial whose owner's lock is free was interrupted, and the next sweep command resumes it
 from its latest checkpoint (train/sweep.py).
 """
+import contextlib
 import fcntl
 import json
 import os
@@ -32,9 +33,11 @@ class WorkerLock:
         fcntl.flock(self.fd, fcntl.LOCK_EX)
 
     def release(self, remove):
-        """With a trial left RUNNING the file stays: its free lock tells the next sweep it was interrupted."""
+        """With a trial left RUNNING the file stays: its free lock tells the next sweep it was interrupted.
+        The file goes while still locked, so no sweep takes it for a dead worker's meanwhile."""
         if remove:
-            os.remove(self.path)
+            with contextlib.suppress(FileNotFoundError):  # removed by hand, or with the whole sweep folder
+                os.remove(self.path)
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
 
