@@ -352,3 +352,91 @@ def test_a_sweep_ending_while_another_clears_dead_workers_files_is_no_traceback(
     ended, cleared = race([end, clear], rounds)
     crashed = [o for o in ended + cleared if o not in ("ended", "cleared")]
     assert not crashed, f"{len(crashed)} of {rounds} rounds crashed, e.g. {crashed[0]}"
+
+
+def study_with(trials):
+    """An in-memory study of `trials` finished trials whose learning rate varies."""
+    import optuna
+    from optuna.distributions import FloatDistribution
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="minimize")
+    for i in range(trials):
+        study.add_trial(optuna.trial.create_trial(params={"learning_rate": 0.01 * (i + 1)}, value=1.0 / (i + 1),
+                                                  distributions={"learning_rate": FloatDistribution(1e-4, 1)}))
+    return study
+
+
+REPORTED = {"script": "train/regression.py", "direction": "minimize", "metric": "eval_mse"}
+
+
+def test_two_sweeps_ending_together_each_write_a_whole_results_md(tmp_path, monkeypatch, capsys):
+    """Two sweep commands end at once and write SWEEP_DIR/results.md, one knowing 40 trials and the
+    other 30, 1000 rounds: the file must be one of the two, not the shorter one with the longer's tail."""
+    from races import race
+    from train.study import report
+
+    def ending(trials):
+        study = study_with(trials)
+
+        def end(n, barrier):
+            report.plots = lambda study, sweep_dir: []  # in this process only: the plots have their own test
+            os.chdir(tmp_path)  # relative, so that the files compare with those written alone below
+            os.makedirs(f"round_{n}", exist_ok=True)
+            report.report(study, f"round_{n}", REPORTED)
+            return "reported"
+
+        return end
+
+    rounds = 1000
+    race([ending(40), ending(30)], rounds)
+    monkeypatch.setattr(report, "plots", lambda study, sweep_dir: [])
+    alone = {}
+    for trials in (40, 30):
+        monkeypatch.chdir(tmp_path / "round_0")  # any other folder
+        os.makedirs(f"round_{trials}/round_0")
+        monkeypatch.chdir(f"round_{trials}")
+        report.report(study_with(trials), "round_0", REPORTED)
+        alone[trials] = open("round_0/results.md").read()
+    capsys.readouterr()
+    mixed = [n for n in range(rounds) if (tmp_path / f"round_{n}" / "results.md").read_text().replace(
+        f"round_{n}/", "round_0/") not in alone.values()]
+    assert not mixed, f"{len(mixed)} of {rounds} rounds left a results.md that neither sweep wrote"
+
+
+def test_a_sweep_looking_at_the_plots_while_another_draws_them_sees_whole_pngs(tmp_path):
+    """One sweep command redraws SWEEP_DIR's plots while another (or a user) reads them, each PNG's
+    writing and the reading released together, 10 rounds: every read must be a whole PNG (the old
+    one or the new), never the file just emptied or half written."""
+    from PIL import Image
+
+    from races import race
+    from train.study import report
+
+    study, names = study_with(5), ("optimization_history.png", "param_importances.png")
+    report.plots(study, str(tmp_path))
+
+    def draw(n, barrier):
+        save = Image.Image.save  # what matplotlib's savefig calls to write a PNG, once drawn
+        Image.Image.save = lambda image, *args, **kwargs: (barrier.wait(), save(image, *args, **kwargs))
+        try:
+            return len(report.plots(study, str(tmp_path)))
+        finally:
+            Image.Image.save = save
+
+    def look(n, barrier):
+        broken = 0
+        for name in names:
+            barrier.wait()
+            deadline = time.monotonic() + 0.05
+            while time.monotonic() < deadline:
+                data = (tmp_path / name).read_bytes()
+                broken += data.count(b"IEND") != 1 or not data.endswith(b"IEND\xaeB`\x82")
+        return broken
+
+    rounds = 10
+    drawn, broken = race([draw, look], rounds)
+    assert drawn == [2] * rounds, drawn
+    assert not sum(broken), f"{sum(b > 0 for b in broken)} of {rounds} rounds read a PNG that was not whole"
+    for name in names:
+        Image.open(tmp_path / name).load()

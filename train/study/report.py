@@ -1,7 +1,24 @@
 """What a sweep leaves to read: a table of its trials (printed and in SWEEP_DIR/results.md), and
 the optimization history and parameter importances as PNG files."""
 import os
+import secrets
 import warnings
+
+
+def write_whole(path, write):
+    """write(tmp) to a name of this call's own beside path, then os.replace: sweep commands ending
+    together each put a whole file in place (the last one's stays), and a reader never sees the file
+    emptied or half written."""
+    folder, name = os.path.split(path)
+    # random, not a pid: sweep commands on two machines sharing the folder can have the same pid
+    tmp = os.path.join(folder, f".{name}.{secrets.token_hex(8)}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def rows(study):
@@ -77,7 +94,7 @@ def plots(study, sweep_dir):
             figure.set_size_inches(8, 5)
             figure.tight_layout()
             path = os.path.join(sweep_dir, name + ".png")
-            figure.savefig(path, dpi=100)
+            write_whole(path, lambda tmp: figure.savefig(tmp, dpi=100, format="png"))
             plt.close(figure)
             written.append(path)
     return written
@@ -90,8 +107,12 @@ def report(study, sweep_dir, sweep):
                f"{' '.join(f'{k}={_fmt(v)}' for k, v in best['params'].items())} "
                f"(weights: {sweep_dir}/trials/trial_{best['trial']:04d}/model.safetensors)" if best else
                "no trial has finished yet")
-    with open(os.path.join(sweep_dir, "results.md"), "w") as f:
-        f.write(f"{sweep['script']}, {sweep['direction']} {sweep['metric']}\n\n{text}\n\n{summary}\n")
+
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.write(f"{sweep['script']}, {sweep['direction']} {sweep['metric']}\n\n{text}\n\n{summary}\n")
+
+    write_whole(os.path.join(sweep_dir, "results.md"), write)
     written = plots(study, sweep_dir)
     print(f"{text}\n{summary}\ntable: {sweep_dir}/results.md" + (f"; plots: {', '.join(written)}" if written else ""),
           flush=True)
