@@ -135,34 +135,44 @@ def scored_tokens(tokenizer, examples, chat):
         yield ids, scored
 
 
+def example_row(tokens, scored, max_seq_length, long_examples, what):
+    """(input_ids, labels) of one example's tokens (labels shifted: the token each position predicts,
+    -100 where nothing is scored), cut to max_seq_length; None when it is longer and long_examples is
+    "drop"; a DataError naming `what` (the example) when it has no response token, or is longer and
+    long_examples is "error", or its prompt alone fills the length."""
+    labels = [t if s else -100 for t, s in zip(tokens[1:], scored[1:])]
+    tokens = tokens[:-1]
+    if not any(s for s in scored[1:]):
+        raise DataError(f"{what} has no response tokens; fill its response in")
+    if len(tokens) <= max_seq_length:
+        return tokens, labels
+    prompt = scored.index(True)  # tokens before the first response token: its context
+    if long_examples == "drop":
+        return None
+    if prompt >= max_seq_length + 1 or long_examples == "error":
+        alone = prompt >= max_seq_length + 1
+        raise DataError(f"{what} is longer than --max_seq_length {max_seq_length}: "
+                        + (f"its prompt alone is {prompt} tokens" if alone else f"it is {len(tokens) + 1} tokens")
+                        + "; raise --max_seq_length, shorten it, or pass --long_examples drop"
+                        + ("" if alone else " (or truncate)"))
+    return tokens[:max_seq_length], labels[:max_seq_length]
+
+
 def encode(tokenizer, examples, max_seq_length, long_examples, split, chat):
     """Rows (input_ids, labels, length, targets) and counts: cut, dropped, tokens."""
     rows = {"input_ids": [], "labels": [], "length": [], "targets": []}
     cut = dropped = 0
     for segments, (tokens, scored) in zip(examples, scored_tokens(tokenizer, examples, chat)):
-        labels = [t if s else -100 for t, s in zip(tokens[1:], scored[1:])]
-        tokens = tokens[:-1]
-        if not any(s for s in scored[1:]):
-            raise DataError(f"the {split} example {_start(segments[0][0])} has no response tokens; fill its "
-                            "response in")
-        if len(tokens) > max_seq_length:
-            prompt = scored.index(True)  # tokens before the first response token: its context
-            if long_examples == "drop":
-                dropped += 1
-                continue
-            if prompt >= max_seq_length + 1 or long_examples == "error":
-                what = f"its prompt alone is {prompt} tokens" if prompt >= max_seq_length + 1 else \
-                    f"it is {len(tokens) + 1} tokens"
-                raise DataError(f"the {split} example {_start(segments[0][0])} is longer than --max_seq_length "
-                                f"{max_seq_length}: "
-                                f"{what}; raise --max_seq_length, shorten it, or pass --long_examples drop"
-                                + ("" if prompt >= max_seq_length + 1 else " (or truncate)"))
-            tokens, labels = tokens[:max_seq_length], labels[:max_seq_length]
-            cut += 1
-        rows["input_ids"].append(tokens)
-        rows["labels"].append(labels)
-        rows["length"].append(len(tokens))
-        rows["targets"].append(sum(label != -100 for label in labels))
+        row = example_row(tokens, scored, max_seq_length, long_examples,
+                          f"the {split} example {_start(segments[0][0])}")
+        if row is None:
+            dropped += 1
+            continue
+        cut += len(row[0]) < len(tokens) - 1
+        rows["input_ids"].append(row[0])
+        rows["labels"].append(row[1])
+        rows["length"].append(len(row[0]))
+        rows["targets"].append(sum(label != -100 for label in row[1]))
     if not rows["length"]:
         raise DataError(f"every example of the {split} data is longer than --max_seq_length {max_seq_length} and "
                         "was dropped; raise --max_seq_length")

@@ -34,15 +34,16 @@ from data.prompt_response import LONG_EXAMPLES, CausalBatch, prepare_prompt_resp
 from data.sources import DatasetsSource
 from data.splits import check_inputs
 from train.core.accelerator import main_process_first
-from train.core.cli import (add_data_files_args, add_optimizer_args, data_inputs, make_parser, positive_int,
-                            reading_workers, true_or_false)
+from train.core.cli import (add_data_files_args, add_generation_args, add_optimizer_args, add_tokenized_data_args,
+                            data_inputs, make_parser, reading_workers, true_or_false)
 from train.core.evaluation import evaluate_responses
 from train.core.loop import TrainingLoop
 from train.core.run import run, start_run
 from train.models.gpt import next_token_loss
-from train.models.hf import (adamw, add_lora_args, add_pretrained_args, describe_dtypes, describe_trainable,
-                             hub_kwargs, load_pretrained, load_tokenizer, lora_model, model_fingerprint,
-                             quiet_transformers, resolve_model, save_model_folder, set_training_dtype, torch_dtype)
+from train.models.hf import (adamw, add_lora_args, add_pretrained_args, causal_lm_tokenizer, check_causal_lm,
+                             describe_dtypes, describe_trainable, generate, hub_kwargs, load_pretrained, lora_model,
+                             model_fingerprint, quiet_transformers, resolve_model, save_model_folder,
+                             set_training_dtype, torch_dtype)
 
 TASK = "sft"  # the run's name in its checkpoints: another task's checkpoint is refused
 METRICS = ["eval_loss", "eval_perplexity"]  # its evaluation's metrics, the headline first
@@ -58,29 +59,14 @@ def parse_args(argv=None):
     data.add_argument("--response_column", default="response", help="The response column: what the model learns.")
     data.add_argument("--messages_column", default=None, help="Instead: a column of chat turns [{role, content}], "
                       "rendered with the tokenizer's chat template; every assistant turn is learned.")
-    data.add_argument("--max_seq_length", "--max_length", type=positive_int, default=None,
-                      help=f"Tokens per row (default: the model's limit, at most {MAX_LENGTH}).")
-    data.add_argument("--long_examples", choices=LONG_EXAMPLES, default="truncate",
-                      help="An example over --max_seq_length: cut at the end, left out, or refused.")
+    add_tokenized_data_args(parser, "example", MAX_LENGTH, LONG_EXAMPLES)
     data.add_argument("--packing", type=true_or_false, nargs="?", const=True, default=False,
                       help="Several examples per row, attention kept inside each (models that read packed rows "
                            "from position_ids; checked at start). (default: false)")
-    data.add_argument("--group_by_length", type=true_or_false, nargs="?", const=True, default=True,
-                      help="Training batches of rows of similar length, so less of each batch is padding. "
-                           "(default: true)")
-    data.add_argument("--cache_dir", default=os.path.join("runs", "tokens"),
-                      help="Where tokenized data is kept and found again by the next run with the same inputs.")
-    data.add_argument("--dataloader_num_workers", type=int, default=None,
-                      help="Processes reading batches per rank (default 2 on a GPU, 0 on a CPU).")
     add_pretrained_args(parser, "A Hugging Face causal language model")
-    model.add_argument("--gradient_checkpointing", action="store_true", help="Recompute activations in backward.")
     model.add_argument("--eval_on_start", action="store_true", help="Evaluate the model before the first step too "
                        "(a fresh run): the validation loss fine-tuning starts from.")
-    model.add_argument("--prompt", nargs="+", help="Instead of training: continue these prompts with the model in "
-                       "--output_dir (\\n in a prompt is a newline).")
-    model.add_argument("--max_new_tokens", type=positive_int, default=64)
-    model.add_argument("--temperature", type=float, default=0.0, help="0: greedy decoding.")
-    model.add_argument("--top_k", type=positive_int, default=50)
+    add_generation_args(parser)
     add_lora_args(parser)
     add_optimizer_args(parser, learning_rate=None, train_batch_size=8, eval_batch_size=8, weight_decay=0.0)
     opt = parser.groups["optimization"]
@@ -94,24 +80,6 @@ def parse_args(argv=None):
         if args.learning_rate is None:  # adapters take larger steps than a whole pretrained model can
             args.learning_rate = 1e-3 if args.lora_r else 2e-5
     return args
-
-
-def check_causal_lm(path, **hub):
-    """The model's config, if its model type has a causal LM head in transformers; else one line."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
-
-    config = AutoConfig.from_pretrained(path, **hub)
-    # BERT and its kind have a causal head in transformers too, for decoders built from them (is_decoder)
-    encoder = config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
-    # a model with its own code (--trust_remote_code) maps its own causal LM class in its config
-    custom = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
-    if (config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or encoder) and not custom:
-        fail(f"--model_name_or_path {path} is a {config.model_type} model ({', '.join(config.architectures or [])}), "
-             "not a causal language model; pass a folder of a decoder such as GPT-2, Llama or Qwen (train/lm.py's "
-             "output is one)")
-    return config
 
 
 def check_packing(model, vocab_size):
@@ -144,16 +112,7 @@ def main(args):
     args.dataloader_num_workers = reading_workers(args.dataloader_num_workers, accelerator.device, on_gpu=2)
 
     # ---------------------------------------------------------------- data: tokenized once, then sharded
-    tokenizer = load_tokenizer(args.model_name_or_path, **hub_kwargs(args))
-    if tokenizer.pad_token is None:  # batches pad with end-of-text; padding is never scored
-        tokenizer.pad_token = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(0)
-    tokenizer.padding_side = "right"
-    limit = min(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or MAX_LENGTH,
-                tokenizer.model_max_length)
-    if args.max_seq_length and args.max_seq_length > limit:
-        fail(f"--max_seq_length {args.max_seq_length} is more than {args.model_name_or_path} takes ({limit} tokens); "
-             f"pass --max_seq_length {limit} or less")
-    args.max_seq_length = args.max_seq_length or min(MAX_LENGTH, limit)
+    tokenizer = causal_lm_tokenizer(args, config, MAX_LENGTH)  # and args.max_seq_length, within the model's
     columns = {"messages": args.messages_column} if args.messages_column else \
         {"prompt": args.prompt_column, "response": args.response_column}
     tokens, info = main_process_first(accelerator, lambda: prepare_prompt_response(
@@ -243,39 +202,6 @@ def main(args):
                                                                          save_dtype))
 
 
-def generate(args):
-    """Print each prompt's continuation (prompt<TAB>continuation, newlines as \\n) with the model in --output_dir."""
-    quiet_transformers()
-    import json
-
-    from transformers import AutoModelForCausalLM
-
-    try:
-        with open(os.path.join(args.output_dir, "args.json")) as f:
-            trained = json.load(f)
-    except OSError:
-        trained = None
-    if trained is None or not os.path.isfile(os.path.join(args.output_dir, "all_results.json")):
-        fail(f"--output_dir {args.output_dir} holds no finished train/sft.py run; train one there first")
-    tokenizer = load_tokenizer(args.output_dir, "--output_dir", trust_remote_code=args.trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(args.output_dir, dtype=torch.float32,
-                                                  trust_remote_code=args.trust_remote_code).eval()
-    torch.manual_seed(args.seed)
-    sampling = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k} if args.temperature > 0 else \
-        {"do_sample": False}
-    for prompt in (p.replace("\\n", "\n") for p in args.prompt):
-        if trained.get("messages_column"):  # a chat model: the prompt is a user turn
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                return_tensors="pt", return_dict=True)["input_ids"]
-        else:
-            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                                 pad_token_id=tokenizer.pad_token_id, **sampling)
-        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-        print(f"{prompt.strip()}\t{text.strip()}".replace("\n", "\\n"))
-
-
 if __name__ == "__main__":
     arguments = parse_args()
-    run(generate if arguments.prompt else main, arguments)
+    run((lambda a: generate(a, "train/sft.py", chat="messages_column")) if arguments.prompt else main, arguments)

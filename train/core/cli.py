@@ -5,6 +5,7 @@ import argparse
 import difflib
 import json
 import math
+import os
 import sys
 
 from train.core.process import exit_once, first_local_process
@@ -335,6 +336,37 @@ def add_data_files_args(parser, train_help, split_percentage, dataset_name=False
                                "a local dataset folder (data files, a README naming its configs); its train split "
                                "trains, its validation (else test) split evaluates.")
         data.add_argument("--dataset_config_name", default=None, help="The dataset's configuration, e.g. sst2 of glue.")
+
+
+def add_tokenized_data_args(parser, row, max_length, long_examples=None):
+    """The flags of the scripts that tokenize a user's text once into a cache and read it in batches of
+    similar lengths: a `row` (a text, an example, a side of a pair) is cut to --max_seq_length (default the
+    model's limit, at most `max_length`), or with `long_examples` (the choices) it may be left out or refused."""
+    data = parser.groups["data"]
+    data.add_argument("--max_seq_length", "--max_length", type=positive_int, default=None,
+                      help=f"Tokens per {row} (default: the model's limit, at most {max_length}).")
+    if long_examples:
+        data.add_argument("--long_examples", choices=long_examples, default="truncate",
+                          help=f"A {row} over --max_seq_length: cut at its end, left out (with its pair), or refused.")
+    data.add_argument("--group_by_length", type=true_or_false, nargs="?", const=True, default=True,
+                      help="Training batches of rows of similar length, so less of each batch is padding (docs/text.md: "
+                           "about 2x the samples/s on short texts); false: batches as drawn. (default: true)")
+    data.add_argument("--cache_dir", default=os.path.join("runs", "tokens"),
+                      help="Where tokenized data is kept and found again by the next run with the same inputs.")
+    data.add_argument("--dataloader_num_workers", type=int, default=None,
+                      help="Processes reading batches per rank (default 2 on a GPU, 0 on a CPU).")
+    parser.groups["model"].add_argument("--gradient_checkpointing", action="store_true",
+                                        help="Recompute activations in backward: less memory, more time.")
+
+
+def add_generation_args(parser):
+    """--prompt and its sampling flags, for the scripts that train a causal LM (train.models.hf.generate)."""
+    g = parser.groups["model"]
+    g.add_argument("--prompt", nargs="+", help="Instead of training: continue these prompts with the model in "
+                   "--output_dir (\\n in a prompt is a newline).")
+    g.add_argument("--max_new_tokens", type=positive_int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy decoding.")
+    g.add_argument("--top_k", type=positive_int, default=50)
 
 
 def data_inputs(args):

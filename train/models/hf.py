@@ -273,3 +273,73 @@ def save_model_folder(weights, output_dir, build, tokenizer, lora, dtype):
         model = model.merge_and_unload()
     model.to(dtype).save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
+
+
+def causal_lm_tokenizer(args, config, cap):
+    """--model_name_or_path's tokenizer for a causal LM's batches (padding with end-of-text where it has
+    no padding token, on the right; padding is never scored), with args.max_seq_length resolved: the
+    model's limit, at most `cap`, unless given; one line when given beyond the model's limit."""
+    tokenizer = load_tokenizer(args.model_name_or_path, **hub_kwargs(args))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(0)
+    tokenizer.padding_side = "right"
+    limit = min(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or cap,
+                tokenizer.model_max_length)
+    if args.max_seq_length and args.max_seq_length > limit:
+        fail(f"--max_seq_length {args.max_seq_length} is more than {args.model_name_or_path} takes ({limit} tokens); "
+             f"pass --max_seq_length {limit} or less")
+    args.max_seq_length = args.max_seq_length or min(cap, limit)
+    return tokenizer
+
+
+def check_causal_lm(path, **hub):
+    """The model's config, if its model type has a causal LM head in transformers (or its own code maps
+    one); else one line."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+    config = AutoConfig.from_pretrained(path, **hub)
+    # BERT and its kind have a causal head in transformers too, for decoders built from them (is_decoder)
+    encoder = config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
+    custom = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})  # --trust_remote_code's own class
+    if (config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or encoder) and not custom:
+        fail(f"--model_name_or_path {path} is a {config.model_type} model ({', '.join(config.architectures or [])}), "
+             "not a causal language model; pass a decoder such as GPT-2, Llama or Qwen (train/lm.py's output is one)")
+    return config
+
+
+def generate(args, script, chat):
+    """Print each of --prompt's continuation (prompt<TAB>continuation, newlines as \\n) with the causal LM
+    in --output_dir, a finished run of `script`; a prompt is a user turn when that run's args.json sets
+    `chat` (the key of the flag that made it train on conversations)."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    quiet_transformers()
+    try:
+        with open(os.path.join(args.output_dir, "args.json")) as f:
+            trained = json.load(f)
+    except OSError:
+        trained = None
+    if trained is None or not os.path.isfile(os.path.join(args.output_dir, "all_results.json")):
+        fail(f"--output_dir {args.output_dir} holds no finished {script} run; train one there first")
+    tokenizer = load_tokenizer(args.output_dir, "--output_dir", trust_remote_code=args.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(args.output_dir, dtype=torch.float32,
+                                                 trust_remote_code=args.trust_remote_code).eval()
+    torch.manual_seed(args.seed)
+    sampling = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k} if args.temperature > 0 else \
+        {"do_sample": False}
+    for prompt in (p.replace("\\n", "\n") for p in args.prompt):
+        if trained.get(chat):  # a chat model: the prompt is a user turn
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                return_tensors="pt", return_dict=True)["input_ids"]
+        else:
+            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
+                                 pad_token_id=tokenizer.pad_token_id, **sampling)
+        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        print(f"{prompt.strip()}\t{text.strip()}".replace("\n", "\\n"))
