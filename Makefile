@@ -37,7 +37,10 @@ TEXT_RECIPE := --config train/configs/text_wordnet.yaml
 # training pairs only from lm.py's training entries, validation pairs only from its validation entries
 SFT_DIR ?= runs/sft/gcide
 
-.PHONY: setup config-file train train-only test images train-images gcide train-lm text-data train-text sft-data train-sft cluster cluster-down
+# train/dpo.py's demo data: the same words, each definition preferred to the next word's (in dictionary order)
+DPO_DIR ?= runs/dpo/gcide
+
+.PHONY: setup config-file train train-only test images train-images gcide train-lm text-data train-text sft-data train-sft dpo-data train-dpo cluster cluster-down
 
 # apt for the offline Fashion-MNIST copy (Debian's dataset-fashion-mnist), pip for the Python packages.
 setup:
@@ -84,6 +87,9 @@ gcide: setup
 sft-data: gcide
 	$(PYTHON) -m data.definitions --output_dir $(SFT_DIR)
 
+dpo-data: gcide
+	$(PYTHON) -m data.definitions --preferences --output_dir $(DPO_DIR) --max_train_rows 4000
+
 # python -m data.wordnet writes nothing when the files already hold what it would write
 text-data: setup
 	@if [ ! -f /usr/share/wordnet/data.noun ] && [ ! -f $(WORDNET_DIR)/data.noun ]; then \
@@ -116,6 +122,18 @@ train-sft: config-file sft-data
 	  --train_file $(SFT_DIR)/train.jsonl --validation_file $(SFT_DIR)/validation.jsonl \
 	  --with_tracking --output_dir runs/sft --overwrite_output_dir $(EXTRA)
 	$(PYTHON) train/sft.py --output_dir runs/sft --prompt "Define: Roebuck\n" "Define: Bullbeggar\n" \
+	  "Define: Hypaethral\n" "Define: Targeteer\n"
+
+# train/dpo.py's demo: make train-sft's model (trained first when runs/sft holds none) taught to prefer each
+# word's own definition to its neighbour's; the reward accuracy on unseen words before and after, then four answers
+DPO_RECIPE := --config train/configs/dpo_gcide.yaml
+
+train-dpo: config-file dpo-data
+	@if [ ! -f runs/sft/config.json ]; then $(MAKE) train-sft CONFIG=$(CONFIG); fi
+	$(PYTHON) -m accelerate.commands.launch --config_file $(CONFIG) train/dpo.py $(DPO_RECIPE) \
+	  --train_file $(DPO_DIR)/train.jsonl --validation_file $(DPO_DIR)/validation.jsonl \
+	  --with_tracking --output_dir runs/dpo --overwrite_output_dir $(EXTRA)
+	$(PYTHON) train/dpo.py --output_dir runs/dpo --prompt "Define: Roebuck\n" "Define: Bullbeggar\n" \
 	  "Define: Hypaethral\n" "Define: Targeteer\n"
 
 test: setup

@@ -6,10 +6,12 @@ For train/sft.py's demo,
     (make sft-data unpacks GCIDE first)
 
 writes train.jsonl and validation.jsonl, one {"prompt": "Define: WORD\\n", "response": "DEFINITION"} a
-line. WORD is the headword as the entry spells it before its pronunciation (`Serendipity
-\\Ser`en*dip"i*ty\\, n.` gives Serendipity; `Pis'e \\Pi`s['e]"\\` gives Pisé); DEFINITION is the text of
-the entry's first sense, without the dictionary's markup, etymologies, labels, quotations, citations,
-cross-references and derived forms, whitespace collapsed, capitalized, ending with a period.
+line; with --preferences (train/dpo.py's demo, make dpo-data) one {"prompt", "chosen": DEFINITION,
+"rejected": the next word's DEFINITION} a line. WORD is the headword as the entry spells it before its
+pronunciation (`Serendipity \\Ser`en*dip"i*ty\\, n.` gives Serendipity; `Pis'e \\Pi`s['e]"\\` gives
+Pisé); DEFINITION is the text of the entry's first sense, without the dictionary's markup, etymologies,
+labels, quotations, citations, cross-references and derived forms, whitespace collapsed,
+capitalized, ending with a period.
 
 The split follows data/text.py's gcide_documents, which train/lm.py pretrains on: training pairs come
 only from its training entries, validation pairs only from its validation entries (every 100th), and
@@ -214,12 +216,17 @@ def split_pairs(train_documents, validation_documents):
     return pairs_of(train_documents), pairs_of(validation_documents, exclude=headwords(train_documents))
 
 
-def jsonl_text(pairs, max_rows, seed):
-    """The pairs shuffled with `seed`, the first `max_rows`, as jsonl lines."""
+def jsonl_text(pairs, max_rows, seed, preferences=False):
+    """The pairs shuffled with `seed`, the first `max_rows`, as jsonl lines: {prompt, response}, or with
+    `preferences` {prompt, chosen, rejected}, rejected the definition of the next word in dictionary
+    order (a neighbour such as Roe for Roebuck: often a related word, so the two are hard to tell apart)."""
     pairs = list(pairs)
-    random.Random(seed).shuffle(pairs)
-    return "".join(json.dumps({"prompt": PROMPT.format(word=word), "response": definition}, ensure_ascii=False) + "\n"
-                   for word, definition in pairs[:max_rows])
+    rows = [{"prompt": PROMPT.format(word=word), "response": definition} for word, definition in pairs]
+    if preferences:
+        rows = [{"prompt": row["prompt"], "chosen": row["response"], "rejected": pairs[(i + 1) % len(pairs)][1]}
+                for i, row in enumerate(rows)]
+    random.Random(seed).shuffle(rows)
+    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows[:max_rows])
 
 
 def main(argv=None):
@@ -231,6 +238,9 @@ def main(argv=None):
     parser.add_argument("--max_validation_rows", type=int, default=MAX_VALIDATION_ROWS,
                         help="at most this many validation pairs, likewise (default %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="of the shuffle before the cut")
+    parser.add_argument("--preferences", action="store_true",
+                        help="preference pairs for train/dpo.py: {prompt, chosen, rejected}, the chosen response the "
+                             "word's definition, the rejected one the next word's (in dictionary order)")
     parser.add_argument("--gcide_dir", default=None,
                         help=f"the folder holding gcide.index and gcide.dict.dz; default: the first of "
                              f"{', '.join(GCIDE_FOLDERS)}")
@@ -241,7 +251,8 @@ def main(argv=None):
     try:
         train, validation = split_pairs(*gcide_documents(find_gcide(args.gcide_dir)))
         os.makedirs(args.output_dir, exist_ok=True)
-        wrote = [write_if_changed(os.path.join(args.output_dir, f"{name}.jsonl"), jsonl_text(pairs, rows, args.seed))
+        wrote = [write_if_changed(os.path.join(args.output_dir, f"{name}.jsonl"),
+                                  jsonl_text(pairs, rows, args.seed, args.preferences))
                  for name, pairs, rows in (("train", train, args.max_train_rows),
                                            ("validation", validation, args.max_validation_rows))]
     except (DataError, OSError) as e:

@@ -307,3 +307,25 @@ def test_host_overhead_tiny_mode_prints_extra_ms_per_loop(fashion_dir, capsys, f
         assert re.findall(r"(\w+) [+-]\d+", calls) == ["accumulate", "forward", "backward", "clip", "step", "zero_grad"]
     extra = re.findall(r"^EXTRA_MS (\w+) = (-?\d+\.\d+)$", out, re.M)  # the last lines, numbers
     assert [task for task, _ in extra] == ["lm", "mnist"] and out.rstrip().endswith(extra[-1][1]), out
+
+
+def test_dpo_reference_runs_ours_and_trls_dpo_trainer_in_two_processes(tmp_path, capsys):
+    """One turn of train/dpo.py and TRL's DPOTrainer (its reference precomputed) on a tiny GPT-2 and 48 pairs:
+    both launched as the bench runs them, the table and the ratio printed."""
+    import json
+    import random
+
+    from bench import dpo_reference
+    from hf_models import WORDS, tiny_causal_lm
+
+    rng = random.Random(0)
+    for split, n in (("train", 48), ("validation", 9)):
+        pairs = [{"prompt": f"define {w}\n", "chosen": f"{w} means {rng.choice(WORDS)}", "rejected": f"{v} is a {w}"}
+                 for w, v in (rng.sample(WORDS, 2) for _ in range(n))]
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    dpo_reference.main(["--model_name_or_path", tiny_causal_lm(tmp_path / "gpt2"), "--train_file",
+                        str(tmp_path / "train.jsonl"), "--validation_file", str(tmp_path / "validation.jsonl"),
+                        "--turns", "1", "--per_device_train_batch_size", "4", "--programs", "ours", "trl_precompute"])
+    out = capsys.readouterr().out
+    assert "| train/dpo.py |" in out and "| DPOTrainer, precompute_ref_log_probs |" in out, out
+    assert "RATIO ours / trl_precompute = " in out and "reward accuracy" in out

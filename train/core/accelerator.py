@@ -248,6 +248,16 @@ def _patient_group():
     return torch.distributed.new_group(backend="gloo", timeout=PATIENT_WAIT)
 
 
+def gather_patiently(accelerator, value):
+    """Every process's `value` (any picklable object), in rank order, on every process; waiting for
+    the slowest as long as it takes (its share of a pass over the data, say), not --ddp_timeout."""
+    if accelerator.num_processes == 1:
+        return [value]
+    values = [None] * accelerator.num_processes
+    torch.distributed.all_gather_object(values, value, group=_patient_group())
+    return values
+
+
 def main_process_first(accelerator, load, share=False):
     """load() on the main process, then on the others: one process downloads or writes files, the
     others read them. With share=True the others receive the main process's result instead (a

@@ -1,0 +1,180 @@
+"""Preference pairs for train/dpo.py: a prompt and two responses to it, the chosen and the rejected;
+read once, tokenized once, kept as memory-mapped Arrow (the cache of data/labelled_text.py).
+
+Two formats, as TRL's preference datasets have them: string columns (--prompt_column,
+--chosen_column, --rejected_column), or conversations: `chosen` and `rejected` lists of
+{"role", "content"} turns, with the prompt's turns in the prompt column or, without one, the turns
+the two share at their start. A conversation is rendered with the tokenizer's chat template: the
+prompt's turns with the generation prompt, then the response's turns after them.
+
+Each side of a pair is tokenized whole, prompt then response, as data/prompt_response.py does for an
+example (the tokens holding the response's characters are scored, and end-of-text after a plain-text
+response), and stored as one row per pair: chosen_input_ids, chosen_labels (shifted, -100 where
+nothing is scored), the same for rejected, `length` (the longer side, for batching by length) and
+each side's count of scored tokens. A side over --max_seq_length is cut at its end (`truncate`),
+or the pair is left out (`drop`) or refused (`error`); a prompt that fills the length alone is
+refused unless dropped. The reference model's log-probabilities of each side are added by the
+training script (train/dpo.py), beside this folder.
+"""
+import os
+
+from data.errors import DataError
+from data.labelled_text import cached_folder, tokenizer_files_hash
+from data.prompt_response import LONG_EXAMPLES, _start, example_row, scored_tokens
+from data.splits import inputs_key, load_splits, stem
+
+FORMAT = 1  # of the folder written here; a change makes every cached folder stale
+SIDES = ("chosen", "rejected")
+
+
+def _is_conversation(value):
+    return isinstance(value, list) and all(isinstance(t, dict) and {"role", "content"} <= set(t) for t in value)
+
+
+def _column(ds, column, split, flag):
+    if column not in ds.column_names:
+        raise DataError(f"no column {column!r} in the {split} data (columns: {', '.join(ds.column_names)}); pass "
+                        f"{flag} NAME")
+    return ds[column]
+
+
+def pair_segments(ds, split, columns, tokenizer):
+    """Per pair: the (text, is_target) segments of its chosen side and of its rejected side, and
+    whether the data is conversations."""
+    chosen = _column(ds, columns["chosen"], split, "--chosen_column")
+    rejected = _column(ds, columns["rejected"], split, "--rejected_column")
+    conversational = _is_conversation(chosen[0]) if chosen else False
+    prompts = ds[columns["prompt"]] if columns["prompt"] in ds.column_names else None
+    if prompts is None and not conversational:
+        _column(ds, columns["prompt"], split, "--prompt_column")  # plain text needs its prompt: the one line
+    pairs = []
+    for i, (good, bad) in enumerate(zip(chosen, rejected)):
+        prompt = prompts[i] if prompts is not None else None
+        where = f"the {split} pair {i} ({_start(_prompt_text(prompt, good))})"
+        if not conversational:
+            for name, text in (("chosen", good), ("rejected", bad)):
+                if not isinstance(text, str) or not text.strip():
+                    raise DataError(f"{where} has an empty {name} response; fill it in or drop the pair")
+            pairs.append(tuple([(prompt or "", False), (text, True)] for text in (good, bad)))
+            continue
+        if not (_is_conversation(good) and _is_conversation(bad)):
+            raise DataError(f"{where}: {columns['chosen']!r} and {columns['rejected']!r} hold conversations in some "
+                            "rows and not in others; every row must be a list of {'role', 'content'} turns")
+        if prompt is None:  # the turns both sides share at their start are the prompt (TRL's implicit prompt)
+            shared = 0
+            while shared < min(len(good), len(bad)) and good[shared] == bad[shared]:
+                shared += 1
+            prompt, good, bad = good[:shared], good[shared:], bad[shared:]
+        for name, turns in (("chosen", good), ("rejected", bad)):
+            if not any((t["content"] or "").strip() for t in turns):
+                raise DataError(f"{where} has an empty {name} response; fill it in or drop the pair")
+        pairs.append(tuple(_rendered(tokenizer, prompt, turns, where) for turns in (good, bad)))
+    return pairs, conversational
+
+
+def _prompt_text(prompt, response):
+    if isinstance(prompt, str):
+        return prompt
+    turns = prompt if isinstance(prompt, list) else response if isinstance(response, list) else []
+    return next((t.get("content") or "" for t in turns if isinstance(t, dict)), "")
+
+
+def _rendered(tokenizer, prompt, response, where):
+    """The segments of prompt turns then response turns, rendered by the chat template: the prompt with
+    the generation prompt is context, what the response's turns add after it is the target."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("the preference data are conversations and the model's tokenizer has no chat template to "
+                        "render them; pass plain-text columns, or add a chat_template to its tokenizer_config.json")
+    before = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    after = tokenizer.apply_chat_template(prompt + response, tokenize=False)
+    if not after.startswith(before):
+        raise DataError(f"{where}: the chat template renders the prompt differently once the response follows, so "
+                        "the response cannot be found; pass the pairs as plain-text prompt/chosen/rejected columns")
+    return [(before, False), (after[len(before):], True)]
+
+
+def encode_pairs(tokenizer, pairs, max_seq_length, long_examples, split, chat):
+    """Rows (one per pair) and counts: pairs, rows, cut, dropped, tokens, same (pairs whose two sides are
+    one text: no preference to learn)."""
+    sides = {side: scored_tokens(tokenizer, [pair[k] for pair in pairs], chat) for k, side in enumerate(SIDES)}
+    rows = {key: [] for side in SIDES for key in (f"{side}_input_ids", f"{side}_labels", f"{side}_targets")}
+    rows["length"] = []
+    cut = dropped = same = 0
+    for pair, chosen, rejected in zip(pairs, sides["chosen"], sides["rejected"]):
+        what = f"the {split} pair {_start(pair[0][0][0])}"
+        made = [example_row(*tokens, max_seq_length, long_examples, f"{what}'s {side} side")
+                for side, tokens in zip(SIDES, (chosen, rejected))]
+        if None in made:
+            dropped += 1
+            continue
+        cut += any(len(row[0]) < len(tokens[0]) - 1 for row, tokens in zip(made, (chosen, rejected)))
+        same += chosen[0] == rejected[0]
+        for side, (ids, labels) in zip(SIDES, made):
+            rows[f"{side}_input_ids"].append(ids)
+            rows[f"{side}_labels"].append(labels)
+            rows[f"{side}_targets"].append(sum(label != -100 for label in labels))
+        rows["length"].append(max(len(made[0][0]), len(made[1][0])))
+    if not rows["length"]:
+        raise DataError(f"every pair of the {split} data is longer than --max_seq_length {max_seq_length} and was "
+                        "dropped; raise --max_seq_length")
+    if same == len(rows["length"]):
+        raise DataError(f"in every pair of the {split} data the chosen response is the rejected one: nothing to "
+                        "prefer; check --chosen_column and --rejected_column")
+    return rows, {"pairs": len(pairs), "rows": len(rows["length"]), "cut": cut, "dropped": dropped, "same": same,
+                  "tokens": sum(len(ids) for side in SIDES for ids in rows[f"{side}_input_ids"])}
+
+
+def prepare_preferences(inputs, model_dir, tokenizer, columns, max_seq_length, long_examples="truncate",
+                        cache_root="runs/tokens"):
+    """The tokenized folder for these inputs (data.splits.DataInputs; written if missing) and its
+    info.json as a dict. `columns`: {"prompt": NAME, "chosen": NAME, "rejected": NAME}."""
+    import datasets
+
+    if long_examples not in LONG_EXAMPLES:
+        raise DataError(f"--long_examples {long_examples}: pass one of {', '.join(LONG_EXAMPLES)}")
+    datasets.disable_progress_bars()
+    key = {"format": FORMAT, **inputs_key(inputs), "tokenizer": tokenizer_files_hash(model_dir), "columns": columns,
+           "max_seq_length": max_seq_length, "long_examples": long_examples}
+
+    def write(tmp):
+        splits, where = load_splits(inputs)
+        info = {"columns": columns, "validation": where, "max_seq_length": max_seq_length, "splits": {}}
+        for split, ds in splits.items():
+            name = split if split == "train" else f"validation ({where})"
+            pairs, chat = pair_segments(ds, name, columns, tokenizer)
+            rows, counts = encode_pairs(tokenizer, pairs, max_seq_length, long_examples, name, chat)
+            datasets.Dataset.from_dict(rows).save_to_disk(os.path.join(tmp, split))
+            info["splits"][split] = counts
+            info["conversational"] = chat
+        return info
+
+    return cached_folder(cache_root, stem(inputs), key, write)
+
+
+class PairBatch:
+    """A DatasetsSource transform: B pairs as one batch of 2B rows, the chosen sides then the rejected
+    ones (one forward pass for both), padded on the right to the longest; padding is never scored.
+    The reference log-probabilities, where the rows carry them, come along per pair."""
+
+    def __init__(self, pad_token_id):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, rows):
+        import torch
+
+        rows = {k: v.tolist() if isinstance(v, torch.Tensor) and v.dim() == 2 else v for k, v in rows.items()}
+        sequences = rows["chosen_input_ids"] + rows["rejected_input_ids"]
+        labels = rows["chosen_labels"] + rows["rejected_labels"]
+        longest = max(len(ids) for ids in sequences)
+        out = {"input_ids": torch.full((len(sequences), longest), self.pad_token_id, dtype=torch.long),
+               "labels": torch.full((len(sequences), longest), -100, dtype=torch.long),
+               "attention_mask": torch.zeros((len(sequences), longest), dtype=torch.long)}
+        for i, (ids, scored) in enumerate(zip(sequences, labels)):
+            out["input_ids"][i, :len(ids)] = torch.tensor(ids)
+            out["labels"][i, :len(ids)] = torch.tensor(scored)
+            out["attention_mask"][i, :len(ids)] = 1
+        out["targets"] = torch.as_tensor(list(rows["chosen_targets"]) + list(rows["rejected_targets"]))
+        for side in SIDES:
+            if f"ref_{side}" in rows:
+                out[f"ref_{side}"] = torch.as_tensor(rows[f"ref_{side}"], dtype=torch.float32)
+        return out

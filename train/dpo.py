@@ -1,0 +1,315 @@
+"""Tune a causal language model on preference pairs (Direct Preference Optimization and its relatives),
+with Hugging Face Accelerate: the step after supervised fine-tuning.
+
+    make train-dpo         # make train-sft's model taught to prefer GCIDE's own definitions (offline), 2 CPU processes
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml train/dpo.py \\
+        --model_name_or_path SFT_OUTPUT --train_file pairs.jsonl --output_dir runs/my_dpo [--lora_r 16]
+    python train/dpo.py --output_dir runs/my_dpo --prompt "Define: serendipity\\n"
+
+Any AutoModelForCausalLM, a folder (sft.py's output) or a Hub id; pairs of a prompt and two responses,
+the chosen and the rejected, as string columns or conversations (data/preferences.py), from files or
+--dataset_name. Each side is tokenized whole and its response tokens scored, as sft.py does.
+
+With log p(y|x) the sum of the log-probabilities of a response's tokens, the policy's and the
+reference's, the implicit reward of a response is r = beta * (log p(y|x) - log p_ref(y|x)), and with
+d = (r_chosen - r_rejected) / beta the loss of a pair is
+    sigmoid (DPO):  -(1 - e) log s(beta d) - e log s(-beta d)   (e: --label_smoothing, conservative DPO)
+    robust:         (-(1 - e) log s(beta d) + e log s(-beta d)) / (1 - 2e)   (robust DPO, e < 0.5)
+    ipo:            (d' - 1 / (2 beta))^2, d' the same with each side's log-ratio divided by its token count
+    hinge:          max(0, 1 - beta d)
+The reference is the model at the start: its log-probabilities of every pair are computed once before
+training (eval mode, no dropout, no autocast), kept beside the tokenized data and found again by a
+resume or a rerun, so training holds one model. With --lora_r the reference is the model with its
+adapters off, in eval mode, computed in the step.
+
+The loss of one optimizer step is the mean over its pairs on every process and micro-batch, counted
+from the data plan before the first backward (no communication): 1 process with batch 8, 2 with 4,
+and 2 with 2 x 2 accumulation steps take the same step. Evaluation reports TRL's metrics, exact over
+the validation pairs for any process count: rewards/chosen, rewards/rejected, rewards/accuracies (the
+share of pairs whose chosen reward is the higher), rewards/margins, logps/chosen, logps/rejected, loss.
+"""
+import hashlib
+import json
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a file: Python put train/ on sys.path, not the repo root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import datasets
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from data.errors import fail
+from data.loader import sharded_loader
+from data.preferences import LONG_EXAMPLES, SIDES, PairBatch, prepare_preferences
+from data.sources import DatasetsSource
+from data.splits import check_inputs
+from train.core.accelerator import gather_patiently, main_process_first
+from train.core.cli import (add_data_files_args, add_generation_args, add_optimizer_args, add_tokenized_data_args,
+                            data_inputs, fraction, make_parser, positive_float, reading_workers)
+from train.core.evaluation import evaluate_rows
+from train.core.loop import TrainingLoop
+from train.core.run import run, start_run
+from train.core.tracking import atomic_write
+from train.models.gpt import next_token_loss
+from train.models.hf import (adamw, add_lora_args, add_pretrained_args, causal_lm_tokenizer, check_causal_lm,
+                             describe_dtypes, describe_trainable, generate, hub_kwargs, load_pretrained, lora_model,
+                             model_fingerprint, quiet_transformers, resolve_model, save_model_folder,
+                             set_training_dtype, torch_dtype)
+
+TASK = "dpo"  # the run's name in its checkpoints: another task's checkpoint is refused
+# its evaluation's metrics (TRL's names), the headline first
+METRICS = ["eval_loss", "eval_rewards/accuracies", "eval_rewards/margins", "eval_rewards/chosen",
+           "eval_rewards/rejected", "eval_logps/chosen", "eval_logps/rejected"]
+LOSS_TYPES = ("sigmoid", "robust", "ipo", "hinge")
+MAX_LENGTH = 1024  # the default --max_seq_length's cap
+
+
+def parse_args(argv=None):
+    parser = make_parser(__doc__)
+    data, model = parser.groups["data"], parser.groups["model"]
+    add_data_files_args(parser, "Preference pairs: jsonl, json, csv or parquet, or a datasets folder written by "
+                        "save_to_disk.", split_percentage=10, dataset_name=True)
+    data.add_argument("--prompt_column", default="prompt", help="The prompt: text, or conversation turns (without "
+                      "it, conversations' shared first turns are the prompt).")
+    data.add_argument("--chosen_column", default="chosen", help="The preferred response: text, or assistant turns.")
+    data.add_argument("--rejected_column", default="rejected", help="The other response: text, or assistant turns.")
+    add_tokenized_data_args(parser, "side of a pair", MAX_LENGTH, LONG_EXAMPLES)
+    add_pretrained_args(parser, "A Hugging Face causal language model (train/sft.py's output, say)")
+    model.add_argument("--eval_on_start", action="store_true", help="Evaluate the model before the first step too "
+                       "(a fresh run): the log-probabilities tuning starts from.")
+    model.add_argument("--loss_type", choices=LOSS_TYPES, default="sigmoid", help="The preference loss (the module "
+                       "docstring has each formula).")
+    model.add_argument("--beta", type=positive_float, default=0.1,
+                       help="How far from the reference the rewards may pull (ipo: its regularization tau).")
+    model.add_argument("--label_smoothing", type=fraction, default=0.0,
+                       help="The share of pairs taken as flipped: conservative DPO (sigmoid) or robust DPO (robust, "
+                            "below 0.5).")
+    add_generation_args(parser)
+    add_lora_args(parser)
+    add_optimizer_args(parser, learning_rate=None, train_batch_size=8, eval_batch_size=8, weight_decay=0.0)
+    parser.groups["optimization"].add_argument("--max_grad_norm", type=float, default=1.0,
+                                               help="Clip the gradient norm (0: no clipping).")
+    parser.set_defaults(output_dir="runs/dpo")
+    # derived in main() and recorded in args.json, which reruns a run
+    parser.recorded.update(("model_fingerprint", "conversational"))
+    args = parser.parse_args(argv)
+    if args.prompt is None:
+        if not args.train_file and not args.dataset_name:
+            parser.error("--train_file or --dataset_name is required (or --prompt TEXT with a trained --output_dir)")
+        if args.loss_type == "robust" and args.label_smoothing >= 0.5:
+            parser.error(f"--label_smoothing {args.label_smoothing}: robust DPO takes a share below 0.5")
+        if args.learning_rate is None:  # TRL's default for a whole model; adapters take larger steps
+            args.learning_rate = 5e-5 if args.lora_r else 1e-6
+    return args
+
+
+# ---------------------------------------------------------------------------------------------- the loss
+
+def sequence_logps(logits, labels):
+    """Per row: the sum of the log-probabilities of its scored tokens (labels not -100), in float32."""
+    return -next_token_loss(logits, labels, reduction="none").view(labels.shape).sum(-1)
+
+
+def preference_loss(logps, ref_logps, targets, loss_type, beta, label_smoothing=0.0):
+    """Per pair: (loss, chosen reward, rejected reward). `logps`, `ref_logps`, `targets` (scored tokens):
+    one value per row of a PairBatch, the chosen sides then the rejected ones."""
+    chosen_ratio, rejected_ratio = (logps - ref_logps).chunk(2)
+    d = chosen_ratio - rejected_ratio
+    e = label_smoothing
+    if loss_type == "sigmoid":
+        losses = -(1 - e) * F.logsigmoid(beta * d) - e * F.logsigmoid(-beta * d)
+    elif loss_type == "robust":
+        losses = (-(1 - e) * F.logsigmoid(beta * d) + e * F.logsigmoid(-beta * d)) / (1 - 2 * e)
+    elif loss_type == "ipo":  # per token, as TRL does (and the IPO authors confirmed to it)
+        chosen_tokens, rejected_tokens = targets.clamp(min=1).chunk(2)
+        losses = (chosen_ratio / chosen_tokens - rejected_ratio / rejected_tokens - 1 / (2 * beta)) ** 2
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * d)
+    else:
+        raise ValueError(f"loss_type {loss_type!r}: one of {', '.join(LOSS_TYPES)}")
+    return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def pair_metrics(logps, ref_logps, targets, loss_type, beta, label_smoothing):
+    """Per pair, TRL's metrics (and the loss), for evaluate_rows' exact means."""
+    losses, chosen, rejected = preference_loss(logps, ref_logps, targets, loss_type, beta, label_smoothing)
+    chosen_logps, rejected_logps = logps.detach().chunk(2)
+    return {"loss": losses, "rewards/chosen": chosen, "rewards/rejected": rejected,
+            "rewards/accuracies": chosen > rejected, "rewards/margins": chosen - rejected,
+            "logps/chosen": chosen_logps, "logps/rejected": rejected_logps}
+
+
+# ---------------------------------------------------------------------------------------------- the reference
+
+def with_reference(accelerator, model, splits, folder, key, batch_size):
+    """`splits` with the columns ref_chosen and ref_rejected: the model's log-probabilities of each side
+    of each pair, as it is now (eval mode, no autocast, no gradient), computed once and kept in
+    FOLDER/reference-HASH.npz (HASH of `key`: the model, its dtype and the batch size), where a resume
+    or a rerun on the same tokens finds them. The pairs, sorted by length, are cut into batches the same
+    way for any process count, so the values are too; process r computes every world_size-th batch from
+    the r-th, and all of them receive the whole."""
+    from accelerate.utils import broadcast_object_list
+
+    path = os.path.join(folder, f"reference-{hashlib.blake2b(json.dumps(key).encode(), digest_size=8).hexdigest()}.npz")
+    found = [os.path.isfile(path)]
+    if accelerator.num_processes > 1:
+        found = broadcast_object_list(found)  # the main process's look: every rank takes one path
+    if found[0]:
+        stored = np.load(path)
+        accelerator.print(f"reference: log-probabilities of every pair found in {path}")
+    else:
+        stored, rank, world = {}, accelerator.process_index, accelerator.num_processes
+        model.to(accelerator.device).eval()  # whole on every device, before FSDP would shard it
+        with torch.no_grad():
+            for split, ds in splits.items():
+                lengths = ds["length"]
+                order = sorted(range(len(ds)), key=lambda i: lengths[i])  # similar lengths pad little
+                values, collate = {}, PairBatch(0)
+                for start in range(rank * batch_size, len(order), world * batch_size):
+                    rows = order[start:start + batch_size]
+                    batch = collate(ds[rows])
+                    logits = model(input_ids=batch["input_ids"].to(accelerator.device),
+                                   attention_mask=batch["attention_mask"].to(accelerator.device), use_cache=False).logits
+                    chosen, rejected = sequence_logps(logits, batch["labels"].to(accelerator.device)).cpu().chunk(2)
+                    values.update({i: (c, r) for i, c, r in zip(rows, chosen.tolist(), rejected.tolist())})
+                merged = {i: v for part in gather_patiently(accelerator, values) for i, v in part.items()}
+                for k, side in enumerate(SIDES):
+                    stored[f"{split}_{side}"] = np.array([merged[i][k] for i in range(len(ds))], dtype=np.float32)
+        model.train()
+
+        def write(tmp):
+            with open(tmp, "wb") as f:
+                np.savez(f, **stored)
+
+        if accelerator.is_main_process:
+            atomic_write(path, write)
+        accelerator.print(f"reference: log-probabilities of {', '.join(f'{len(ds):,} {s}' for s, ds in splits.items())} "
+                          f"pairs computed once (eval mode, no autocast) -> {path}")
+    return {split: ds.add_column("ref_chosen", stored[f"{split}_chosen"].tolist())
+                     .add_column("ref_rejected", stored[f"{split}_rejected"].tolist()) for split, ds in splits.items()}
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+def main(args):
+    check_inputs(data_inputs(args))  # before any process waits on another
+    folder = resolve_model(args.model_name_or_path, revision=args.model_revision)
+    quiet_transformers()
+    from transformers import AutoModelForCausalLM
+
+    config = check_causal_lm(args.model_name_or_path, **hub_kwargs(args))
+    accelerator = start_run(args, TASK)
+    args.dataloader_num_workers = reading_workers(args.dataloader_num_workers, accelerator.device, on_gpu=2)
+
+    # ---------------------------------------------------------------- data: tokenized once, then sharded
+    tokenizer = causal_lm_tokenizer(args, config, MAX_LENGTH)  # and args.max_seq_length, within the model's
+    columns = {"prompt": args.prompt_column, "chosen": args.chosen_column, "rejected": args.rejected_column}
+    tokens, info = main_process_first(accelerator, lambda: prepare_preferences(
+        data_inputs(args), folder, tokenizer, columns, args.max_seq_length, args.long_examples, args.cache_dir),
+        share=True)
+    args.conversational = info["conversational"]  # --prompt then sends a user turn
+    counts = info["splits"]
+    one_batch = args.per_device_train_batch_size * accelerator.num_processes
+    if counts["train"]["rows"] < one_batch:  # the same on every rank: every one stops here
+        fail(f"the training data makes {counts['train']['rows']} pair(s), fewer than one batch of {one_batch} "
+             f"(--per_device_train_batch_size x {accelerator.num_processes} processes); pass a smaller "
+             "--per_device_train_batch_size")
+    accelerator.print(f"data: {tokens}: " + "; ".join(
+        f"{s if s == 'train' else 'validation (' + info['validation'] + ')'} {c['rows']:,} pairs, {c['tokens']:,} "
+        "tokens" + (f", {c['cut']:,} cut" if c["cut"] else "") + (f", {c['dropped']:,} dropped" if c["dropped"] else "")
+        + (f", {c['same']:,} with chosen = rejected" if c["same"] else "") for s, c in counts.items())
+        + f"; max_seq_length {args.max_seq_length}")
+
+    # ---------------------------------------------------------------- model, and the reference
+    model = load_pretrained(AutoModelForCausalLM, args, "a causal LM")
+    args.model_fingerprint = model_fingerprint(args.model_name_or_path, folder)  # in checkpoints: a resume needs it
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.lora_r:  # the adapters train; the pretrained model stays as it is, and is the reference
+        model = lora_model(model, args, "CAUSAL_LM")
+    set_training_dtype(model, args.pure_low_precision, accelerator.mixed_precision)  # float32 master weights
+    splits = {split: datasets.load_from_disk(os.path.join(tokens, split)) for split in ("train", "validation")}
+    if not args.lora_r:  # the reference is the model as it starts: once, before any step
+        splits = with_reference(accelerator, model, splits, tokens, {
+            "model": args.model_fingerprint, "dtype": str(next(model.parameters()).dtype),
+            "batch_size": args.per_device_eval_batch_size}, args.per_device_eval_batch_size)
+    trainable, total = describe_trainable(model)
+    accelerator.print(f"model: {type(model).__name__} from {args.model_name_or_path}, {total:,} parameters, "
+                      f"{trainable:,} training ({trainable / total:.2%}{f', LoRA r={args.lora_r}' if args.lora_r else ''}"
+                      f"); {describe_dtypes(model)}; {args.loss_type} loss, beta {args.beta}"
+                      + (f", label smoothing {args.label_smoothing}" if args.label_smoothing else ""))
+    loaders = {split: sharded_loader(
+        DatasetsSource(ds, transform=PairBatch(tokenizer.pad_token_id)), args.per_device_train_batch_size
+        if split == "train" else args.per_device_eval_batch_size, rank=accelerator.process_index,
+        world_size=accelerator.num_processes, device=accelerator.device, seed=args.seed, train=split == "train",
+        num_workers=args.dataloader_num_workers,
+        lengths=list(ds["length"]) if split == "validation" or args.group_by_length else None,
+        # each batch carries its optimizer step's count of pairs over every rank and micro-batch
+        weights=[1] * len(ds) if split == "train" else None,
+        accumulation_steps=args.gradient_accumulation_steps) for split, ds in splits.items()}
+    optimizer = adamw(model, args.learning_rate, args.weight_decay)  # decay on weight matrices only
+    model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
+
+    # ---------------------------------------------------------------- train
+    def logps_of(batch):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        return sequence_logps(logits, batch["labels"])
+
+    def reference(batch):
+        if not args.lora_r:
+            return torch.cat([batch["ref_chosen"], batch["ref_rejected"]])
+        was_training = model.training
+        model.eval()  # no dropout in the reference
+        with torch.no_grad(), accelerator.unwrap_model(model).disable_adapter():
+            ref = logps_of(batch)
+        model.train(was_training)
+        return ref
+
+    def per_pair(batch):
+        return pair_metrics(logps_of(batch), reference(batch), batch["targets"], args.loss_type, args.beta,
+                            args.label_smoothing)
+
+    # accelerate divides each micro-batch's loss by the accumulation steps and DDP averages over processes:
+    # this factor undoes both, so the step's gradient is that of (sum of pair losses) / (step's pairs)
+    scale = accelerator.num_processes * args.gradient_accumulation_steps
+    loop = TrainingLoop(accelerator, args, TASK, model, optimizer, loaders["train"], headline=METRICS[0],
+                        metrics=METRICS, evaluate=lambda: evaluate_rows(accelerator, model, loaders["validation"],
+                                                                        per_pair))
+    before = {}
+    if args.eval_on_start and loop.step == 0:
+        before = evaluate_rows(accelerator, model, loaders["validation"], per_pair)
+        if accelerator.is_main_process:  # above the progress bar, as the loop's own evaluation lines
+            loop.progress.write("before tuning: " + " ".join(f"{k}={v:.4f}" for k, v in before.items()
+                                                             if isinstance(v, float)))
+    for batch in loop.batches():
+        with accelerator.accumulate(model):
+            ref = reference(batch)
+            losses, _, _ = preference_loss(logps_of(batch), ref, batch["targets"], args.loss_type, args.beta,
+                                           args.label_smoothing)
+            loss = losses.sum() * (scale / batch["step_weight"]).float()
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and args.max_grad_norm > 0:
+                accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        loop.after_batch(loss)
+
+    save_dtype = torch_dtype(args.save_dtype, config)
+
+    def build():  # the pretrained model on the CPU, in the dtype it is saved in, to take the trained weights
+        pretrained = load_pretrained(AutoModelForCausalLM, args, "a causal LM", save_dtype)
+        return lora_model(pretrained, args, "CAUSAL_LM") if args.lora_r else pretrained
+
+    return loop.finish({"trainable_parameters": trainable, "parameters": total, "train_pairs": counts["train"]["rows"],
+                        "train_pairs_per_second": loop.samples_per_second(),
+                        **{f"{k}_before": v for k, v in before.items() if k != "eval_samples"}},
+                       save_model=lambda weights, out: save_model_folder(weights, out, build, tokenizer, args.lora_r,
+                                                                         save_dtype))
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    run((lambda a: generate(a, "train/dpo.py", chat="conversational")) if arguments.prompt else main, arguments)
