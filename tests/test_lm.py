@@ -152,7 +152,8 @@ def test_sft_fine_tunes_the_exported_gpt(two_process_run, tmp_path, capsys):
     proc = run_as_script(capsys, "sft", "--model_name_or_path", out, "--train_file", pairs, "--max_train_steps", 4,
                          "--per_device_train_batch_size", 4, "--cache_dir", tmp_path / "tokens", "--output_dir",
                          tmp_path / "sft")
-    assert proc.returncode == 0 and "validation 4 examples" in proc.stdout, output_of(proc)
+    held_out = "validation (10% of --train_file held out) 4 examples"
+    assert proc.returncode == 0 and held_out in proc.stdout, output_of(proc)
     assert "max_seq_length 32;" in proc.stdout and results(tmp_path / "sft")["eval_loss"] > 0
 
 
