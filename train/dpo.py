@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 
 if __package__ in (None, ""):  # run as a file: Python put train/ on sys.path, not the repo root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -52,7 +53,7 @@ from train.core.cli import (add_data_files_args, add_generation_args, add_optimi
 from train.core.evaluation import evaluate_rows
 from train.core.loop import TrainingLoop
 from train.core.run import run, start_run
-from train.core.tracking import atomic_write
+from train.core.tracking import readable_by_others
 from train.models.gpt import next_token_loss
 from train.models.hf import (adamw, add_lora_args, add_pretrained_args, causal_lm_tokenizer, check_causal_lm,
                              describe_dtypes, describe_trainable, generate, hub_kwargs, load_pretrained, lora_model,
@@ -180,12 +181,14 @@ def with_reference(accelerator, model, splits, folder, key, batch_size):
                     stored[f"{split}_{side}"] = np.array([merged[i][k] for i in range(len(ds))], dtype=np.float32)
         model.train()
 
-        def write(tmp):
-            with open(tmp, "wb") as f:
+        if accelerator.is_main_process:  # whole or not at all; another run may write the same file at once
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".reference-")
+            with os.fdopen(fd, "wb") as f:
                 np.savez(f, **stored)
-
-        if accelerator.is_main_process:
-            atomic_write(path, write)
+                f.flush()
+                os.fsync(f.fileno())
+            readable_by_others(tmp)  # mkstemp's file is its owner's alone
+            os.replace(tmp, path)
         accelerator.print(f"reference: log-probabilities of {', '.join(f'{len(ds):,} {s}' for s, ds in splits.items())} "
                           f"pairs computed once (eval mode, no autocast) -> {path}")
     return {split: ds.add_column("ref_chosen", stored[f"{split}_chosen"].tolist())
