@@ -27,22 +27,21 @@ WRITE_FIXES = {errno.ENOSPC: "free some space or pass an --output_dir on another
                errno.EDQUOT: "free some space or pass an --output_dir on another disk",
                errno.EROFS: "pass an --output_dir on a writable disk",
                errno.EACCES: "pass an --output_dir you can write to", errno.EPERM: "pass an --output_dir you can write to"}
-_asked = {}  # folder -> fingerprint of the set up_to_date() found missing: the one the atomic_folder() after it writes
 
 
 @contextlib.contextmanager
-def atomic_folder(output_dir, force=False):
+def atomic_folder(output_dir, force=False, job=None):
     """A hidden folder beside output_dir to write the new set into (its manifest last); when the block
     ends without an error it takes output_dir's place in one step and the old set is removed. What is
     in output_dir must be this module's own (claim()), checked before anything is written, then again
     under the folder's lock, which is held throughout; a folder this call created is removed again
     if the block fails. OSErrors (a full disk, a read-only folder) are one line saying where.
-    Another process preparing the set up_to_date() just found missing is waited for, not refused; if
-    it finished first, its set stays and the block's copy is dropped."""
+    `job`, the fingerprint of the set written (data.shards.fingerprint of its inputs and arguments):
+    another process preparing the same set is waited for, not refused; if it finished first, its set
+    stays and the block's copy is dropped."""
     claim(output_dir, force)
     created = not os.path.isdir(output_dir)
     target = os.path.realpath(output_dir)  # a link to a folder: the folder is replaced, not the link
-    job = _asked.pop(target, None)
     try:
         lock = lock_folder(output_dir, what="a data folder being prepared", note=print, job=job)
     except FolderBusy as e:
@@ -183,17 +182,14 @@ def claim(output_dir, force=False):
 def up_to_date(output_dir, inputs, arguments, force=False):
     """True (and says so) if output_dir already holds these inputs written with these arguments,
     every file still there as written (size and sha256). A prepare of this same set under way in
-    another process is waited for first; the atomic_folder() that follows a False waits for one
-    started meanwhile rather than refuse it. Holds no lock and writes nothing; anything else is for
-    claim() to judge, under the lock."""
+    another process is waited for first (atomic_folder() with the same job waits for one started
+    meanwhile). Holds no lock and writes nothing; anything else is for claim() to judge, under the lock."""
     job = fingerprint(inputs, arguments)
     manifest = None if force else finished_set(output_dir, job)
     if manifest is None and not force and wait_for_job(output_dir, job):
         manifest = finished_set(output_dir, job)
     if manifest is None:
-        _asked[os.path.realpath(output_dir)] = job
         return False
-    _asked.pop(os.path.realpath(output_dir), None)
     rows = ", ".join(f"{split} {entry['rows']} rows" for split, entry in manifest["splits"].items())
     print(f"{output_dir} is up to date ({rows}, fingerprint {manifest['fingerprint']}); nothing written")
     return True

@@ -30,7 +30,7 @@ from torch.utils.data import Dataset
 from data.atomic_folder import atomic_folder, report, up_to_date
 from data.errors import DataError
 from data.image_pixels import crop_and_flip, image_transforms
-from data.shards import hash_files, read_manifest, write_manifest, write_table_shards
+from data.shards import fingerprint, hash_files, read_manifest, write_manifest, write_table_shards
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 TENSOR_OVERHEAD = 1536  # bytes a kept image takes beyond its pixels
@@ -283,7 +283,7 @@ def prepare_image_folder(train_dir, output_dir, validation_dir=None, validation_
                  "rows_per_group": rows_per_group, "seed": seed, "kind": "image_folder", "classes": train.classes}
     if up_to_date(output_dir, inputs, arguments, force):
         return read_manifest(output_dir)
-    with atomic_folder(output_dir, force) as tmp:
+    with atomic_folder(output_dir, force, fingerprint(inputs, arguments)) as tmp:
         for split, images in (("train", train), ("validation", validation)):
             if images is None:
                 continue

@@ -10,7 +10,7 @@ import shutil
 
 from data.atomic_folder import WRITE_FIXES, atomic_folder, report, up_to_date
 from data.errors import DataError
-from data.shards import hash_files, read_manifest, write_manifest, write_table_shards
+from data.shards import fingerprint, hash_files, read_manifest, write_manifest, write_table_shards
 
 LOADERS = {".csv": "csv", ".tsv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text",
            ".text": "text"}
@@ -135,7 +135,7 @@ def prepare_files(train_files, output_dir, validation_files=None, validation_spl
                  "rows_per_group": rows_per_group, "seed": seed, "kind": "files"}
     if up_to_date(output_dir, inputs, arguments, force):
         return read_manifest(output_dir)
-    with atomic_folder(output_dir, force) as tmp:
+    with atomic_folder(output_dir, force, fingerprint(inputs, arguments)) as tmp:
         splits = load_files(list(train_files), list(validation_files or []) or None, validation_split_percentage,
                             seed, cache_dir=os.path.join(tmp, ".cache"))
         check_columns(splits, text_columns)

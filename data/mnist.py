@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 
 from data.atomic_folder import atomic_folder, claim, up_to_date
 from data.errors import DataError
-from data.shards import WRITTEN_BY, file_entries, save_manifest, write_manifest, write_shards
+from data.shards import WRITTEN_BY, file_entries, fingerprint, save_manifest, write_manifest, write_shards
 
 SPLIT_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -259,7 +259,7 @@ def prepare_mnist_shards(dataset, output_dir, num_shards=8, rows_per_group=32, d
     inputs = [{"dataset": dataset, "blake2b": _hash_tensors(train.images, train.labels, test.images, test.labels)}]
     if up_to_date(output_dir, inputs, arguments, force):
         return output_dir
-    with atomic_folder(output_dir, force) as tmp:
+    with atomic_folder(output_dir, force, fingerprint(inputs, arguments)) as tmp:
         for split, ds in (("train", train), ("test", test)):
             write_shards({"image": ds.images, "label": ds.labels}, tmp, split, num_shards, rows_per_group)
         write_manifest(tmp, inputs, arguments, {"class_names": CLASS_NAMES[dataset]})

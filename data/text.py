@@ -27,7 +27,7 @@ import numpy as np
 from data.atomic_folder import atomic_folder, claim, report, up_to_date
 from data.errors import DataError
 from data.local_files import file_kind, load_files, text_column
-from data.shards import hash_files, read_manifest, write_manifest, write_shards
+from data.shards import fingerprint, hash_files, read_manifest, write_manifest, write_shards
 from data.sources import table_to_arrays
 
 EOT = "<|endoftext|>"
@@ -227,7 +227,7 @@ def prepare_tokens(documents, output_dir, tokenizer_spec, vocab_size, num_shards
         return read_manifest(output_dir)
     claim(output_dir, force)  # someone else's folder: refused before the text is read and tokenized
     documents = documents() if callable(documents) else documents
-    with atomic_folder(output_dir, force) as tmp:
+    with atomic_folder(output_dir, force, fingerprint(inputs, arguments)) as tmp:
         if tokenizer_spec == "bpe":
             tokenizer = train_bpe(documents["train"], vocab_size)
         elif tokenizer_spec == "bytes":

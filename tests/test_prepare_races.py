@@ -59,11 +59,11 @@ def prepare_like_a_script(out, arguments, force=False, seconds=0.0):
     import torch
 
     from data.atomic_folder import atomic_folder, up_to_date
-    from data.shards import write_manifest, write_shards
+    from data.shards import fingerprint, write_manifest, write_shards
 
     if up_to_date(out, INPUTS, arguments, force):
         return "up to date"
-    with atomic_folder(out, force) as tmp:
+    with atomic_folder(out, force, fingerprint(INPUTS, arguments)) as tmp:
         write_shards({"x": torch.arange(8)}, tmp, "train", 1)
         time.sleep(seconds)
         write_manifest(tmp, INPUTS, arguments)
