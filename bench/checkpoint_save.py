@@ -12,6 +12,7 @@ slowest rank's time. The asynchronous save is --checkpoint_async's: a copy of th
 by a thread: `blocking` is what the training loop waits for (the copy of the state),
 `total` until every file is written and the checkpoint published.
 """
+
 import argparse
 import os
 import statistics
@@ -31,8 +32,11 @@ def folder_bytes(folder, rank):
     total = 0
     for root, _, files in os.walk(folder):
         for name in files:
-            mine = (name == f"rank_state_{rank}.pt" or name == f"__{rank}_0.distcp" or
-                    (rank == 0 and not name.startswith(("rank_state_", "__"))))
+            mine = (
+                name == f"rank_state_{rank}.pt"
+                or name == f"__{rank}_0.distcp"
+                or (rank == 0 and not name.startswith(("rank_state_", "__")))
+            )
             total += os.path.getsize(os.path.join(root, name)) if mine else 0
     return total
 
@@ -68,9 +72,19 @@ def worker(args):
             for k, form in enumerate(("full", "sharded", "async")):
                 accelerator.wait_for_everyone()
                 t = time.perf_counter()
-                checkpoint = save_checkpoint(accelerator, out, 3 * repeat + k + 1, model, optimizer,
-                                             None, {"script": "bench"}, keep_last=1, sharded=form != "full",
-                                             writer=writer if form == "async" else None, group=group)
+                checkpoint = save_checkpoint(
+                    accelerator,
+                    out,
+                    3 * repeat + k + 1,
+                    model,
+                    optimizer,
+                    None,
+                    {"script": "bench"},
+                    keep_last=1,
+                    sharded=form != "full",
+                    writer=writer if form == "async" else None,
+                    group=group,
+                )
                 if form == "async":
                     seconds["async_blocking"].append(time.perf_counter() - t)
                 checkpoint.wait()
@@ -84,14 +98,23 @@ def worker(args):
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         per_rank = torch.tensor([written["full"], written["sharded"], written["async"]], dtype=torch.float64)
         gathered = accelerator.gather(per_rank[None]).tolist()
-        rows.append({"size": size, "parameters": parameters, "layers": layers, "width": width,
-                     "seconds": dict(zip(medians, slowest.tolist())), "bytes": gathered})
+        rows.append(
+            {
+                "size": size,
+                "parameters": parameters,
+                "layers": layers,
+                "width": width,
+                "seconds": dict(zip(medians, slowest.tolist())),
+                "bytes": gathered,
+            }
+        )
         writer.shutdown()
         del model, optimizer
         accelerator.free_memory()
     if accelerator.is_main_process:
-        print_result({"layout": accelerator.distributed_type.value if accelerator.cpu_fsdp2 is None else "FSDP2",
-                      "rows": rows})
+        print_result(
+            {"layout": accelerator.distributed_type.value if accelerator.cpu_fsdp2 is None else "FSDP2", "rows": rows}
+        )
     accelerator.wait_for_everyone()
     accelerator.end_training()
 
@@ -107,20 +130,26 @@ def main():
     if args.tiny:
         args.repeats = 1
     worker_args = ["--repeats", str(args.repeats), *(["--tiny"] if args.tiny else [])]
-    print("| layout | model | parameters | full s | sharded s | async blocking s | async total s | "
-          "full MB rank 0 / 1 | sharded MB rank 0 / 1 |")
+    print(
+        "| layout | model | parameters | full s | sharded s | async blocking s | async total s | "
+        "full MB rank 0 / 1 | sharded MB rank 0 / 1 |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     # tiny: one launch (DDP's; both layouts' rows come from the same worker and table code)
     for config in ("cpu_2proc",) if args.tiny else ("cpu_2proc", "fsdp2_cpu_2proc"):
         result = run_workers(__file__, worker_args, os.path.join(REPO, "accelerate_configs", config + ".yaml"))
         for row in result["rows"]:
             s, b = row["seconds"], row["bytes"]
-            print(f"| {result['layout']} | {row['layers']}x{row['width']} | {row['parameters'] / 1e6:.1f}M | "
-                  f"{s['full']:.2f} | {s['sharded']:.2f} | {s['async_blocking']:.2f} | {s['async_total']:.2f} | "
-                  f"{b[0][0] / 1e6:.1f} / {b[1][0] / 1e6:.1f} | {b[0][1] / 1e6:.1f} / {b[1][1] / 1e6:.1f} |")
+            print(
+                f"| {result['layout']} | {row['layers']}x{row['width']} | {row['parameters'] / 1e6:.1f}M | "
+                f"{s['full']:.2f} | {s['sharded']:.2f} | {s['async_blocking']:.2f} | {s['async_total']:.2f} | "
+                f"{b[0][0] / 1e6:.1f} / {b[1][0] / 1e6:.1f} | {b[0][1] / 1e6:.1f} / {b[1][1] / 1e6:.1f} |"
+            )
             print(f"RATIO {result['layout']} {row['size']} sharded/full save seconds = {s['sharded'] / s['full']:.3f}")
-            print(f"RATIO {result['layout']} {row['size']} async blocking/sharded save seconds = "
-                  f"{s['async_blocking'] / s['sharded']:.3f}")
+            print(
+                f"RATIO {result['layout']} {row['size']} async blocking/sharded save seconds = "
+                f"{s['async_blocking'] / s['sharded']:.3f}"
+            )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ The floors are the same model's forward/backward/step as ours runs it (channels_
 over one epoch of in-memory batches of 100 in one process with all cores, no data loading and no
 communication, in fp32 and bf16.
 """
+
 import argparse
 import gzip
 import json
@@ -55,8 +56,15 @@ def torchvision_layout(root, tiny):
         from data.mnist import load_mnist
 
         train, test, _ = load_mnist("fashion_mnist")
-        for stem, t in zip(STEMS, (train.images[:TINY_TRAIN], train.labels[:TINY_TRAIN].byte(),
-                                   test.images[:TINY_TEST], test.labels[:TINY_TEST].byte())):
+        for stem, t in zip(
+            STEMS,
+            (
+                train.images[:TINY_TRAIN],
+                train.labels[:TINY_TRAIN].byte(),
+                test.images[:TINY_TEST],
+                test.labels[:TINY_TEST].byte(),
+            ),
+        ):
             write_idx(os.path.join(raw, stem), t)
     else:
         for stem in STEMS:
@@ -79,36 +87,102 @@ def reference(data_root, epochs, env):
     # (SIGABRT, "terminate called without an active exception") after printing every result; such
     # a run is complete and counted, and the aborts are reported.
     complete = lambda proc: proc.stdout.count("RESULT ") == epochs  # noqa: E731
-    proc, wall = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                      "bench/reference/seed_ddp_mnist.py", "--data", data_root, "--epochs", str(epochs)], env, complete)
-    last = [dict(kv.split("=") for kv in line.split()[1:]) for line in proc.stdout.splitlines()
-            if line.startswith("RESULT")][-1]
-    return {"epoch_seconds": float(last["train_s"]) / epochs, "accuracy": float(last["acc"]), "wall": wall,
-            "eval_samples": int(last["n_eval"]), "teardown_abort": proc.returncode != 0}
+    proc, wall = run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "bench/reference/seed_ddp_mnist.py",
+            "--data",
+            data_root,
+            "--epochs",
+            str(epochs),
+        ],
+        env,
+        complete,
+    )
+    last = [
+        dict(kv.split("=") for kv in line.split()[1:]) for line in proc.stdout.splitlines() if line.startswith("RESULT")
+    ][-1]
+    return {
+        "epoch_seconds": float(last["train_s"]) / epochs,
+        "accuracy": float(last["acc"]),
+        "wall": wall,
+        "eval_samples": int(last["n_eval"]),
+        "teardown_abort": proc.returncode != 0,
+    }
 
 
 def raw_ddp(data_root, epochs, env):
     complete = lambda proc: proc.stdout.count("RESULT ") == epochs  # noqa: E731  (teardown aborts, as above)
-    proc, wall = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                      "bench/reference/raw_ddp_mnist.py", "--data_dir", data_root, "--epochs", str(epochs)], env,
-                     complete)
-    results = [dict(kv.split("=") for kv in line.split()[1:]) for line in proc.stdout.splitlines()
-               if line.startswith("RESULT")]
-    return {"epoch_seconds": statistics.mean(float(r["epoch_s"]) for r in results),
-            "accuracy": float(results[-1]["acc"]), "wall": wall, "eval_samples": int(results[-1]["n_eval"]),
-            "teardown_abort": proc.returncode != 0}
+    proc, wall = run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "bench/reference/raw_ddp_mnist.py",
+            "--data_dir",
+            data_root,
+            "--epochs",
+            str(epochs),
+        ],
+        env,
+        complete,
+    )
+    results = [
+        dict(kv.split("=") for kv in line.split()[1:]) for line in proc.stdout.splitlines() if line.startswith("RESULT")
+    ]
+    return {
+        "epoch_seconds": statistics.mean(float(r["epoch_s"]) for r in results),
+        "accuracy": float(results[-1]["acc"]),
+        "wall": wall,
+        "eval_samples": int(results[-1]["n_eval"]),
+        "teardown_abort": proc.returncode != 0,
+    }
 
 
 def ours(data_root, epochs, env, out, mixed_precision):
     shutil.rmtree(out, ignore_errors=True)
-    _, wall = run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                   "accelerate_configs/cpu_2proc.yaml", "train/mnist.py", "--data_dir", data_root,
-                   "--num_train_epochs", str(epochs), "--per_device_train_batch_size", "50",
-                   "--learning_rate", "1e-3", "--weight_decay", "0", "--lr_scheduler_type", "constant",
-                   "--mixed_precision", mixed_precision, "--output_dir", out], env)
+    _, wall = run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            "accelerate_configs/cpu_2proc.yaml",
+            "train/mnist.py",
+            "--data_dir",
+            data_root,
+            "--num_train_epochs",
+            str(epochs),
+            "--per_device_train_batch_size",
+            "50",
+            "--learning_rate",
+            "1e-3",
+            "--weight_decay",
+            "0",
+            "--lr_scheduler_type",
+            "constant",
+            "--mixed_precision",
+            mixed_precision,
+            "--output_dir",
+            out,
+        ],
+        env,
+    )
     results = json.load(open(os.path.join(out, "all_results.json")))
-    return {"epoch_seconds": statistics.mean(results["epoch_seconds"]), "accuracy": results["eval_accuracy"],
-            "wall": wall, "eval_samples": results["eval_samples"]}
+    return {
+        "epoch_seconds": statistics.mean(results["epoch_seconds"]),
+        "accuracy": results["eval_accuracy"],
+        "wall": wall,
+        "eval_samples": results["eval_samples"],
+    }
 
 
 def compute_floor(data_root, bf16):
@@ -127,27 +201,37 @@ def compute_floor(data_root, bf16):
     start = time.perf_counter()
     for i in range(0, len(images) - 99, 100):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            logits = model(images[i:i + 100]).float()
-        loss = F.cross_entropy(logits, train.labels[i:i + 100])
+            logits = model(images[i : i + 100]).float()
+        loss = F.cross_entropy(logits, train.labels[i : i + 100])
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
     return time.perf_counter() - start
 
 
-PATHS = {"reference": "plain DDP recipe (torchrun)", "ours_fp32": "train/mnist.py (accelerate), fp32",
-         "ours_bf16": "train/mnist.py (accelerate), bf16", "raw_bf16": "our bf16 loop on raw DDP (no accelerate)"}
+PATHS = {
+    "reference": "plain DDP recipe (torchrun)",
+    "ours_fp32": "train/mnist.py (accelerate), fp32",
+    "ours_bf16": "train/mnist.py (accelerate), bf16",
+    "raw_bf16": "our bf16 loop on raw DDP (no accelerate)",
+}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--tiny", action="store_true",
-                        help=f"{TINY_TRAIN} training and {TINY_TEST} test samples, 1 repeat: checks the bench runs")
-    parser.add_argument("--paths", default=",".join(PATHS),
-                        help=f"Comma-separated subset of {','.join(PATHS)} (e.g. ours_bf16,raw_bf16 for the "
-                             "framework-overhead ratio alone, with more repeats in the same time).")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help=f"{TINY_TRAIN} training and {TINY_TEST} test samples, 1 repeat: checks the bench runs",
+    )
+    parser.add_argument(
+        "--paths",
+        default=",".join(PATHS),
+        help=f"Comma-separated subset of {','.join(PATHS)} (e.g. ours_bf16,raw_bf16 for the "
+        "framework-overhead ratio alone, with more repeats in the same time).",
+    )
     args = parser.parse_args(argv)
     chosen = args.paths.split(",")
     if not chosen or any(name not in PATHS for name in chosen):
@@ -158,21 +242,29 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         data_root = torchvision_layout(os.path.join(tmp, "data"), args.tiny)
         out = os.path.join(tmp, "out")
-        paths = {"reference": lambda: reference(data_root, args.epochs, env),
-                 "ours_fp32": lambda: ours(data_root, args.epochs, env, out, "no"),
-                 "ours_bf16": lambda: ours(data_root, args.epochs, env, out, "bf16"),
-                 "raw_bf16": lambda: raw_ddp(data_root, args.epochs, env)}
+        paths = {
+            "reference": lambda: reference(data_root, args.epochs, env),
+            "ours_fp32": lambda: ours(data_root, args.epochs, env, out, "no"),
+            "ours_bf16": lambda: ours(data_root, args.epochs, env, out, "bf16"),
+            "raw_bf16": lambda: raw_ddp(data_root, args.epochs, env),
+        }
         paths = {name: path for name, path in paths.items() if name in chosen}
         runs = {name: [] for name in paths}
         for repeat in range(args.repeats):  # A/B/C/D, D/C/B/A, ...: drift and run order hit every path alike
             for name in turn_order(paths, repeat):
                 runs[name].append(paths[name]())
-            print(f"repeat {repeat + 1}: " + ", ".join(f"{name} {rs[-1]['epoch_seconds']:.2f}" for name, rs in
-                                                       runs.items()) + " s/epoch", flush=True)
+            print(
+                f"repeat {repeat + 1}: "
+                + ", ".join(f"{name} {rs[-1]['epoch_seconds']:.2f}" for name, rs in runs.items())
+                + " s/epoch",
+                flush=True,
+            )
         floors = {"fp32": compute_floor(data_root, False), "bf16": compute_floor(data_root, True)}
     median = {name: statistics.median(r["epoch_seconds"] for r in rs) for name, rs in runs.items()}
-    print(f"\n{args.repeats} alternating repeats of {args.epochs} epoch(s), 2 CPU processes, global batch 100"
-          f"{f' (tiny: {TINY_TRAIN} training, {TINY_TEST} test samples)' if args.tiny else ''}")
+    print(
+        f"\n{args.repeats} alternating repeats of {args.epochs} epoch(s), 2 CPU processes, global batch 100"
+        f"{f' (tiny: {TINY_TRAIN} training, {TINY_TEST} test samples)' if args.tiny else ''}"
+    )
     print("| path | train s/epoch (median) | test accuracy | eval samples | wall s (median) | vs reference |")
     print("|---|---|---|---|---|---|")
 
@@ -180,11 +272,15 @@ def main(argv=None):
         return f"{median['reference'] / seconds:.2f}x" if "reference" in median else ""
 
     for name, rs in runs.items():
-        print(f"| {PATHS[name]} | {median[name]:.2f} | {rs[-1]['accuracy']:.4f} | {rs[-1]['eval_samples']} | "
-              f"{statistics.median(r['wall'] for r in rs):.1f} | {versus(median[name])} |")
+        print(
+            f"| {PATHS[name]} | {median[name]:.2f} | {rs[-1]['accuracy']:.4f} | {rs[-1]['eval_samples']} | "
+            f"{statistics.median(r['wall'] for r in rs):.1f} | {versus(median[name])} |"
+        )
     for precision, floor in floors.items():
-        print(f"| compute-only floor, {precision} (1 process, 2 threads, no data loading) | {floor:.2f} | | | | "
-              f"{versus(floor)} |")
+        print(
+            f"| compute-only floor, {precision} (1 process, 2 threads, no data loading) | {floor:.2f} | | | | "
+            f"{versus(floor)} |"
+        )
     for name in ("reference", "raw_bf16"):
         if name in runs:
             aborts = sum(r["teardown_abort"] for r in runs[name])
@@ -194,11 +290,14 @@ def main(argv=None):
             print(f"RATIO {name}/reference epoch time = {median[name] / median['reference']:.3f}")
     if "ours_bf16" in runs and "raw_bf16" in runs:
         # Each repeat's two runs are neighbours in time, so their ratio cancels most of the host's drift.
-        paired = [raw["epoch_seconds"] / ours["epoch_seconds"]
-                  for ours, raw in zip(runs["ours_bf16"], runs["raw_bf16"])]
-        print(f"RATIO ours_bf16 throughput / raw DDP throughput = {median['raw_bf16'] / median['ours_bf16']:.3f} "
-              f"(medians); per repeat: median {statistics.median(paired):.3f}, "
-              f"range {min(paired):.3f}-{max(paired):.3f}")
+        paired = [
+            raw["epoch_seconds"] / ours["epoch_seconds"] for ours, raw in zip(runs["ours_bf16"], runs["raw_bf16"])
+        ]
+        print(
+            f"RATIO ours_bf16 throughput / raw DDP throughput = {median['raw_bf16'] / median['ours_bf16']:.3f} "
+            f"(medians); per repeat: median {statistics.median(paired):.3f}, "
+            f"range {min(paired):.3f}-{max(paired):.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ is refused. Per run: the wall time from launch to exit, pairs/s = training pairs
 seconds (start-up, tokenizing, the reference, evaluation and saving included, alike for all), and the
 final validation reward accuracy (TRL's: the mean of its evaluation batches' means).
 """
+
 import argparse
 import json
 import os
@@ -30,27 +31,66 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness import CPU_2PROC, REPO, child_env, turn_order
 
-PROGRAMS = {"ours": "train/dpo.py", "ours_plain": "train/dpo.py --group_by_length false",
-            "trl_precompute": "DPOTrainer, precompute_ref_log_probs", "trl": "DPOTrainer (reference model each step)"}
+PROGRAMS = {
+    "ours": "train/dpo.py",
+    "ours_plain": "train/dpo.py --group_by_length false",
+    "trl_precompute": "DPOTrainer, precompute_ref_log_probs",
+    "trl": "DPOTrainer (reference model each step)",
+}
 
 
 def launch(name, args, data, scratch):
     """One run of program `name` in fresh folders: (wall seconds from launch to exit, final reward accuracy)."""
     run_dir = tempfile.mkdtemp(prefix=name + "_", dir=scratch)
     out = os.path.join(run_dir, "out")
-    common = ["--model_name_or_path", args.model_name_or_path, "--train_file", data["train"], "--validation_file",
-              data["validation"], "--per_device_train_batch_size", str(args.per_device_train_batch_size),
-              "--per_device_eval_batch_size", "32", "--num_train_epochs", str(args.num_train_epochs),
-              "--learning_rate", str(args.learning_rate), "--num_warmup_steps", "10", "--beta", str(args.beta),
-              "--max_length", "128", "--seed", str(args.seed), "--output_dir", out]
-    env = {**child_env(), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "ACCELERATE_USE_CPU": "1",
-           "HF_DATASETS_CACHE": os.path.join(run_dir, "hf_datasets")}
+    common = [
+        "--model_name_or_path",
+        args.model_name_or_path,
+        "--train_file",
+        data["train"],
+        "--validation_file",
+        data["validation"],
+        "--per_device_train_batch_size",
+        str(args.per_device_train_batch_size),
+        "--per_device_eval_batch_size",
+        "32",
+        "--num_train_epochs",
+        str(args.num_train_epochs),
+        "--learning_rate",
+        str(args.learning_rate),
+        "--num_warmup_steps",
+        "10",
+        "--beta",
+        str(args.beta),
+        "--max_length",
+        "128",
+        "--seed",
+        str(args.seed),
+        "--output_dir",
+        out,
+    ]
+    env = {
+        **child_env(),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "ACCELERATE_USE_CPU": "1",
+        "HF_DATASETS_CACHE": os.path.join(run_dir, "hf_datasets"),
+    }
     if name.startswith("trl"):
         script, extra = "bench/reference/trl_dpo.py", ["--precompute_ref_log_probs"] if name == "trl_precompute" else []
     else:
         script = "train/dpo.py"
-        extra = ["--lr_scheduler_type", "linear", "--weight_decay", "0", "--mixed_precision", "no", "--cache_dir",
-                 os.path.join(run_dir, "tokens"), *(["--group_by_length", "false"] if name == "ours_plain" else [])]
+        extra = [
+            "--lr_scheduler_type",
+            "linear",
+            "--weight_decay",
+            "0",
+            "--mixed_precision",
+            "no",
+            "--cache_dir",
+            os.path.join(run_dir, "tokens"),
+            *(["--group_by_length", "false"] if name == "ours_plain" else []),
+        ]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_2PROC, script, *common, *extra]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -87,26 +127,34 @@ def main(argv=None):
     parser.add_argument("--per_device_train_batch_size", type=int, default=16)
     parser.add_argument("--learning_rate", type=float, default=1e-4)
     parser.add_argument("--beta", type=float, default=0.1)
-    parser.add_argument("--max_train_samples", type=int, default=None, help="Train on this many pairs: the head of "
-                        "the training pairs shuffled with --seed.")
+    parser.add_argument(
+        "--max_train_samples",
+        type=int,
+        default=None,
+        help="Train on this many pairs: the head of the training pairs shuffled with --seed.",
+    )
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--programs", nargs="+", choices=PROGRAMS, default=list(PROGRAMS))
     args = parser.parse_args(argv)
     for path in (args.train_file, args.validation_file):
         if not os.path.isfile(os.path.join(REPO, path)):
-            parser.error(f"{path} is missing: make dpo-data writes the demo's pairs (or pass --train_file and "
-                         "--validation_file)")
+            parser.error(
+                f"{path} is missing: make dpo-data writes the demo's pairs (or pass --train_file and --validation_file)"
+            )
     if not os.path.isfile(os.path.join(REPO, args.model_name_or_path, "config.json")):
-        parser.error(f"{args.model_name_or_path} holds no model: make train-sft trains one (or pass "
-                     "--model_name_or_path)")
+        parser.error(
+            f"{args.model_name_or_path} holds no model: make train-sft trains one (or pass --model_name_or_path)"
+        )
 
     with tempfile.TemporaryDirectory() as scratch:
         data = {"train": os.path.join(scratch, "train.jsonl"), "validation": os.path.join(scratch, "validation.jsonl")}
         pairs = copy_pairs(os.path.join(REPO, args.train_file), data["train"], args.max_train_samples, args.seed)
         copy_pairs(os.path.join(REPO, args.validation_file), data["validation"])
-        print(f"{pairs:,} training pairs x {args.num_train_epochs} epoch(s), batch {args.per_device_train_batch_size} "
-              f"per process x 2 CPU processes, fp32, max length 128, beta {args.beta}; model {args.model_name_or_path}",
-              flush=True)
+        print(
+            f"{pairs:,} training pairs x {args.num_train_epochs} epoch(s), batch {args.per_device_train_batch_size} "
+            f"per process x 2 CPU processes, fp32, max length 128, beta {args.beta}; model {args.model_name_or_path}",
+            flush=True,
+        )
         programs = {name: PROGRAMS[name] for name in args.programs}
         runs = {name: [] for name in programs}
         for turn in range(args.turns):
@@ -115,11 +163,15 @@ def main(argv=None):
                 wall, accuracy = runs[name][-1]
                 print(f"turn {turn + 1}: {PROGRAMS[name]}: {wall:.1f} s, reward accuracy {accuracy:.4f}", flush=True)
 
-    speed = {name: statistics.median(pairs * args.num_train_epochs / wall for wall, _ in rs) for name, rs in runs.items()}
+    speed = {
+        name: statistics.median(pairs * args.num_train_epochs / wall for wall, _ in rs) for name, rs in runs.items()
+    }
     print("\n| program | wall s (median) | pairs/s (median) | reward accuracy (per turn) |\n|---|---|---|---|")
     for name, rs in runs.items():
-        print(f"| {PROGRAMS[name]} | {statistics.median(w for w, _ in rs):.1f} | {speed[name]:.1f} | "
-              f"{', '.join(f'{a:.4f}' for _, a in rs)} |")
+        print(
+            f"| {PROGRAMS[name]} | {statistics.median(w for w, _ in rs):.1f} | {speed[name]:.1f} | "
+            f"{', '.join(f'{a:.4f}' for _, a in rs)} |"
+        )
     for ours in ("ours", "ours_plain"):
         for theirs in ("trl_precompute", "trl"):
             if ours in speed and theirs in speed:

@@ -21,6 +21,7 @@ optimizer and in-place zeroing, a little more work than train/mnist.py's step.
 If `step` is far above `replay`, the epoch is bound by launching kernels from Python, not by the GPU;
 train/mnist.py cannot be faster than `step` per step without capturing graphs or compiling.
 """
+
 import argparse
 import os
 import statistics
@@ -96,10 +97,15 @@ def main():
     with torch.cuda.graph(graph):
         graph_step()
 
-    results = {"step": timed(step), "forward+backward": timed(lambda: forward_backward(model)),
-               "replay": timed(graph.replay)}
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, mixed_precision={args.mixed_precision}, "
-          f"batch {args.batch_size}, {args.steps} steps per run (median of 5)")
+    results = {
+        "step": timed(step),
+        "forward+backward": timed(lambda: forward_backward(model)),
+        "replay": timed(graph.replay),
+    }
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, mixed_precision={args.mixed_precision}, "
+        f"batch {args.batch_size}, {args.steps} steps per run (median of 5)"
+    )
     print("| what | seconds per epoch | µs per step |")
     print("|---|---|---|")
     for name, seconds in results.items():

@@ -12,6 +12,7 @@ other differ by more than the 1-3% we look for. Loops that live in the same proc
 turns (A/B, then B/A, ...) see the same drift; the median of the per-turn ratios shrugs off a turn
 that a hiccup of the host hit.
 """
+
 import argparse
 import json
 import os
@@ -42,13 +43,23 @@ def run_workers(script, worker_args, config_file=CPU_2PROC):
     """`script --worker` in the processes of `config_file` (2 CPU processes unless told) with a scratch
     --log_dir: what its main process printed after RESULT, parsed."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file,
-               os.path.abspath(script), "--worker", "--log_dir", tmp, *worker_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            config_file,
+            os.path.abspath(script),
+            "--worker",
+            "--log_dir",
+            tmp,
+            *worker_args,
+        ]
         proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"error: the bench workers failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def print_result(result):
@@ -101,6 +112,7 @@ class Phases:
             now = time.perf_counter()
             self.seconds.setdefault(name, []).append(now - last[0])
             last[0] = now
+
         return mark
 
     def means(self):

@@ -32,6 +32,7 @@ The pieces need not add up to ours: each is paid alone beside raw's version of i
 calls` splits accelerate's row by call of the step (every step clocks the time between its calls):
 the accelerate variant's mean per call minus raw's.
 """
+
 import argparse
 import json
 import os
@@ -59,8 +60,20 @@ def lm_shards(folder, block_size, windows):
     with open(text, "w") as f:
         for _ in range(windows * block_size // 60):
             f.write(" ".join(rng.choice(words) for _ in range(16)) + "\n")
-    prepare_main(["--train_file", text, "--validation_split_percentage", "5", "--tokenizer", "bytes",
-                  "--block_size", str(block_size), "--output_dir", os.path.join(folder, "shards")])
+    prepare_main(
+        [
+            "--train_file",
+            text,
+            "--validation_split_percentage",
+            "5",
+            "--tokenizer",
+            "bytes",
+            "--block_size",
+            str(block_size),
+            "--output_dir",
+            os.path.join(folder, "shards"),
+        ]
+    )
     return os.path.join(folder, "shards")
 
 
@@ -78,11 +91,30 @@ def task_loops(task, accelerator, args, tmp, phases):
 
     def script_args(name, logging_steps):
         out = os.path.join(tmp, task, name)
-        common = ["--output_dir", out, "--max_train_steps", str(10**9), "--metric_for_best_model", "none",
-                  "--logging_steps", str(logging_steps), "--mixed_precision", args.mixed_precision]
+        common = [
+            "--output_dir",
+            out,
+            "--max_train_steps",
+            str(10**9),
+            "--metric_for_best_model",
+            "none",
+            "--logging_steps",
+            str(logging_steps),
+            "--mixed_precision",
+            args.mixed_precision,
+        ]
         if task == "lm":
-            return lm.parse_args(["--dataset_dir", dataset_dir, "--block_size", str(block_size),
-                                  "--per_device_train_batch_size", str(batch_size), *common])
+            return lm.parse_args(
+                [
+                    "--dataset_dir",
+                    dataset_dir,
+                    "--block_size",
+                    str(block_size),
+                    "--per_device_train_batch_size",
+                    str(batch_size),
+                    *common,
+                ]
+            )
         return mnist.parse_args(["--per_device_train_batch_size", str(batch_size), *common])
 
     if task == "lm":
@@ -111,9 +143,16 @@ def task_loops(task, accelerator, args, tmp, phases):
             return F.cross_entropy(model(ids[:, 0]), labels[:, 0])
 
         def our_loader():  # as train/lm.py builds it; with a stand-in GPU, reading ahead as on a GPU
-            loader = sharded_loader(ParquetSource(files, decode=decode), batch_size, rank=accelerator.process_index,
-                                    world_size=accelerator.num_processes, device=accelerator.device, seed=42,
-                                    train=True, num_workers=args.dataloader_num_workers)
+            loader = sharded_loader(
+                ParquetSource(files, decode=decode),
+                batch_size,
+                rank=accelerator.process_index,
+                world_size=accelerator.num_processes,
+                device=accelerator.device,
+                seed=42,
+                train=True,
+                num_workers=args.dataloader_num_workers,
+            )
             loader.read_ahead = loader.read_ahead or args.device_ms > 0
             return loader
     else:
@@ -129,12 +168,12 @@ def task_loops(task, accelerator, args, tmp, phases):
 
         def loss_fn(model, batch):  # train/mnist.py's step, its to_inputs included
             inputs = normalize_images(batch["image"], raw_set.mean, raw_set.std).contiguous(
-                memory_format=torch.channels_last)
+                memory_format=torch.channels_last
+            )
             return F.cross_entropy(model(inputs), batch["label"], label_smoothing=0.0)
 
         def our_loader():  # as train/mnist.py builds it; prepared below, with the model for ours
-            return DataLoader(raw_set, batch_size=batch_size, shuffle=True, drop_last=True,
-                              collate_fn=identity_collate)
+            return DataLoader(raw_set, batch_size=batch_size, shuffle=True, drop_last=True, collate_fn=identity_collate)
 
     def device_wait():  # a GPU's time for the step, as the host sees it at a sync: waiting, the GIL released
         if args.device_ms:
@@ -149,8 +188,9 @@ def task_loops(task, accelerator, args, tmp, phases):
 
     def raw_batches():  # on a GPU, pinned and copied without waiting, as a raw GPU loop would
         collate = {"collate_fn": identity_collate} if task == "mnist" else {}
-        loader = DataLoader(raw_set, batch_size=batch_size, shuffle=True, drop_last=True,
-                            pin_memory=device.type == "cuda", **collate)
+        loader = DataLoader(
+            raw_set, batch_size=batch_size, shuffle=True, drop_last=True, pin_memory=device.type == "cuda", **collate
+        )
         batches = Batches(loader, lambda epoch: None).next
         if device.type == "cpu":
             return batches
@@ -160,6 +200,7 @@ def task_loops(task, accelerator, args, tmp, phases):
             if isinstance(batch, dict):
                 return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
             return [t.to(device, non_blocking=True) for t in batch]
+
         return on_device
 
     def raw_log(optimizer, name):
@@ -178,6 +219,7 @@ def task_loops(task, accelerator, args, tmp, phases):
                 with open(path, "a") as f:
                     f.write(json.dumps({"step": state["step"], "train_loss": train_loss, "lr": lr}) + "\n")
                 state["losses"] = []
+
         return after
 
     def raw_step(model, optimizer, next_batch, after, name):
@@ -200,6 +242,7 @@ def task_loops(task, accelerator, args, tmp, phases):
             mark("zero_grad")
             after(loss)
             mark("after")
+
         return step
 
     def accelerated_step(model, optimizer, next_batch, after, name):  # the scripts' step
@@ -225,11 +268,13 @@ def task_loops(task, accelerator, args, tmp, phases):
             mark("accumulate")
             after(loss)
             mark("after")
+
         return step
 
     def training_loop(name, model, optimizer, loader, logging_steps):
-        loop = TrainingLoop(accelerator, script_args(name, logging_steps), f"host_{task}", model, optimizer, loader,
-                            evaluate=dict)
+        loop = TrainingLoop(
+            accelerator, script_args(name, logging_steps), f"host_{task}", model, optimizer, loader, evaluate=dict
+        )
         loop.preemption.close()  # a bench saves nothing: a SIGTERM ends it at once
         return loop
 
@@ -238,11 +283,13 @@ def task_loops(task, accelerator, args, tmp, phases):
     steps["raw"] = raw_step(model, optimizer, raw_batches(), raw_log(optimizer, "raw"), "raw")
     model, optimizer = model_and_optimizer()
     loader = accelerator.prepare(our_loader()) if task == "mnist" else our_loader()
-    steps["reader"] = raw_step(model, optimizer, Batches(loader, loader.set_epoch).next, raw_log(optimizer, "reader"),
-                               "reader")
+    steps["reader"] = raw_step(
+        model, optimizer, Batches(loader, loader.set_epoch).next, raw_log(optimizer, "reader"), "reader"
+    )
     model, optimizer = accelerator.prepare(*model_and_optimizer())
-    steps["accelerate"] = accelerated_step(model, optimizer, raw_batches(), raw_log(optimizer, "accelerate"),
-                                           "accelerate")
+    steps["accelerate"] = accelerated_step(
+        model, optimizer, raw_batches(), raw_log(optimizer, "accelerate"), "accelerate"
+    )
     for name, every in (("after_batch", args.logging_steps), ("after_batch_nolog", 10**9)):
         model, optimizer = model_and_optimizer()
         loops.append(training_loop(name, model, optimizer, DataLoader(raw_set, batch_size, drop_last=True), every))
@@ -269,8 +316,13 @@ def measure(task, accelerator, args, tmp):
         turn()
     phases.update({name: Phases() for name in VARIANTS})  # the timed turns only
     cuda = accelerator.device.type == "cuda"  # each turn's kernels finish inside its own clock
-    ms = time_turns(turns, args.turns, torch.cuda.synchronize if cuda else lambda: None,
-                    steps_per_turn=args.logging_steps, sync_after=cuda)
+    ms = time_turns(
+        turns,
+        args.turns,
+        torch.cuda.synchronize if cuda else lambda: None,
+        steps_per_turn=args.logging_steps,
+        sync_after=cuda,
+    )
     for loop in loops:
         loop.progress.close()
         loop.close()
@@ -287,13 +339,20 @@ def report(task, ms, phases):
         diffs = [v - r for v, r in zip(values, raw)]
         extra[name] = statistics.median(diffs)
         print(f"| {name} | {statistics.median(values):.3f} | {extra[name]:+.3f} | {statistics.mean(diffs):+.3f} |")
-    print(f"breakdown {task}: reading {extra['reader']:+.3f}, accelerate's wrappers {extra['accelerate']:+.3f}, "
-          f"after_batch {extra['after_batch']:+.3f} (of which logging "
-          f"{extra['after_batch'] - extra['after_batch_nolog']:+.3f}) ms per step")
-    calls = {phase: phases["accelerate"][phase] - phases["raw"].get(phase, 0.0)  # raw has no accumulate
-             for phase in ACCELERATE_CALLS}  # the same batches and bookkeeping: the calls alone differ
-    print(f"accelerate's calls {task}: " + ", ".join(f"{phase} {1000 * value:+.0f}" for phase, value in calls.items())
-          + " µs per step (clocked between the calls, mean of every step)")
+    print(
+        f"breakdown {task}: reading {extra['reader']:+.3f}, accelerate's wrappers {extra['accelerate']:+.3f}, "
+        f"after_batch {extra['after_batch']:+.3f} (of which logging "
+        f"{extra['after_batch'] - extra['after_batch_nolog']:+.3f}) ms per step"
+    )
+    calls = {
+        phase: phases["accelerate"][phase] - phases["raw"].get(phase, 0.0)  # raw has no accumulate
+        for phase in ACCELERATE_CALLS
+    }  # the same batches and bookkeeping: the calls alone differ
+    print(
+        f"accelerate's calls {task}: "
+        + ", ".join(f"{phase} {1000 * value:+.0f}" for phase, value in calls.items())
+        + " µs per step (clocked between the calls, mean of every step)"
+    )
     return extra["ours"]
 
 
@@ -303,10 +362,18 @@ def main(argv=None):
     parser.add_argument("--logging_steps", type=int, default=20, help="Steps per turn; every loop logs once a turn.")
     parser.add_argument("--tasks", default="lm,mnist")
     parser.add_argument("--data_dir", default=FASHION_DIR, help="Fashion-MNIST's idx files (mnist).")
-    parser.add_argument("--device_ms", type=float, default=0.0, help="Each step also waits this long with the GIL "
-                        "released, as a host waits for its GPU (0: host time alone).")
-    parser.add_argument("--dataloader_num_workers", type=int, default=0, help="lm.py's reading processes (0 as on a "
-                        "CPU; lm.py takes 2 on a GPU).")
+    parser.add_argument(
+        "--device_ms",
+        type=float,
+        default=0.0,
+        help="Each step also waits this long with the GIL released, as a host waits for its GPU (0: host time alone).",
+    )
+    parser.add_argument(
+        "--dataloader_num_workers",
+        type=int,
+        default=0,
+        help="lm.py's reading processes (0 as on a CPU; lm.py takes 2 on a GPU).",
+    )
     parser.add_argument("--mixed_precision", choices=["no", "bf16"], default="no")
     parser.add_argument("--tiny", action="store_true", help="Tiny data, 3 turns of 4 steps: checks the bench runs.")
     args = parser.parse_args(argv)
@@ -323,9 +390,11 @@ def main(argv=None):
         extra = {}
         for task in args.tasks.split(","):
             extra[task] = report(task, *measure(task, accelerator, args, tmp))
-    print(f"\ntorch {torch.__version__}, accelerate {__import__('accelerate').__version__}, "
-          f"{accelerator.device}, mixed_precision={accelerator.mixed_precision}, {args.logging_steps} steps per turn, "
-          f"device_ms={args.device_ms:g}, {args.dataloader_num_workers} reading workers")
+    print(
+        f"\ntorch {torch.__version__}, accelerate {__import__('accelerate').__version__}, "
+        f"{accelerator.device}, mixed_precision={accelerator.mixed_precision}, {args.logging_steps} steps per turn, "
+        f"device_ms={args.device_ms:g}, {args.dataloader_num_workers} reading workers"
+    )
     for task, value in extra.items():
         print(f"EXTRA_MS {task} = {value:.3f}")
 

@@ -11,6 +11,7 @@ turns over the same images, one batch each, so the host's drift hits both; both 
 (tests/test_image_classification.py checks it for every sample). The step is the built-in convnet's
 forward, backward and fused AdamW step on a batch of --batch_size at --image_size, channels_last.
 """
+
 import argparse
 import os
 import statistics
@@ -43,15 +44,17 @@ def main(argv=None):
 
     def before(i, epoch):  # decode, then torchvision's transforms under the global generator, reseeded
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(hash((0, epoch, i)) & (2 ** 63 - 1))
+            torch.manual_seed(hash((0, epoch, i)) & (2**63 - 1))
             return reference(load_image(images.files[i]))
 
     kept = ImageFolderDataset(images, args.image_size, train=True, cache=True)
     for i in range(len(images)):  # the first epoch's decode, which both paths pay
         kept[i]
     kept.set_epoch(1)
-    paths = {"before: decode + transforms every epoch": lambda i: before(i, 1), "now: kept pixels, own generator":
-             lambda i: kept[i]["image"]}
+    paths = {
+        "before: decode + transforms every epoch": lambda i: before(i, 1),
+        "now: kept pixels, own generator": lambda i: kept[i]["image"],
+    }
     per_image = {name: [] for name in paths}
     for start in range(0, len(images) - args.batch_size + 1, args.batch_size):
         order = list(paths) if start // args.batch_size % 2 == 0 else list(paths)[::-1]
@@ -74,7 +77,9 @@ def main(argv=None):
             steps.append((time.perf_counter() - t) / args.batch_size)
 
     step = statistics.median(steps) * 1e6
-    print(f"{len(images)} images of {args.train_dir}, --image_size {args.image_size}, batch {args.batch_size}, 1 thread\n")
+    print(
+        f"{len(images)} images of {args.train_dir}, --image_size {args.image_size}, batch {args.batch_size}, 1 thread\n"
+    )
     print("| per training image | µs (median over batches) | with the model's step | images/s, one process |")
     print("|---|---|---|---|")
     totals = {}
@@ -84,8 +89,10 @@ def main(argv=None):
         print(f"| {name} | {data:.0f} | {data + step:.0f} | {1e6 / (data + step):.0f} |")
     print(f"| the model's step alone | {step:.0f} | | |")
     before_total, now_total = totals.values()
-    print(f"\nRATIO images/s now / before = {before_total / now_total:.2f} (data path alone: "
-          f"{statistics.median(per_image[list(paths)[0]]) / statistics.median(per_image[list(paths)[1]]):.1f}x)")
+    print(
+        f"\nRATIO images/s now / before = {before_total / now_total:.2f} (data path alone: "
+        f"{statistics.median(per_image[list(paths)[0]]) / statistics.median(per_image[list(paths)[1]]):.1f}x)"
+    )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ samples/s every 10 steps to metrics.jsonl. Per run: the median over blocks of 10
 is copied: the bench runs the checkout it is given, from a scratch folder that holds its data, its
 output and a link to its configurator.py (which it reads from the working folder).
 """
+
 import argparse
 import json
 import os
@@ -46,7 +47,7 @@ def write_text(path, text_file, megabytes):
     else:
         from data.text import gcide_documents
 
-        text = "\n\n".join(gcide_documents()[0])[:megabytes * 10 ** 6]
+        text = "\n\n".join(gcide_documents()[0])[: megabytes * 10**6]
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
     return text
@@ -69,15 +70,27 @@ def write_nanogpt_data(folder, text):
 def blocks(ms_per_step):
     """ms per step over consecutive blocks of BLOCK steps, after the first SKIP."""
     kept = ms_per_step[SKIP:]
-    return [sum(kept[i:i + BLOCK]) / BLOCK for i in range(0, len(kept) - BLOCK + 1, BLOCK)]
+    return [sum(kept[i : i + BLOCK]) / BLOCK for i in range(0, len(kept) - BLOCK + 1, BLOCK)]
 
 
 def run_nanogpt(nanogpt_dir, scratch, steps):
-    cmd = [sys.executable, os.path.join(nanogpt_dir, "train.py"),
-           os.path.join(nanogpt_dir, "config", "train_shakespeare_char.py"), "--device=cpu", "--compile=False",
-           "--dtype=float32", "--dataset=bytes", "--dropout=0.0", "--eval_iters=1", "--eval_interval=1000000", "--log_interval=1",
-           f"--max_iters={steps}", f"--lr_decay_iters={steps}", f"--out_dir={os.path.join(scratch, 'nanogpt_out')}",
-           *[f"--{k}={v}" for k, v in SHAPES.items()]]
+    cmd = [
+        sys.executable,
+        os.path.join(nanogpt_dir, "train.py"),
+        os.path.join(nanogpt_dir, "config", "train_shakespeare_char.py"),
+        "--device=cpu",
+        "--compile=False",
+        "--dtype=float32",
+        "--dataset=bytes",
+        "--dropout=0.0",
+        "--eval_iters=1",
+        "--eval_interval=1000000",
+        "--log_interval=1",
+        f"--max_iters={steps}",
+        f"--lr_decay_iters={steps}",
+        f"--out_dir={os.path.join(scratch, 'nanogpt_out')}",
+        *[f"--{k}={v}" for k, v in SHAPES.items()],
+    ]
     proc = subprocess.run(cmd, cwd=scratch, env=child_env(), capture_output=True, text=True)
     ms = [float(x) for x in re.findall(r"^iter \d+: loss [\d.]+, time ([\d.]+)ms", proc.stdout, re.M)]
     if proc.returncode != 0 or len(ms) < SKIP + BLOCK:
@@ -87,33 +100,68 @@ def run_nanogpt(nanogpt_dir, scratch, steps):
 
 def run_ours(scratch, steps, extra=()):
     out = os.path.join(scratch, "ours_out")
-    cmd = [sys.executable, "train/lm.py", "--train_file", os.path.join(scratch, "text.txt"), "--tokenizer", "bytes",
-           "--dataset_dir", os.path.join(scratch, "tokens"), "--block_size", str(SHAPES["block_size"]),
-           "--per_device_train_batch_size", str(SHAPES["batch_size"]), "--n_layer", str(SHAPES["n_layer"]),
-           "--n_head", str(SHAPES["n_head"]), "--n_embd", str(SHAPES["n_embd"]), "--dropout", "0",
-           "--max_train_steps", str(steps), "--logging_steps", str(BLOCK), "--cpu", "--mixed_precision", "no",
-           "--output_dir", out, "--overwrite_output_dir", *extra]
+    cmd = [
+        sys.executable,
+        "train/lm.py",
+        "--train_file",
+        os.path.join(scratch, "text.txt"),
+        "--tokenizer",
+        "bytes",
+        "--dataset_dir",
+        os.path.join(scratch, "tokens"),
+        "--block_size",
+        str(SHAPES["block_size"]),
+        "--per_device_train_batch_size",
+        str(SHAPES["batch_size"]),
+        "--n_layer",
+        str(SHAPES["n_layer"]),
+        "--n_head",
+        str(SHAPES["n_head"]),
+        "--n_embd",
+        str(SHAPES["n_embd"]),
+        "--dropout",
+        "0",
+        "--max_train_steps",
+        str(steps),
+        "--logging_steps",
+        str(BLOCK),
+        "--cpu",
+        "--mixed_precision",
+        "no",
+        "--output_dir",
+        out,
+        "--overwrite_output_dir",
+        *extra,
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"error: train/lm.py failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     with open(os.path.join(out, "metrics.jsonl")) as f:
         logged = [json.loads(line) for line in f]
     per_block = [1000 * SHAPES["batch_size"] / r["samples_per_second"] for r in logged if "samples_per_second" in r]
-    return statistics.median(per_block[SKIP // BLOCK:])
+    return statistics.median(per_block[SKIP // BLOCK :])
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--nanogpt_dir", required=True, help="A checkout of nanoGPT (its train.py, model.py, "
-                        "configurator.py and config/).")
+    parser.add_argument(
+        "--nanogpt_dir",
+        required=True,
+        help="A checkout of nanoGPT (its train.py, model.py, configurator.py and config/).",
+    )
     parser.add_argument("--text_file", help="Train on this text (default: the GCIDE dictionary, make gcide).")
     parser.add_argument("--megabytes", type=int, default=4, help="Without --text_file: this much GCIDE text.")
     parser.add_argument("--steps", type=int, default=300, help="Optimizer steps per run.")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--ours", nargs="+", default=[""], metavar="FLAGS",
-                        help="train/lm.py's runs: one per string of extra flags (default: one, with none), e.g. "
-                             "--ours '' '--dataloader_num_workers 1' to time both beside nanoGPT. argparse takes "
-                             "a string that is one bare flag for an option: write it with a trailing space.")
+    parser.add_argument(
+        "--ours",
+        nargs="+",
+        default=[""],
+        metavar="FLAGS",
+        help="train/lm.py's runs: one per string of extra flags (default: one, with none), e.g. "
+        "--ours '' '--dataloader_num_workers 1' to time both beside nanoGPT. argparse takes "
+        "a string that is one bare flag for an option: write it with a trailing space.",
+    )
     args = parser.parse_args(argv)
     missing = [f for f in NANOGPT_FILES if not os.path.isfile(os.path.join(args.nanogpt_dir, f))]
     if missing:
@@ -124,30 +172,41 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as scratch:
         text = write_text(os.path.join(scratch, "text.txt"), args.text_file, args.megabytes)
         write_nanogpt_data(os.path.join(scratch, "data", "bytes"), text)
-        os.symlink(os.path.join(os.path.abspath(args.nanogpt_dir), "configurator.py"),
-                   os.path.join(scratch, "configurator.py"))
-        print(f"{len(text.encode('utf-8')):,} bytes of text; shapes {SHAPES}, vocab 257, {args.steps} steps per run, "
-              f"1 process each, fp32, {os.cpu_count()} CPUs", flush=True)
+        os.symlink(
+            os.path.join(os.path.abspath(args.nanogpt_dir), "configurator.py"), os.path.join(scratch, "configurator.py")
+        )
+        print(
+            f"{len(text.encode('utf-8')):,} bytes of text; shapes {SHAPES}, vocab 257, {args.steps} steps per run, "
+            f"1 process each, fp32, {os.cpu_count()} CPUs",
+            flush=True,
+        )
         programs = [("nanoGPT", None)] + [(f"ours {flags}".strip(), shlex.split(flags)) for flags in args.ours]
         results = {name: [] for name, _ in programs}
         for repeat in range(args.repeats):
             # the order reversed every other repeat, so the host's drift does not favour the first program
-            for name, flags in programs[::1 if repeat % 2 == 0 else -1]:
-                results[name].append(run_nanogpt(os.path.abspath(args.nanogpt_dir), scratch, args.steps)
-                                     if flags is None else run_ours(scratch, args.steps, flags))
+            for name, flags in programs[:: 1 if repeat % 2 == 0 else -1]:
+                results[name].append(
+                    run_nanogpt(os.path.abspath(args.nanogpt_dir), scratch, args.steps)
+                    if flags is None
+                    else run_ours(scratch, args.steps, flags)
+                )
                 print(f"repeat {repeat + 1}: {name} {results[name][-1]:.1f} ms/step", flush=True)
 
     print("\n| program | ms/step (median of runs) | steps/s | runs |\n|---|---|---|---|")
     for name, ms in results.items():
         shown = "nanoGPT train.py" if name == "nanoGPT" else f"train/lm.py{name[4:]}"
-        print(f"| {shown} | {statistics.median(ms):.1f} | {1000 / statistics.median(ms):.2f} | "
-              f"{', '.join(f'{r:.1f}' for r in ms)} |")
+        print(
+            f"| {shown} | {statistics.median(ms):.1f} | {1000 / statistics.median(ms):.2f} | "
+            f"{', '.join(f'{r:.1f}' for r in ms)} |"
+        )
     theirs = results["nanoGPT"]
     for name, ms in list(results.items())[1:]:
         pairs = [t / o for t, o in zip(theirs, ms)]
-        print(f"\nRATIO train/lm.py{name[4:]} steps/s / nanoGPT steps/s = "
-              f"{statistics.median(theirs) / statistics.median(ms):.3f} "
-              f"(per repeat: {', '.join(f'{p:.3f}' for p in pairs)})")
+        print(
+            f"\nRATIO train/lm.py{name[4:]} steps/s / nanoGPT steps/s = "
+            f"{statistics.median(theirs) / statistics.median(ms):.3f} "
+            f"(per repeat: {', '.join(f'{p:.3f}' for p in pairs)})"
+        )
 
 
 if __name__ == "__main__":

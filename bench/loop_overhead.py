@@ -21,6 +21,7 @@ Same data (Fashion-MNIST), the seed's ConvNet, channels_last, 50 samples per pro
 `--mixed_precision auto` picks on this CPU (bf16 with native bf16, else fp32; --mixed_precision to
 force one). How far to trust the instrument, and the history of the figures: docs/speed.md.
 """
+
 import argparse
 import os
 import statistics
@@ -28,8 +29,17 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.harness import FASHION_DIR, MNIST_BATCH, add_worker_flags, flag, print_result, ratio_line, run_workers, \
-    speed_ratio, time_turns
+from bench.harness import (
+    FASHION_DIR,
+    MNIST_BATCH,
+    add_worker_flags,
+    flag,
+    print_result,
+    ratio_line,
+    run_workers,
+    speed_ratio,
+    time_turns,
+)
 
 LOG_EVERY = 20  # train/mnist.py's --logging_steps default, which the raw_logged loop copies
 
@@ -96,9 +106,20 @@ def worker(args):
                 train_loss = mean_loss.item() / world
                 if dist.get_rank() == 0:
                     with open(os.path.join(args.log_dir, "raw_metrics.jsonl"), "a") as f:
-                        f.write(json.dumps({"step": logged_state["step"], "train_loss": train_loss, "lr": lr,
-                                            "samples_per_second": LOG_EVERY * MNIST_BATCH * world /
-                                            (time.perf_counter() - t_log)}) + "\n")
+                        f.write(
+                            json.dumps(
+                                {
+                                    "step": logged_state["step"],
+                                    "train_loss": train_loss,
+                                    "lr": lr,
+                                    "samples_per_second": LOG_EVERY
+                                    * MNIST_BATCH
+                                    * world
+                                    / (time.perf_counter() - t_log),
+                                }
+                            )
+                            + "\n"
+                        )
                 logged_progress.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", refresh=False)
                 losses, t_log = [], time.perf_counter()
         logged_state.update(losses=losses, t_log=t_log)
@@ -120,8 +141,12 @@ def worker(args):
     loops = {"raw": raw_steps, "raw_logged": raw_logged_steps, "ours": our_steps}
     for run in loops.values():  # warm-up: DDP's first-iteration bucket rebuild, oneDNN kernel creation
         run(args.block)
-    ms_per_step = time_turns({name: lambda run=run: run(args.block) for name, run in loops.items()}, args.blocks,
-                             accelerator.wait_for_everyone, steps_per_turn=args.block)
+    ms_per_step = time_turns(
+        {name: lambda run=run: run(args.block) for name, run in loops.items()},
+        args.blocks,
+        accelerator.wait_for_everyone,
+        steps_per_turn=args.block,
+    )
     loop.progress.close()
     logged_progress.close()
     if accelerator.is_main_process:
@@ -129,8 +154,14 @@ def worker(args):
         for name, file in (("ours", "metrics.jsonl"), ("raw_logged", "raw_metrics.jsonl")):
             with open(os.path.join(args.log_dir, file)) as f:
                 logged_steps[name] = [r["step"] for r in map(json.loads, f) if "train_loss" in r]
-        print_result({"world_size": world, "ms_per_step": ms_per_step,
-                      "mixed_precision": accelerator.mixed_precision, "logged_steps": logged_steps})
+        print_result(
+            {
+                "world_size": world,
+                "ms_per_step": ms_per_step,
+                "mixed_precision": accelerator.mixed_precision,
+                "logged_steps": logged_steps,
+            }
+        )
     # DDP reducers before the gloo group goes (TrainingLoop.close)
     del model, optimizer, raw_model, raw_optimizer, logged_model, logged_optimizer
     loop.close()
@@ -149,23 +180,40 @@ def main(argv=None):
         args.blocks, args.block = 19, 1  # with the warm-up 20 steps: epochs roll over, the loss is logged at step 20
     if args.worker:
         return worker(args)
-    result = run_workers(__file__, ["--data_dir", args.data_dir, "--blocks", str(args.blocks),
-                                    "--block", str(args.block), "--mixed_precision", args.mixed_precision,
-                                    *flag("tiny", args.tiny)])
+    result = run_workers(
+        __file__,
+        [
+            "--data_dir",
+            args.data_dir,
+            "--blocks",
+            str(args.blocks),
+            "--block",
+            str(args.block),
+            "--mixed_precision",
+            args.mixed_precision,
+            *flag("tiny", args.tiny),
+        ],
+    )
     ms = result["ms_per_step"]
-    print(f"{args.blocks} alternating turns of {args.block} step(s) per loop, world size {result['world_size']}, "
-          f"mixed_precision={result['mixed_precision']}, {MNIST_BATCH} samples per process"
-          f"{' (tiny)' if args.tiny else ''}; logged steps: " +
-          ", ".join(f"{name} {steps[0]}..{steps[-1]} ({len(steps)} records)"
-                    for name, steps in result["logged_steps"].items()))
+    print(
+        f"{args.blocks} alternating turns of {args.block} step(s) per loop, world size {result['world_size']}, "
+        f"mixed_precision={result['mixed_precision']}, {MNIST_BATCH} samples per process"
+        f"{' (tiny)' if args.tiny else ''}; logged steps: "
+        + ", ".join(
+            f"{name} {steps[0]}..{steps[-1]} ({len(steps)} records)" for name, steps in result["logged_steps"].items()
+        )
+    )
     print("| loop | ms/step (median) | ms/step (mean) | throughput vs raw (total time) | vs raw, median of turns |")
     print("|---|---|---|---|---|")
     for name, values in ms.items():
         totals, per_turn = speed_ratio(ms, name, "raw")
-        print(f"| {name} | {statistics.median(values):.3f} | {statistics.mean(values):.3f} | {totals:.3f} | "
-              f"{per_turn:.3f} |")
+        print(
+            f"| {name} | {statistics.median(values):.3f} | {statistics.mean(values):.3f} | {totals:.3f} | "
+            f"{per_turn:.3f} |"
+        )
     for name, base, label in [(name, "raw", "raw DDP") for name in ms if name != "raw"] + [
-            ("ours", "raw_logged", "raw_logged (accelerate's cost alone)")]:
+        ("ours", "raw_logged", "raw_logged (accelerate's cost alone)")
+    ]:
         print(ratio_line(f"{name} throughput / {label} throughput", ms, name, base))
 
 

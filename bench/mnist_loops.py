@@ -9,6 +9,7 @@ their worker processes, built the same way for both:
 Same data, same initial weights, 50 samples per process. The steps themselves stay in each bench,
 since each times them its own way. Imported by the workers only: it imports torch.
 """
+
 import contextlib
 
 import torch
@@ -28,10 +29,22 @@ class MnistBench:
 
     def __init__(self, data_dir, log_dir, mixed_precision, samples=None):
         # a run that never ends by itself: each bench decides how many steps to take
-        self.script_args = mnist.parse_args([
-            "--mixed_precision", mixed_precision, "--output_dir", log_dir, "--max_train_steps", str(10**9),
-            "--metric_for_best_model", "none",
-            "--per_device_train_batch_size", str(MNIST_BATCH), "--lr_scheduler_type", "constant"])
+        self.script_args = mnist.parse_args(
+            [
+                "--mixed_precision",
+                mixed_precision,
+                "--output_dir",
+                log_dir,
+                "--max_train_steps",
+                str(10**9),
+                "--metric_for_best_model",
+                "none",
+                "--per_device_train_batch_size",
+                str(MNIST_BATCH),
+                "--lr_scheduler_type",
+                "constant",
+            ]
+        )
         self.accelerator = make_accelerator(self.script_args)
         self.bf16 = self.accelerator.mixed_precision == "bf16"
         train_set, _, _ = load_mnist("fashion_mnist", data_dir)
@@ -39,7 +52,8 @@ class MnistBench:
 
     def to_inputs(self, images):
         return normalize_images(images, self.train_set.mean, self.train_set.std).contiguous(
-            memory_format=torch.channels_last)
+            memory_format=torch.channels_last
+        )
 
     def autocast(self):
         """What accelerate's autocast does, for the raw loops."""
@@ -54,17 +68,20 @@ class MnistBench:
         """A raw DDP model, its optimizer, and its batches: (loader, sampler) and an endless Batches."""
         model, optimizer = self.model_and_optimizer()
         sampler = DistributedSampler(self.train_set, shuffle=True, seed=42, drop_last=True)
-        loader = DataLoader(self.train_set, batch_size=MNIST_BATCH, sampler=sampler, drop_last=True,
-                            collate_fn=identity_collate)
+        loader = DataLoader(
+            self.train_set, batch_size=MNIST_BATCH, sampler=sampler, drop_last=True, collate_fn=identity_collate
+        )
         return DDP(model, broadcast_buffers=False), optimizer, loader, Batches(loader, sampler.set_epoch)
 
     def ours(self, script):
         """train/mnist.py's prepared model and optimizer, and the TrainingLoop that runs them."""
         model, optimizer = self.model_and_optimizer()
-        loader = DataLoader(self.train_set, batch_size=MNIST_BATCH, shuffle=True, drop_last=True,
-                            collate_fn=identity_collate)
+        loader = DataLoader(
+            self.train_set, batch_size=MNIST_BATCH, shuffle=True, drop_last=True, collate_fn=identity_collate
+        )
         model, optimizer, loader = self.accelerator.prepare(model, optimizer, loader)
-        loop = TrainingLoop(self.accelerator, self.script_args, script, model, optimizer, loader,
-                            evaluate=dict)  # no evaluation at the epoch ends: the raw loops have none either
+        loop = TrainingLoop(
+            self.accelerator, self.script_args, script, model, optimizer, loader, evaluate=dict
+        )  # no evaluation at the epoch ends: the raw loops have none either
         loop.preemption.close()  # a bench saves nothing: a SIGTERM (a timeout's, the launcher's) ends it at once
         return model, optimizer, loop

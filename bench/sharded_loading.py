@@ -17,6 +17,7 @@ loading already took, so there it is the rows each rank takes out of the Arrow t
 extra untimed epoch: our source's counter, a counting `map` before `datasets`' split) times the
 Arrow bytes per row. Prints a markdown table of medians and the speed and bytes ratios.
 """
+
 import argparse
 import os
 import statistics
@@ -100,10 +101,14 @@ def one_epoch(accelerator, make, paths, batch, workers, epoch):
 
 def print_table(rows, world, args, total_bytes, num_files):
     """The markdown table of medians, with the speed and bytes ratios of ours against `datasets`."""
-    print(f"\nW={world} processes, batch {args.per_device_batch_size}/rank, {args.repeats} alternating repeats, "
-          f"shards {total_bytes / 1e6:.1f} MB in {num_files} files")
-    print("| source | K workers | path | samples/s (median) | samples/epoch | bytes read per rank (K=0) | "
-          "speed ratio | bytes ratio |")
+    print(
+        f"\nW={world} processes, batch {args.per_device_batch_size}/rank, {args.repeats} alternating repeats, "
+        f"shards {total_bytes / 1e6:.1f} MB in {num_files} files"
+    )
+    print(
+        "| source | K workers | path | samples/s (median) | samples/epoch | bytes read per rank (K=0) | "
+        "speed ratio | bytes ratio |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for source, size, workers, medians in rows:
         speed_ratio = medians["ours"][0] / medians["datasets"][0]
@@ -111,9 +116,11 @@ def print_table(rows, world, args, total_bytes, num_files):
         for name in ("ours", "datasets"):
             speed, samples, per_rank = medians[name]
             bytes_text = " / ".join(f"{b / size:.2f}x" for b in per_rank) + " of the data" if workers == 0 else "n/a"
-            print(f"| {source} | {workers} | {name} | {speed:,.0f} | {samples} | {bytes_text} | "
-                  f"{f'{speed_ratio:.2f}' if name == 'ours' else ''} | "
-                  f"{f'{bytes_ratio:.2f}' if name == 'ours' and workers == 0 else ''} |")
+            print(
+                f"| {source} | {workers} | {name} | {speed:,.0f} | {samples} | {bytes_text} | "
+                f"{f'{speed_ratio:.2f}' if name == 'ours' else ''} | "
+                f"{f'{bytes_ratio:.2f}' if name == 'ours' and workers == 0 else ''} |"
+            )
 
 
 def main():
@@ -127,8 +134,9 @@ def main():
     accelerator = Accelerator(cpu=True)
     paths = shards_in(args.parquet_dir, "train")
     if not paths:
-        raise SystemExit(f"error: no train shards in {args.parquet_dir}; run python -m data.prepare --output_dir "
-                         f"{args.parquet_dir}")
+        raise SystemExit(
+            f"error: no train shards in {args.parquet_dir}; run python -m data.prepare --output_dir {args.parquet_dir}"
+        )
     total_bytes = sum(os.path.getsize(p) for p in paths)
     pairs = []
     if "parquet" in args.sources:
@@ -153,15 +161,19 @@ def main():
         loader = ours_dataset(data, rank, world, args.per_device_batch_size, 0, 0)
         for _ in loader:
             pass
-        rows_taken = {"ours": gather_object([loader.dataset.source.rows_read]), "datasets": gather_object([len(counted)])}
+        rows_taken = {
+            "ours": gather_object([loader.dataset.source.rows_read]),
+            "datasets": gather_object([len(counted)]),
+        }
     rows = []
     for source, data, size, mine, theirs in pairs:
         for workers in args.workers:
             results = {"ours": [], "datasets": []}
             for repeat in range(args.repeats):
                 for name, make in (("ours", mine), ("datasets", theirs)):  # alternating A/B
-                    results[name].append(one_epoch(accelerator, make, data, args.per_device_batch_size, workers,
-                                                   repeat))
+                    results[name].append(
+                        one_epoch(accelerator, make, data, args.per_device_batch_size, workers, repeat)
+                    )
             medians = {}
             for name, runs in results.items():
                 seconds = statistics.median(max(s for s, _, _ in run) for run in runs)

@@ -23,6 +23,7 @@ between the phases:
 has it natively, fp32 elsewhere; --mixed_precision to choose). A phase is rough to ~±10 µs and the
 host drifts between runs: this locates costs, loop_overhead.py measures the total.
 """
+
 import argparse
 import os
 import sys
@@ -104,12 +105,19 @@ def worker(args):
             calls = after_batch["logging" if logged else "other"]
             calls[0], calls[1] = calls[0] + 1, calls[1] + spent
     loop.progress.close()
-    per_rank = gather_object([{"rank": accelerator.process_index, "steps": steps,
-                               "precision": accelerator.mixed_precision,
-                               "us_per_step": {name: {phase: 1e6 * s / steps for phase, s in spent.items()}
-                                               for name, spent in seconds.items()},
-                               "after_batch_us": {kind: [n, 1e6 * s / max(n, 1)]
-                                                  for kind, (n, s) in after_batch.items()}}])
+    per_rank = gather_object(
+        [
+            {
+                "rank": accelerator.process_index,
+                "steps": steps,
+                "precision": accelerator.mixed_precision,
+                "us_per_step": {
+                    name: {phase: 1e6 * s / steps for phase, s in spent.items()} for name, spent in seconds.items()
+                },
+                "after_batch_us": {kind: [n, 1e6 * s / max(n, 1)] for kind, (n, s) in after_batch.items()},
+            }
+        ]
+    )
     if accelerator.is_main_process:
         print_result(per_rank)
     del model, optimizer, raw_model, raw_optimizer  # DDP reducers before the gloo group goes (TrainingLoop.close)
@@ -126,21 +134,31 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
-    ranks = sorted(run_workers(__file__, ["--data_dir", args.data_dir, "--mixed_precision", args.mixed_precision,
-                                          *flag("tiny", args.tiny)]),
-                   key=lambda r: r["rank"])
-    print(f"{ranks[0]['steps']} steps of each loop, alternating, world size {len(ranks)}, "
-          f"mixed_precision={ranks[0]['precision']}, {MNIST_BATCH} samples "
-          f"per process{' (tiny)' if args.tiny else ''}; µs per step, mean")
+    ranks = sorted(
+        run_workers(
+            __file__, ["--data_dir", args.data_dir, "--mixed_precision", args.mixed_precision, *flag("tiny", args.tiny)]
+        ),
+        key=lambda r: r["rank"],
+    )
+    print(
+        f"{ranks[0]['steps']} steps of each loop, alternating, world size {len(ranks)}, "
+        f"mixed_precision={ranks[0]['precision']}, {MNIST_BATCH} samples "
+        f"per process{' (tiny)' if args.tiny else ''}; µs per step, mean"
+    )
     columns = [(f"{loop} rank {r['rank']}", r["us_per_step"][loop]) for r in ranks for loop in ("raw", "ours")]
     print("| phase | " + " | ".join(name for name, _ in columns) + " | ours - raw, rank 0 |")
     print("|---" * (len(columns) + 2) + "|")
     for phase in PHASES + ["total"]:
         values = [sum(us.values()) if phase == "total" else us[phase] for _, us in columns]
         print(f"| {phase} | " + " | ".join(f"{v:.1f}" for v in values) + f" | {values[1] - values[0]:+.1f} |")
-    print("after_batch of ours, µs per call: " + "; ".join(
-        f"rank {r['rank']}: " + ", ".join(f"{kind} steps {n} x {us:.1f}" for kind, (n, us) in r["after_batch_us"].items())
-        for r in ranks))
+    print(
+        "after_batch of ours, µs per call: "
+        + "; ".join(
+            f"rank {r['rank']}: "
+            + ", ".join(f"{kind} steps {n} x {us:.1f}" for kind, (n, us) in r["after_batch_us"].items())
+            for r in ranks
+        )
+    )
 
 
 if __name__ == "__main__":

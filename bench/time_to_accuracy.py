@@ -16,6 +16,7 @@ ones, then these: the later value of a variable wins, EXTRA flags are joined), t
 (A/B, then B/A) so the host's drift hits both; the ratio of their walls is what to quote, since this
 host's speed drifts up to 2x over a day.
 """
+
 import argparse
 import json
 import os
@@ -51,23 +52,36 @@ def make_run(out, make_vars, seed):
         results = json.load(f)
     header = next((line for line in proc.stdout.splitlines() if line.startswith("world_size=")), "")
     precision = header.split("mixed_precision=", 1)[-1].split(" global_batch_size")[0]
-    return {"command": shown, "precision": precision, "wall": wall, "accuracy": results["eval_accuracy"], "seed": seed,
-            "per_epoch": [h["eval_accuracy"] for h in results["history"]],
-            "eval_samples": results["eval_samples"], "epoch_seconds": results["epoch_seconds"]}
+    return {
+        "command": shown,
+        "precision": precision,
+        "wall": wall,
+        "accuracy": results["eval_accuracy"],
+        "seed": seed,
+        "per_epoch": [h["eval_accuracy"] for h in results["history"]],
+        "eval_samples": results["eval_samples"],
+        "epoch_seconds": results["epoch_seconds"],
+    }
 
 
 def report(title, runs, args):
     met = sum(r["accuracy"] >= args.target_accuracy and r["wall"] <= args.target_seconds for r in runs)
-    print(f"\n{title}: `{runs[0]['command']}`{' and other seeds' if len(runs) > 1 and runs[0]['seed'] is not None else ''}"
-          f", {len(runs)} run(s){' (tiny)' if args.tiny else ''}; mixed_precision={runs[0]['precision']}")
+    print(
+        f"\n{title}: `{runs[0]['command']}`{' and other seeds' if len(runs) > 1 and runs[0]['seed'] is not None else ''}"
+        f", {len(runs)} run(s){' (tiny)' if args.tiny else ''}; mixed_precision={runs[0]['precision']}"
+    )
     print("| run | seed | wall s (launch to exit) | train s/epoch (mean) | final test accuracy | eval samples |")
     print("|---|---|---|---|---|---|")
     for i, r in enumerate(runs, 1):
-        print(f"| {i} | {'default' if r['seed'] is None else r['seed']} | {r['wall']:.1f} | "
-              f"{statistics.mean(r['epoch_seconds']):.2f} | {r['accuracy']:.4f} | {r['eval_samples']} |")
+        print(
+            f"| {i} | {'default' if r['seed'] is None else r['seed']} | {r['wall']:.1f} | "
+            f"{statistics.mean(r['epoch_seconds']):.2f} | {r['accuracy']:.4f} | {r['eval_samples']} |"
+        )
     accuracies = [r["accuracy"] for r in runs]
-    print(f"MEDIAN wall = {statistics.median(r['wall'] for r in runs):.1f} s, final accuracy = "
-          f"{statistics.median(accuracies):.4f} (mean {statistics.mean(accuracies):.4f}, lowest {min(accuracies):.4f})")
+    print(
+        f"MEDIAN wall = {statistics.median(r['wall'] for r in runs):.1f} s, final accuracy = "
+        f"{statistics.median(accuracies):.4f} (mean {statistics.mean(accuracies):.4f}, lowest {min(accuracies):.4f})"
+    )
     print(f"TARGET >= {args.target_accuracy:.2%} within {args.target_seconds:.0f} s: met by {met} of {len(runs)} runs")
 
 
@@ -75,8 +89,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=positive_int, help="Runs with the default seed (default 3; 1 with --tiny).")
     parser.add_argument("--seeds", type=int, nargs="+", help="One run per seed instead of --repeats.")
-    parser.add_argument("--baseline", nargs="+", metavar="NAME=VALUE", help="Makefile variables of a second "
-                        "variant to pair with each run, e.g. --baseline MODEL=convnet_fast EPOCHS=4.")
+    parser.add_argument(
+        "--baseline",
+        nargs="+",
+        metavar="NAME=VALUE",
+        help="Makefile variables of a second "
+        "variant to pair with each run, e.g. --baseline MODEL=convnet_fast EPOCHS=4.",
+    )
     parser.add_argument("--target_accuracy", type=float, default=0.91)
     parser.add_argument("--target_seconds", type=float, default=60.0)
     parser.add_argument("--tiny", action="store_true", help="1 epoch of 1280 samples: checks that the bench runs")
@@ -85,8 +104,10 @@ def main(argv=None):
     for flag, values in (("", args.make_vars), ("--baseline ", args.baseline or [])):
         bad = [v for v in values if "=" not in v]
         if bad:
-            parser.error(f"{flag}{' '.join(bad)}: Makefile variables are NAME=VALUE, one argument each (quote a "
-                         "value with spaces: 'EXTRA=--seed 1')")
+            parser.error(
+                f"{flag}{' '.join(bad)}: Makefile variables are NAME=VALUE, one argument each (quote a "
+                "value with spaces: 'EXTRA=--seed 1')"
+            )
     if args.seeds and args.repeats:
         parser.error("--seeds sets the runs (one per seed): leave out --repeats")
     tiny = ["EPOCHS=1", "EXTRA=--max_train_samples 1280 --max_eval_samples 500"] if args.tiny else []
@@ -101,8 +122,11 @@ def main(argv=None):
             for name in order:
                 run = make_run(os.path.join(tmp, f"{name}{i}"), variants[name], seed)
                 runs[name].append(run)
-                print(f"{name} {i + 1}{'' if seed is None else f' (seed {seed})'}: {run['wall']:.1f} s from launch, "
-                      f"test accuracy per epoch {' '.join(f'{a:.4f}' for a in run['per_epoch'])}", flush=True)
+                print(
+                    f"{name} {i + 1}{'' if seed is None else f' (seed {seed})'}: {run['wall']:.1f} s from launch, "
+                    f"test accuracy per epoch {' '.join(f'{a:.4f}' for a in run['per_epoch'])}",
+                    flush=True,
+                )
 
     from train.core.accelerator import cpu_has_native_bf16
 
@@ -112,9 +136,11 @@ def main(argv=None):
     if args.baseline:
         report("baseline", runs["baseline"], args)
         pairs = [r["wall"] / b["wall"] for r, b in zip(runs["run"], runs["baseline"])]
-        print(f"\nRATIO wall / baseline wall = {statistics.median(pairs):.3f} (per pair: "
-              f"{', '.join(f'{p:.3f}' for p in pairs)}); accuracy {statistics.mean(r['accuracy'] for r in runs['run']):.4f}"
-              f" against {statistics.mean(r['accuracy'] for r in runs['baseline']):.4f} (means)")
+        print(
+            f"\nRATIO wall / baseline wall = {statistics.median(pairs):.3f} (per pair: "
+            f"{', '.join(f'{p:.3f}' for p in pairs)}); accuracy {statistics.mean(r['accuracy'] for r in runs['run']):.4f}"
+            f" against {statistics.mean(r['accuracy'] for r in runs['baseline']):.4f} (means)"
+        )
 
 
 if __name__ == "__main__":

@@ -13,17 +13,47 @@ Layout (arrows point down; tests/test_imports.py keeps them so):
   shards.py        the on-disk format: shard names, writing, manifest.json, shards_in
   locks.py, errors.py  one writer per folder; UserError, DataError, PlanError
 """
+
 from data.errors import DataError, PlanError, UserError
-from data.mnist import (DATASETS, ImageClassificationTensors, augment_images, check_data_dir, identity_collate,
-                        load_mnist, mnist_on_disk, normalize_images)
+from data.mnist import (
+    DATASETS,
+    ImageClassificationTensors,
+    augment_images,
+    check_data_dir,
+    identity_collate,
+    load_mnist,
+    mnist_on_disk,
+    normalize_images,
+)
 from data.shards import read_manifest, shards_in
 from data.sharding import BatchPlan, ShardedIterableDataset, check_same_plan
 from data.sources import DatasetsSource, ParquetSource, TensorSource, as_source
 
-__all__ = ["BatchPlan", "DATASETS", "DataError", "DatasetsSource", "ImageClassificationTensors", "ParquetSource",
-           "PlanError", "ShardedIterableDataset", "ShardedLoader", "TensorSource", "UserError", "as_source",
-           "augment_images", "check_data_dir", "check_loader", "check_same_plan", "identity_collate", "load_mnist",
-           "mnist_on_disk", "normalize_images", "read_manifest", "shards_in", "sharded_loader"]
+__all__ = [
+    "BatchPlan",
+    "DATASETS",
+    "DataError",
+    "DatasetsSource",
+    "ImageClassificationTensors",
+    "ParquetSource",
+    "PlanError",
+    "ShardedIterableDataset",
+    "ShardedLoader",
+    "TensorSource",
+    "UserError",
+    "as_source",
+    "augment_images",
+    "check_data_dir",
+    "check_loader",
+    "check_same_plan",
+    "identity_collate",
+    "load_mnist",
+    "mnist_on_disk",
+    "normalize_images",
+    "read_manifest",
+    "shards_in",
+    "sharded_loader",
+]
 
 
 def __getattr__(name):

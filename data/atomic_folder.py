@@ -12,6 +12,7 @@ the whole set at once.
   complete; the next prepare of the folder removes what a killed one left there.
 - Up to date: the same inputs and arguments, every file as written, is a prepare that writes nothing.
 """
+
 import contextlib
 import errno
 import os
@@ -23,10 +24,13 @@ from data.errors import DataError
 from data.locks import LOCK_NAME, FolderBusy, lock_folder, wait_for_job
 from data.shards import MANIFEST, check_files_written, fingerprint, folder_contents, listed_files, prepared_manifest
 
-WRITE_FIXES = {errno.ENOSPC: "free some space or pass an --output_dir on another disk",
-               errno.EDQUOT: "free some space or pass an --output_dir on another disk",
-               errno.EROFS: "pass an --output_dir on a writable disk",
-               errno.EACCES: "pass an --output_dir you can write to", errno.EPERM: "pass an --output_dir you can write to"}
+WRITE_FIXES = {
+    errno.ENOSPC: "free some space or pass an --output_dir on another disk",
+    errno.EDQUOT: "free some space or pass an --output_dir on another disk",
+    errno.EROFS: "pass an --output_dir on a writable disk",
+    errno.EACCES: "pass an --output_dir you can write to",
+    errno.EPERM: "pass an --output_dir you can write to",
+}
 
 
 @contextlib.contextmanager
@@ -57,8 +61,10 @@ def atomic_folder(output_dir, force=False, job=None):
         tmp = make_temp_folder(target)
         yield tmp
         if done:
-            print(f"another process prepared {output_dir} meanwhile with the same inputs and arguments; kept its set, "
-                  "dropped this copy")
+            print(
+                f"another process prepared {output_dir} meanwhile with the same inputs and arguments; kept its set, "
+                "dropped this copy"
+            )
         else:
             os.link(os.path.join(target, LOCK_NAME), os.path.join(tmp, LOCK_NAME))  # the held lock goes along
             exchange(tmp, target)  # tmp now holds the old set
@@ -67,8 +73,12 @@ def atomic_folder(output_dir, force=False, job=None):
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-        if (created and lock.in_place() and not folder_contents(output_dir)
-                and not os.path.exists(os.path.join(output_dir, MANIFEST))):
+        if (
+            created
+            and lock.in_place()
+            and not folder_contents(output_dir)
+            and not os.path.exists(os.path.join(output_dir, MANIFEST))
+        ):
             # a failed first write leaves nothing behind
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(output_dir, LOCK_NAME))
@@ -78,8 +88,10 @@ def atomic_folder(output_dir, force=False, job=None):
 
 def write_error(output_dir, e):
     where = f" ({e.filename})" if e.filename else ""
-    return (f"could not write --output_dir {output_dir}: {e.strerror or e}{where}; nothing there was changed; "
-            f"{WRITE_FIXES.get(e.errno, 'check the folder and run again')}")
+    return (
+        f"could not write --output_dir {output_dir}: {e.strerror or e}{where}; nothing there was changed; "
+        f"{WRITE_FIXES.get(e.errno, 'check the folder and run again')}"
+    )
 
 
 def temp_name(output_dir):
@@ -143,9 +155,11 @@ def exchange_by_renames(a, b):
         try:
             os.rename(old, b)
         except OSError:
-            raise DataError(f"another process made {b} again while this prepare swapped its new set in by renames "
-                            f"(this file system cannot exchange two folders in one step); the earlier set is in {old} "
-                            f"until the next prepare of {b} removes it; run the prepare again") from None
+            raise DataError(
+                f"another process made {b} again while this prepare swapped its new set in by renames "
+                f"(this file system cannot exchange two folders in one step); the earlier set is in {old} "
+                f"until the next prepare of {b} removes it; run the prepare again"
+            ) from None
         raise
     os.rename(old, a)
 
@@ -163,20 +177,27 @@ def claim(output_dir, force=False):
         return
     manifest = prepared_manifest(output_dir)  # an unreadable one: one line naming it
     if manifest is None:
-        raise DataError(f"--output_dir {output_dir} holds files data.prepare did not write ({', '.join(present[:3])}) "
-                        "and no manifest.json of data.prepare; pass a new or empty folder")
+        raise DataError(
+            f"--output_dir {output_dir} holds files data.prepare did not write ({', '.join(present[:3])}) "
+            "and no manifest.json of data.prepare; pass a new or empty folder"
+        )
     listed = listed_files(manifest)
     if foreign := [f for f in present if f != MANIFEST and f not in listed]:
-        raise DataError(f"--output_dir {output_dir} holds files data.prepare did not write ({', '.join(foreign[:3])}), "
-                        "not in its manifest.json; move them away or pass another folder")
+        raise DataError(
+            f"--output_dir {output_dir} holds files data.prepare did not write ({', '.join(foreign[:3])}), "
+            "not in its manifest.json; move them away or pass another folder"
+        )
     missing, changed = check_files_written(output_dir, manifest)
     if changed and not force:
         rel, how = changed[0]
-        raise DataError(f"{os.path.join(output_dir, rel)} changed since data.prepare wrote it ({how}); pass --force "
-                        f"to write {output_dir} again, or move it away")
+        raise DataError(
+            f"{os.path.join(output_dir, rel)} changed since data.prepare wrote it ({how}); pass --force "
+            f"to write {output_dir} again, or move it away"
+        )
     if missing:
-        print(f"{output_dir}: {len(missing)} file(s) data.prepare wrote are missing ({missing[0]}); writing the set "
-              "again")
+        print(
+            f"{output_dir}: {len(missing)} file(s) data.prepare wrote are missing ({missing[0]}); writing the set again"
+        )
 
 
 def up_to_date(output_dir, inputs, arguments, force=False):
@@ -212,8 +233,8 @@ def finished_set(output_dir, job):
 
 def report(output_dir, manifest):
     """The one line a prepare prints about the set it wrote."""
-    rows = ", ".join(f"{split}: {entry['rows']} rows in {len(entry['shards'])} shards"
-                     for split, entry in manifest["splits"].items())
+    rows = ", ".join(
+        f"{split}: {entry['rows']} rows in {len(entry['shards'])} shards" for split, entry in manifest["splits"].items()
+    )
     columns = ", ".join(f"{k} ({v})" for k, v in next(iter(manifest["splits"].values()))["columns"].items())
     print(f"wrote {output_dir}: {rows}; columns {columns}; fingerprint {manifest['fingerprint']}")
-

@@ -24,6 +24,7 @@ and 1,262 entries); each split is shuffled with --seed and cut to --max_train_ro
 --max_validation_rows (500), so the rows span the alphabet. The same GCIDE gives byte-identical files
 anywhere; a rerun that would write the same bytes writes nothing.
 """
+
 import argparse
 import json
 import os
@@ -41,13 +42,45 @@ MAX_TRAIN_ROWS, MAX_VALIDATION_ROWS = 20_000, 500
 LOST = "\x00"  # stands for a character the dictd text cannot show: a definition holding one is left out
 
 # GCIDE's dictd text writes accented letters as [mark letter] (['e] é, [=a] ā, [a^] ă) and others by name
-_MARKS = {"=": "\u0304", "^": "\u0302", "'": "\u0301", "`": "\u0300", '"': "\u0308", "~": "\u0303",
-          ".": "\u0307", ",": "\u0327", "*": "\u030a"}
-_NAMED = {"ae": "æ", "AE": "Æ", "oe": "œ", "OE": "Œ", "eth": "ð", "thorn": "þ", "yogh": "ȝ", "deg": "°",
-          "min": "′", "sec": "″", "sect": "§", "para": "¶", "root": "√", "sharp": "♯", "flat": "♭", "imac": "ī",
-          "aum": "ä", "middot": "·", "times": "×", "pounds": "£", "rarr": "→", "nbsp": " "}
-_GREEK = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
-          "upsilon phi chi psi omega").split()
+_MARKS = {
+    "=": "\u0304",
+    "^": "\u0302",
+    "'": "\u0301",
+    "`": "\u0300",
+    '"': "\u0308",
+    "~": "\u0303",
+    ".": "\u0307",
+    ",": "\u0327",
+    "*": "\u030a",
+}
+_NAMED = {
+    "ae": "æ",
+    "AE": "Æ",
+    "oe": "œ",
+    "OE": "Œ",
+    "eth": "ð",
+    "thorn": "þ",
+    "yogh": "ȝ",
+    "deg": "°",
+    "min": "′",
+    "sec": "″",
+    "sect": "§",
+    "para": "¶",
+    "root": "√",
+    "sharp": "♯",
+    "flat": "♭",
+    "imac": "ī",
+    "aum": "ä",
+    "middot": "·",
+    "times": "×",
+    "pounds": "£",
+    "rarr": "→",
+    "nbsp": " ",
+}
+_GREEK = (
+    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
+    "upsilon phi chi psi omega"
+).split()
 _NAMED.update(zip(_GREEK, "αβγδεζηθικλμνξοπρστυφχψω"))
 _NAMED.update(zip((name.capitalize() for name in _GREEK), "ΑΒΓΔΕΖΗΘΙΚΛΜΝΞΟΠΡΣΤΥΦΧΨΩ"))
 
@@ -58,19 +91,25 @@ _BRACKETS = re.compile(r"\[([^\[\]\n]{1,8})\]")
 # the rest of such a line goes too (dictd's index spans sometimes run on into the next entry's first word there)
 _SOURCE_LINE = re.compile(r"^[ \t]*\[.*$", re.M)
 # what may come before a sense's text: "1. pl. (Anat.) (a) ", and a plural's pronunciation ("(-s[i^]z). ")
-_SENSE_START = re.compile(r"^(?:\d+\.?\s+|(?:n|pl|sing|a|adj|adv|v|[ti]|prep|interj)\.(?:\s*&)?,?\s+|"
-                          r"\([^()]{1,80}\),?\s*|[.,;:=]\s*)*")
+_SENSE_START = re.compile(
+    r"^(?:\d+\.?\s+|(?:n|pl|sing|a|adj|adv|v|[ti]|prep|interj)\.(?:\s*&)?,?\s+|"
+    r"\([^()]{1,80}\),?\s*|[.,;:=]\s*)*"
+)
 # a definition that only points at another entry: "See X.", "Same as X.", or an inflection ("Imp. & p. p. of Reach.")
-_POINTER = re.compile(r"^(?:see|same as|alt\. of|variant of|obs\. or \w+ forms? of)\b"
-                      r"|^(?:of|from|fr\.) [\w'-]+(?:, v\b.*)?\.?$"  # what "pl. of X", "a. & n. from X, v." leave
-                      r"|^(?:obs\. |archaic )?(?:imp|p\. ?p|p\. ?pr|p\. ?a|vb\. n|pl|plural|pres|sing|pret|inf|superl|"
-                      r"compar|\d(?:st|d|nd|rd|th))\b[^;]*?(?:\bof|\bfrom|\bfr\.)\s", re.I)
+_POINTER = re.compile(
+    r"^(?:see|same as|alt\. of|variant of|obs\. or \w+ forms? of)\b"
+    r"|^(?:of|from|fr\.) [\w'-]+(?:, v\b.*)?\.?$"  # what "pl. of X", "a. & n. from X, v." leave
+    r"|^(?:obs\. |archaic )?(?:imp|p\. ?p|p\. ?pr|p\. ?a|vb\. n|pl|plural|pres|sing|pret|inf|superl|"
+    r"compar|\d(?:st|d|nd|rd|th))\b[^;]*?(?:\bof|\bfrom|\bfr\.)\s",
+    re.I,
+)
 _HEADWORD = re.compile(r"[^\W\d_][\w]*(?:[-' .][\w]+)*'?")
 
 
 def decode_entities(text):
     """GCIDE's [mark letter] and [name] characters as Unicode; an unknown one touching a letter becomes LOST,
     other bracketed text (labels, etymologies, sources) is left for the caller."""
+
     def one(match):
         inner = match.group(1)
         if inner in _NAMED:
@@ -81,9 +120,11 @@ def decode_entities(text):
             return unicodedata.normalize("NFC", inner[0] + "\u0306")
         if re.fullmatch(r"\d+[a-z]?", inner) and match.start() and text[match.start() - 1].isalpha():
             return ""  # a homograph's number: {abortion[2]}
-        touching = (match.start() and text[match.start() - 1].isalpha()) or \
-            (match.end() < len(text) and text[match.end()].isalpha())
+        touching = (match.start() and text[match.start() - 1].isalpha()) or (
+            match.end() < len(text) and text[match.end()].isalpha()
+        )
         return LOST if touching and re.fullmatch(r"[-=^'`\"~.,*]?[a-z]{1,5}\^?", inner) else match.group(0)
+
     return _BRACKETS.sub(one, text)
 
 
@@ -107,11 +148,10 @@ def reader_headword(head, pronunciation):
     Other marks (the diaeresis of A["e]rate, Aërate) only guide pronunciation: the headword keeps its letter."""
     cursor = 0
     for entity in re.findall(r"\[('[A-Za-z]|aum|AE|OE)\]", pronunciation):
-        spelled = {"aum": "ä", "AE": "Ae", "OE": "Oe"}.get(entity) or \
-            unicodedata.normalize("NFC", entity[1] + "\u0301")
+        spelled = {"aum": "ä", "AE": "Ae", "OE": "Oe"}.get(entity) or unicodedata.normalize("NFC", entity[1] + "\u0301")
         at = head.find(entity, cursor)
         if at >= 0:
-            head, cursor = head[:at] + spelled + head[at + len(entity):], at + len(spelled)
+            head, cursor = head[:at] + spelled + head[at + len(entity) :], at + len(spelled)
     head = " ".join(head.split())
     if len(head) > 40 or sum(c.isalpha() for c in head) < 2 or not _HEADWORD.fullmatch(head):
         return None  # empty, a suffix (-ling), a number, a symbol (9/11) or a spelling with a stray mark
@@ -125,8 +165,12 @@ def _head_length(text):
     or with a pronunciation in parentheses after a line that ended with a headword's or a plural's."""
     lines, depth, after_word, count = text.split("\n"), 0, False, 1
     for i, line in enumerate(lines):
-        if i and not (depth > 0 or not line[:1].isspace() or line.lstrip().startswith("[") or
-                      (after_word and _PRONUNCIATION.match(line))):
+        if i and not (
+            depth > 0
+            or not line[:1].isspace()
+            or line.lstrip().startswith("[")
+            or (after_word and _PRONUNCIATION.match(line))
+        ):
             break
         count = i + 1
         for char in line:
@@ -139,8 +183,11 @@ def first_definition(body):
     """The cleaned text of the first sense in `body` (an entry after its head), or None."""
     body = _SOURCE_LINE.sub("\n", body)  # a source line ends a sense
     # the first paragraph with text: a part of speech (n. pl.) or a label may stand alone before it
-    paragraphs = [p.lstrip("\n") for p in re.split(r"\n[ \t]*\n", remove_brackets(body))
-                  if _SENSE_START.sub("", " ".join(p.split()))]
+    paragraphs = [
+        p.lstrip("\n")
+        for p in re.split(r"\n[ \t]*\n", remove_brackets(body))
+        if _SENSE_START.sub("", " ".join(p.split()))
+    ]
     if not paragraphs:
         return None
     sense = paragraphs[0]
@@ -157,7 +204,7 @@ def first_definition(body):
     sense = re.sub(r'(?<=[.;!?])\s*"[^"]*"?\s*$|;\s*as,\s*".*$', "", sense)  # a trailing quoted example
     sense = re.sub(r"\s*\((?:See|Cf\.)\s[^()]*(?:\([^()]*\)[^()]*)*\)", "", sense)  # (See Base, n., 3 (a).)
     if sense.count("(") > sense.count(")"):  # a parenthesis the citation cut off: ("The term ... 1825. --Judd)
-        sense = sense[:sense.rindex("(")]
+        sense = sense[: sense.rindex("(")]
     sense = re.sub(r"(?<=[.;])\s+\w+[:,]?\s*$", "", sense)  # the first word of a sentence cut off (Also, Hence:)
     sense = re.sub(r"\s+([.,;:)])(?!\d)", r"\1", " ".join(sense.split()))  # "a torrent ." where a label was
     sense = re.sub(r"\(\s+", "(", sense)
@@ -167,8 +214,11 @@ def first_definition(body):
     sense = sense[0].upper() + sense[1:]
     if not sense.endswith("."):
         sense += "."
-    if not MIN_DEFINITION_CHARS <= len(sense) <= MAX_DEFINITION_CHARS or sense.count('"') % 2 or \
-            re.search(r'[\\{}\[\]?*]|\(\)|"\.$|' + LOST, sense):
+    if (
+        not MIN_DEFINITION_CHARS <= len(sense) <= MAX_DEFINITION_CHARS
+        or sense.count('"') % 2
+        or re.search(r'[\\{}\[\]?*]|\(\)|"\.$|' + LOST, sense)
+    ):
         return None
     return sense
 
@@ -178,11 +228,11 @@ def parse_entry(document):
     match = _HEAD.search(document)
     if not match:
         return None  # a fragment the index points into: no headword line
-    text = document[match.start():]
+    text = document[match.start() :]
     headword = reader_headword(match.group(1), match.group(2))
     if headword is None:
         return None
-    body = "\n".join(text.split("\n")[_head_length(text):])
+    body = "\n".join(text.split("\n")[_head_length(text) :])
     definition = first_definition(decode_entities(body))
     return (headword, definition) if definition else None
 
@@ -223,27 +273,43 @@ def jsonl_text(pairs, max_rows, seed, preferences=False):
     pairs = list(pairs)
     rows = [{"prompt": PROMPT.format(word=word), "response": definition} for word, definition in pairs]
     if preferences:
-        rows = [{"prompt": row["prompt"], "chosen": row["response"], "rejected": pairs[(i + 1) % len(pairs)][1]}
-                for i, row in enumerate(rows)]
+        rows = [
+            {"prompt": row["prompt"], "chosen": row["response"], "rejected": pairs[(i + 1) % len(pairs)][1]}
+            for i, row in enumerate(rows)
+        ]
     random.Random(seed).shuffle(rows)
     return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows[:max_rows])
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--output_dir", default=os.path.join("runs", "sft", "gcide"),
-                        help="where train.jsonl and validation.jsonl go")
-    parser.add_argument("--max_train_rows", type=int, default=MAX_TRAIN_ROWS,
-                        help="at most this many training pairs, cut from a seeded shuffle of all (default %(default)s)")
-    parser.add_argument("--max_validation_rows", type=int, default=MAX_VALIDATION_ROWS,
-                        help="at most this many validation pairs, likewise (default %(default)s)")
+    parser.add_argument(
+        "--output_dir", default=os.path.join("runs", "sft", "gcide"), help="where train.jsonl and validation.jsonl go"
+    )
+    parser.add_argument(
+        "--max_train_rows",
+        type=int,
+        default=MAX_TRAIN_ROWS,
+        help="at most this many training pairs, cut from a seeded shuffle of all (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max_validation_rows",
+        type=int,
+        default=MAX_VALIDATION_ROWS,
+        help="at most this many validation pairs, likewise (default %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="of the shuffle before the cut")
-    parser.add_argument("--preferences", action="store_true",
-                        help="preference pairs for train/dpo.py: {prompt, chosen, rejected}, the chosen response the "
-                             "word's definition, the rejected one the next word's (in dictionary order)")
-    parser.add_argument("--gcide_dir", default=None,
-                        help=f"the folder holding gcide.index and gcide.dict.dz; default: the first of "
-                             f"{', '.join(GCIDE_FOLDERS)}")
+    parser.add_argument(
+        "--preferences",
+        action="store_true",
+        help="preference pairs for train/dpo.py: {prompt, chosen, rejected}, the chosen response the "
+        "word's definition, the rejected one the next word's (in dictionary order)",
+    )
+    parser.add_argument(
+        "--gcide_dir",
+        default=None,
+        help=f"the folder holding gcide.index and gcide.dict.dz; default: the first of {', '.join(GCIDE_FOLDERS)}",
+    )
     args = parser.parse_args(argv)
     for flag in ("max_train_rows", "max_validation_rows"):
         if getattr(args, flag) < 1:
@@ -251,15 +317,22 @@ def main(argv=None):
     try:
         train, validation = split_pairs(*gcide_documents(find_gcide(args.gcide_dir)))
         os.makedirs(args.output_dir, exist_ok=True)
-        wrote = [write_if_changed(os.path.join(args.output_dir, f"{name}.jsonl"),
-                                  jsonl_text(pairs, rows, args.seed, args.preferences))
-                 for name, pairs, rows in (("train", train, args.max_train_rows),
-                                           ("validation", validation, args.max_validation_rows))]
+        wrote = [
+            write_if_changed(
+                os.path.join(args.output_dir, f"{name}.jsonl"), jsonl_text(pairs, rows, args.seed, args.preferences)
+            )
+            for name, pairs, rows in (
+                ("train", train, args.max_train_rows),
+                ("validation", validation, args.max_validation_rows),
+            )
+        ]
     except (DataError, OSError) as e:
         parser.exit(1, f"error: {e}\n")
-    print(f"{'wrote' if any(wrote) else 'up to date:'} {args.output_dir}: train.jsonl "
-          f"{min(len(train), args.max_train_rows)} of {len(train)} pairs, validation.jsonl "
-          f"{min(len(validation), args.max_validation_rows)} of {len(validation)}")
+    print(
+        f"{'wrote' if any(wrote) else 'up to date:'} {args.output_dir}: train.jsonl "
+        f"{min(len(train), args.max_train_rows)} of {len(train)} pairs, validation.jsonl "
+        f"{min(len(validation), args.max_validation_rows)} of {len(validation)}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Pixels after decoding: torchvision's transforms, the training crop and flip drawn from a
 generator of the sample's own, normalisation on the batch's device, and how many decoded pixels a
 training process may keep (data/images.py keeps them)."""
+
 import math
 import os
 
@@ -20,8 +21,13 @@ def image_transforms(image_size, train):
     from torchvision.transforms import v2
 
     if train:
-        return v2.Compose([v2.PILToTensor(), v2.RandomResizedCrop(image_size, scale=CROP_SCALE, antialias=True),
-                           v2.RandomHorizontalFlip()])
+        return v2.Compose(
+            [
+                v2.PILToTensor(),
+                v2.RandomResizedCrop(image_size, scale=CROP_SCALE, antialias=True),
+                v2.RandomHorizontalFlip(),
+            ]
+        )
     return v2.Compose([v2.PILToTensor(), v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size)])
 
 
@@ -70,8 +76,10 @@ def available_memory():
             free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError):  # not Linux: half the physical memory, where POSIX tells it
         free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2 if hasattr(os, "sysconf") else 0
-    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2, then v1
-                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit, usage in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2, then v1
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
         try:
             with open(limit) as f, open(usage) as g:
                 free = min(free, int(f.read()) - int(g.read()))  # "max" (no limit) fails int(): skipped

@@ -19,6 +19,7 @@ Random augmentation is seeded by (seed, epoch, sample), not by a global generato
 a different worker count, the streaming path, or a cached image draws the same crops and flips for
 the same sample.
 """
+
 import hashlib
 import os
 from dataclasses import dataclass, replace
@@ -41,6 +42,7 @@ class ImageFiles:
     """The images of a folder: paths, integer labels, class names (label i is classes[i]), what the
     scan left out (`ignored`: files without an image extension; `unreadable`: (path, reason)), and
     the folder's typical image size (`median_size`, from the headers the scan reads anyway)."""
+
     files: list
     labels: list
     classes: list
@@ -54,15 +56,19 @@ class ImageFiles:
         return len(self.files)
 
     def _take(self, ids):
-        return replace(self, files=[self.files[i] for i in ids], labels=[self.labels[i] for i in ids],
-                       sizes=[self.sizes[i] for i in ids] if self.sizes else None)
+        return replace(
+            self,
+            files=[self.files[i] for i in ids],
+            labels=[self.labels[i] for i in ids],
+            sizes=[self.sizes[i] for i in ids] if self.sizes else None,
+        )
 
     def decoded_bytes(self, square=None):
         """The memory every image takes kept as a uint8 RGB tensor, at its own size or as a `square`
         (evaluation keeps its final squares): its pixels and TENSOR_OVERHEAD (3,605 bytes of RSS each
         for 28x28 images, 1.25 KB over the pixels; 1.5 KB leaves a margin)."""
         if square:
-            return len(self) * (3 * square ** 2 + TENSOR_OVERHEAD)
+            return len(self) * (3 * square**2 + TENSOR_OVERHEAD)
         return sum(3 * w * h + TENSOR_OVERHEAD for w, h in self.sizes) if self.sizes else None
 
     def subset(self, max_samples, seed):
@@ -80,12 +86,18 @@ class ImageFiles:
         for label in range(len(self.classes)):
             ids = [i for i, y in enumerate(self.labels) if y == label]
             if len(ids) < 2:
-                raise DataError(f"class {self.classes[label]!r} has {len(ids)} image(s), too few to hold one out for "
-                                "validation; add images or pass --validation_dir")
+                raise DataError(
+                    f"class {self.classes[label]!r} has {len(ids)} image(s), too few to hold one out for "
+                    "validation; add images or pass --validation_dir"
+                )
             held += list(rng.choice(ids, size=max(1, round(fraction * len(ids))), replace=False))
         kept = sorted(set(range(len(self))) - set(held))
-        held_out = replace(self._take(sorted(held)), ignored=0, unreadable=(),  # counted once, in the train part
-                           note=f"held out from --train_dir: {fraction:.0%} of each class")
+        held_out = replace(
+            self._take(sorted(held)),
+            ignored=0,
+            unreadable=(),  # counted once, in the train part
+            note=f"held out from --train_dir: {fraction:.0%} of each class",
+        )
         return self._take(kept), held_out
 
     def summary(self):
@@ -122,14 +134,18 @@ def scan_image_folder(root, flag, classes=None):
     names = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)) and not d.startswith("."))
     if not names:
         loose = any(f.lower().endswith(IMAGE_EXTENSIONS) for f in os.listdir(root))
-        raise DataError(f"{flag} {root} has no class subfolders" + (
-            " (its images sit directly in it)" if loose else " (it is empty)") +
-            f"; put each class's images in {root}/CLASS_NAME/")
+        raise DataError(
+            f"{flag} {root} has no class subfolders"
+            + (" (its images sit directly in it)" if loose else " (it is empty)")
+            + f"; put each class's images in {root}/CLASS_NAME/"
+        )
     if classes is None and len(names) < 2:
         raise DataError(f"{flag} {root} has one class folder ({names[0]}); a classifier needs at least two classes")
     if classes is not None and (unknown := [n for n in names if n not in classes]):
-        raise DataError(f"{flag} {root} has class folder(s) the training set does not have: {', '.join(unknown[:5])}; "
-                        f"the training classes are {', '.join(classes)}")
+        raise DataError(
+            f"{flag} {root} has class folder(s) the training set does not have: {', '.join(unknown[:5])}; "
+            f"the training classes are {', '.join(classes)}"
+        )
     classes = classes if classes is not None else names
     files, labels, sizes, ignored, unreadable = [], [], [], 0, []
     for name in names:
@@ -150,8 +166,10 @@ def scan_image_folder(root, flag, classes=None):
                 sizes.append(size)
                 found += 1
         if not found:
-            raise DataError(f"{flag}: class folder {os.path.join(root, name)} holds no readable images "
-                            f"({', '.join(IMAGE_EXTENSIONS)}); add images or remove the folder")
+            raise DataError(
+                f"{flag}: class folder {os.path.join(root, name)} holds no readable images "
+                f"({', '.join(IMAGE_EXTENSIONS)}); add images or remove the folder"
+            )
     median_size = sorted(sizes, key=min)[len(sizes) // 2]  # sorted() is stable: the same pick on every run
     return ImageFiles(files, labels, list(classes), ignored, tuple(unreadable), median_size=median_size, sizes=sizes)
 
@@ -162,8 +180,12 @@ def list_images(path):
         return [path]
     if not os.path.isdir(path):
         raise DataError(f"--predict {path} is neither an image file nor a folder")
-    found = sorted(os.path.join(folder, f) for folder, _, names in os.walk(path, followlinks=True)
-                   for f in names if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith("."))
+    found = sorted(
+        os.path.join(folder, f)
+        for folder, _, names in os.walk(path, followlinks=True)
+        for f in names
+        if f.lower().endswith(IMAGE_EXTENSIONS) and not f.startswith(".")
+    )
     if not found:
         raise DataError(f"--predict {path} holds no images ({', '.join(IMAGE_EXTENSIONS)})")
     return found
@@ -231,7 +253,7 @@ class ImageFolderDataset(Dataset):
         index = int(index)
         kept = pixels = self._pixels(index)
         if self.train:  # the draw depends on (seed, epoch, sample) only
-            generator = torch.Generator().manual_seed(hash((self.seed, self.epoch, index)) & (2 ** 63 - 1))
+            generator = torch.Generator().manual_seed(hash((self.seed, self.epoch, index)) & (2**63 - 1))
             pixels = crop_and_flip(pixels, self.image_size, generator)
         if self.cache is not None and pixels.untyped_storage().data_ptr() == kept.untyped_storage().data_ptr():
             pixels = pixels.clone()  # a whole-image crop is a view: what a caller does to it must not reach the cache
@@ -254,8 +276,10 @@ class ImageFileSource:
     def read(self, ids):
         self.rows_read += len(ids)
         samples = [self.dataset[i] for i in ids.tolist()]
-        return {"image": torch.stack([s["image"] for s in samples]),
-                "label": torch.tensor([s["label"] for s in samples], dtype=torch.long)}
+        return {
+            "image": torch.stack([s["image"] for s in samples]),
+            "label": torch.tensor([s["label"] for s in samples], dtype=torch.long),
+        }
 
     def fingerprint(self):
         if self._fingerprint is None:  # asked for at every checkpoint: hash the file list once
@@ -266,8 +290,16 @@ class ImageFileSource:
         return self._fingerprint
 
 
-def prepare_image_folder(train_dir, output_dir, validation_dir=None, validation_split_percentage=None, num_shards=8,
-                         rows_per_group=32, seed=0, force=False):
+def prepare_image_folder(
+    train_dir,
+    output_dir,
+    validation_dir=None,
+    validation_split_percentage=None,
+    num_shards=8,
+    rows_per_group=32,
+    seed=0,
+    force=False,
+):
     """An image folder → parquet shards of (image: the file's bytes, label, file) + manifest with the
     class names, in output_dir (atomically, unless already up to date)."""
     import pyarrow as pa
@@ -279,8 +311,14 @@ def prepare_image_folder(train_dir, output_dir, validation_dir=None, validation_
     inputs = hash_files(train.files + (validation.files if validation else []))
     for entry, label in zip(inputs, train.labels + (validation.labels if validation else [])):
         entry["class"] = train.classes[label]  # a file moved to another class is other data
-    arguments = {"validation_split_percentage": validation_split_percentage, "num_shards": num_shards,
-                 "rows_per_group": rows_per_group, "seed": seed, "kind": "image_folder", "classes": train.classes}
+    arguments = {
+        "validation_split_percentage": validation_split_percentage,
+        "num_shards": num_shards,
+        "rows_per_group": rows_per_group,
+        "seed": seed,
+        "kind": "image_folder",
+        "classes": train.classes,
+    }
     if up_to_date(output_dir, inputs, arguments, force):
         return read_manifest(output_dir)
     with atomic_folder(output_dir, force, fingerprint(inputs, arguments)) as tmp:
@@ -288,9 +326,13 @@ def prepare_image_folder(train_dir, output_dir, validation_dir=None, validation_
             if images is None:
                 continue
             root = train_dir if split == "train" or validation_dir is None else validation_dir
-            table = pa.table({"image": pa.array([open(f, "rb").read() for f in images.files], pa.binary()),
-                              "label": pa.array(images.labels, pa.int64()),
-                              "file": pa.array([os.path.relpath(f, root) for f in images.files])})
+            table = pa.table(
+                {
+                    "image": pa.array([open(f, "rb").read() for f in images.files], pa.binary()),
+                    "label": pa.array(images.labels, pa.int64()),
+                    "file": pa.array([os.path.relpath(f, root) for f in images.files]),
+                }
+            )
             write_table_shards(table, tmp, split, num_shards, rows_per_group)
         manifest = write_manifest(tmp, inputs, arguments, {"class_names": train.classes})
     report(output_dir, manifest)

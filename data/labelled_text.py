@@ -12,6 +12,7 @@ the main process's folder.
 Rows are stored unpadded (input_ids, token_type_ids for tokenizers that use them, label, length);
 TokenBatch pads each batch to its own longest row (dynamic padding), on the side the tokenizer pads.
 """
+
 import hashlib
 import json
 import os
@@ -24,8 +25,15 @@ from data.errors import DataError
 from data.splits import inputs_key, load_splits, missing_labels, stem
 
 FORMAT = 2  # of the folder written here; a change makes every cached folder stale
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.txt", "vocab.json", "merges.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 def tokenizer_files_hash(model_dir):
@@ -51,32 +59,44 @@ def label_names(train, validation, column, preferred=None):
     the data's: the head the model has then keeps its meaning."""
     for split, ds in (("train", train), ("validation", validation)):
         if column not in ds.column_names:
-            raise DataError(f"no label column {column!r} in the {split} data (columns: {', '.join(ds.column_names)});"
-                            " pass --label_column NAME")
+            raise DataError(
+                f"no label column {column!r} in the {split} data (columns: {', '.join(ds.column_names)});"
+                " pass --label_column NAME"
+            )
     missing = {split: set(missing_labels(ds, column)) for split, ds in (("train", train), ("validation", validation))}
-    values = {split: [None if i in missing[split] else v for i, v in enumerate(ds[column])]
-              for split, ds in (("train", train), ("validation", validation))}
+    values = {
+        split: [None if i in missing[split] else v for i, v in enumerate(ds[column])]
+        for split, ds in (("train", train), ("validation", validation))
+    }
     class_names = getattr(train.features[column], "names", None)  # a datasets ClassLabel: its own names
     if class_names:
         values = {split: [None if v is None else class_names[v] for v in vs] for split, vs in values.items()}
     if any(isinstance(v, float) and not v.is_integer() for vs in values.values() for v in vs):
-        raise DataError(f"column {column!r} holds numbers with decimals; a classifier needs classes (names or "
-                        "integers): round them, or pass another --label_column")
+        raise DataError(
+            f"column {column!r} holds numbers with decimals; a classifier needs classes (names or "
+            "integers): round them, or pass another --label_column"
+        )
     values = {split: [int(v) if isinstance(v, float) else v for v in vs] for split, vs in values.items()}
     present = [v for vs in values.values() for v in vs if v is not None]
     numeric = all(isinstance(v, int) and not isinstance(v, bool) for v in present)
-    names = list(class_names) if class_names else \
-        sorted({str(v) for v in values["train"] if v is not None}, key=int if numeric else None)
+    names = (
+        list(class_names)
+        if class_names
+        else sorted({str(v) for v in values["train"] if v is not None}, key=int if numeric else None)
+    )
     if preferred and sorted(map(str, preferred)) == sorted(names):
         names = [str(n) for n in preferred]
     if len(names) < 2:
-        raise DataError(f"the training data has {len(names)} distinct {column!r} value(s); a classifier needs at "
-                        "least 2 classes")
+        raise DataError(
+            f"the training data has {len(names)} distinct {column!r} value(s); a classifier needs at least 2 classes"
+        )
     unseen = sorted({str(v) for v in values["validation"] if v is not None} - set(names))
     if unseen:
-        raise DataError(f"the validation data has label(s) never seen in training: {', '.join(unseen[:10])}; add "
-                        "training rows with them, or drop those validation rows (pass a --validation_file when the "
-                        "held-out split took every row of a rare class)")
+        raise DataError(
+            f"the validation data has label(s) never seen in training: {', '.join(unseen[:10])}; add "
+            "training rows with them, or drop those validation rows (pass a --validation_file when the "
+            "held-out split took every row of a rare class)"
+        )
     ids = {name: i for i, name in enumerate(names)}
     return names, {split: [None if v is None else ids[str(v)] for v in vs] for split, vs in values.items()}
 
@@ -89,20 +109,26 @@ def without_missing_labels(ds, labels, column, split, policy):
         return ds, labels, 0
     if policy != "drop":
         shown = ", ".join(map(str, missing[:5])) + (", ..." if len(missing) > 5 else "")
-        raise DataError(f"the {split} data has {len(missing)} row(s) without a {column!r} (row {shown}; empty, or "
-                        "datasets' -1 for 'no label'); fill them in, or pass --missing_labels drop to leave them out")
+        raise DataError(
+            f"the {split} data has {len(missing)} row(s) without a {column!r} (row {shown}; empty, or "
+            "datasets' -1 for 'no label'); fill them in, or pass --missing_labels drop to leave them out"
+        )
     keep = [i for i, label in enumerate(labels) if label is not None]
     if not keep:
-        raise DataError(f"no row of the {split} data has a {column!r}; pass labelled data (a split without any "
-                        "label cannot train or evaluate a classifier)")
+        raise DataError(
+            f"no row of the {split} data has a {column!r}; pass labelled data (a split without any "
+            "label cannot train or evaluate a classifier)"
+        )
     return ds.select(keep), [labels[i] for i in keep], len(missing)
 
 
 def text_columns(ds, columns, split):
     for column in columns:
         if column not in ds.column_names:
-            raise DataError(f"no text column {column!r} in the {split} data (columns: {', '.join(ds.column_names)}); "
-                            "pass --text_column NAME (two comma-separated for sentence pairs)")
+            raise DataError(
+                f"no text column {column!r} in the {split} data (columns: {', '.join(ds.column_names)}); "
+                "pass --text_column NAME (two comma-separated for sentence pairs)"
+            )
         if getattr(ds.features[column], "dtype", None) not in ("string", "large_string"):
             raise DataError(f"column {column!r} holds {ds.features[column]}, not text; pass --text_column NAME")
     return [[t or "" for t in ds[column]] for column in columns]
@@ -118,8 +144,17 @@ def tokenize(tokenizer, texts, max_seq_length):
     return rows, sum(n >= max_seq_length for n in rows["length"])
 
 
-def prepare_labelled_text(inputs, model_dir, tokenizer, text_column_names, label_column, max_seq_length,
-                          cache_root="runs/tokens", preferred_labels=None, missing_labels="error"):
+def prepare_labelled_text(
+    inputs,
+    model_dir,
+    tokenizer,
+    text_column_names,
+    label_column,
+    max_seq_length,
+    cache_root="runs/tokens",
+    preferred_labels=None,
+    missing_labels="error",
+):
     """The tokenized folder for these inputs (data.splits.DataInputs; written if missing) and its
     info.json as a dict: the label names, which split evaluates, each split's counts."""
     import datasets
@@ -127,22 +162,38 @@ def prepare_labelled_text(inputs, model_dir, tokenizer, text_column_names, label
     datasets.disable_progress_bars()
     if missing_labels not in MISSING_LABELS:
         raise DataError(f"--missing_labels {missing_labels}: pass one of {', '.join(MISSING_LABELS)}")
-    key = {"format": FORMAT, **inputs_key(inputs), "tokenizer": tokenizer_files_hash(model_dir),
-           "text": text_column_names, "label": label_column, "max_seq_length": max_seq_length,
-           "preferred_labels": preferred_labels, "missing_labels": missing_labels}
+    key = {
+        "format": FORMAT,
+        **inputs_key(inputs),
+        "tokenizer": tokenizer_files_hash(model_dir),
+        "text": text_column_names,
+        "label": label_column,
+        "max_seq_length": max_seq_length,
+        "preferred_labels": preferred_labels,
+        "missing_labels": missing_labels,
+    }
 
     def write(tmp):
         splits, where = load_splits(inputs, label_column)
         names, labels = label_names(splits["train"], splits["validation"], label_column, preferred_labels)
-        info = {"labels": names, "validation": where, "text_columns": text_column_names,
-                "max_seq_length": max_seq_length, "splits": {}}
+        info = {
+            "labels": names,
+            "validation": where,
+            "text_columns": text_column_names,
+            "max_seq_length": max_seq_length,
+            "splits": {},
+        }
         for split, ds in splits.items():
             ds, ids, dropped = without_missing_labels(ds, labels[split], label_column, split, missing_labels)
             rows, at_limit = tokenize(tokenizer, text_columns(ds, text_column_names, split), max_seq_length)
             rows["label"] = ids
             datasets.Dataset.from_dict(rows).save_to_disk(os.path.join(tmp, split))
-            info["splits"][split] = {"rows": len(ds), "tokens": sum(rows["length"]), "at_max_seq_length": at_limit,
-                                     "unlabelled_dropped": dropped}
+            info["splits"][split] = {
+                "rows": len(ds),
+                "tokens": sum(rows["length"]),
+                "at_max_seq_length": at_limit,
+                "unlabelled_dropped": dropped,
+            }
         return info
 
     return cached_folder(cache_root, stem(inputs), key, write)
@@ -198,8 +249,8 @@ class TokenBatch:
             for i, ids in enumerate(values):
                 row = torch.ones(len(ids), dtype=torch.long) if name == "attention_mask" else torch.tensor(ids)
                 if self.left:
-                    padded[i, longest - len(ids):] = row
+                    padded[i, longest - len(ids) :] = row
                 else:
-                    padded[i, :len(ids)] = row
+                    padded[i, : len(ids)] = row
             out[name] = padded
         return out

@@ -11,11 +11,17 @@ This wrapper does the three things prepare would have done for us, and nothing e
 - tracks the position (state_dict/load_state_dict): train/core/loop.py stores it in our checkpoints, and
   in a script that uses accelerate's save_state, `accelerator.register_for_checkpointing` carries it.
 """
+
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from accelerate.data_loader import (BatchSamplerShard, DataLoaderDispatcher, DataLoaderShard, DataLoaderStateMixin,
-                                    IterableDatasetShard)
+from accelerate.data_loader import (
+    BatchSamplerShard,
+    DataLoaderDispatcher,
+    DataLoaderShard,
+    DataLoaderStateMixin,
+    IterableDatasetShard,
+)
 from accelerate.state import GradientState
 from accelerate.utils import gather_object, send_to_device
 from torch.utils.data import DataLoader, DistributedSampler, default_convert
@@ -33,8 +39,21 @@ def pinned(device):
     return device is not None and torch.device(device).type == "cuda"
 
 
-def sharded_loader(source, per_device_batch_size, *, rank, world_size, device, seed, train, num_workers=0,
-                   lengths=None, weights=None, accumulation_steps=1, gather=gather_object):
+def sharded_loader(
+    source,
+    per_device_batch_size,
+    *,
+    rank,
+    world_size,
+    device,
+    seed,
+    train,
+    num_workers=0,
+    lengths=None,
+    weights=None,
+    accumulation_steps=1,
+    gather=gather_object,
+):
     """This rank's batches of `source` (see data/sources.py): shuffled and `drop` for training, in
     order and `pad` (masked by `valid`) for evaluation; with `lengths` (one per row), grouped by
     length, by optimizer steps of `accumulation_steps` batches (data/sharding.py: group_by_length);
@@ -42,9 +61,18 @@ def sharded_loader(source, per_device_batch_size, *, rank, world_size, device, s
     every rank. `gather` is the one collective that checks every rank built the same plan
     (accelerate's gather_object). Never pass the result to accelerator.prepare, which would shard it
     a second time."""
-    dataset = ShardedIterableDataset(source, per_device_batch_size * world_size, rank=rank, world_size=world_size,
-                                     seed=seed, shuffle=train, policy="drop" if train else "pad", lengths=lengths,
-                                     weights=weights, accumulation_steps=accumulation_steps)
+    dataset = ShardedIterableDataset(
+        source,
+        per_device_batch_size * world_size,
+        rank=rank,
+        world_size=world_size,
+        seed=seed,
+        shuffle=train,
+        policy="drop" if train else "pad",
+        lengths=lengths,
+        weights=weights,
+        accumulation_steps=accumulation_steps,
+    )
     check_same_plan(dataset.identity(), gather)
     return ShardedLoader(dataset, device, num_workers=num_workers, pin_memory=pinned(device))
 
@@ -55,8 +83,14 @@ class ShardedLoader(DataLoaderStateMixin):
         # a generator of its own: each pass's iterator draws a seed for its workers, and from torch's global
         # generator that draw would fall between a checkpoint and the next step only in a resumed run,
         # shifting every dropout mask after it (the plan itself draws nothing from torch)
-        self.loader = DataLoader(dataset, batch_size=None, pin_memory=pin_memory, persistent_workers=False,
-                                 generator=torch.Generator(), **loader_workers(num_workers, dataset))
+        self.loader = DataLoader(
+            dataset,
+            batch_size=None,
+            pin_memory=pin_memory,
+            persistent_workers=False,
+            generator=torch.Generator(),
+            **loader_workers(num_workers, dataset),
+        )
         self.gradient_state = GradientState()
         # begin() then leaves `remainder` at -1, so gather_for_metrics never trims: padded samples
         # are excluded through each batch's `valid` mask instead.
@@ -140,7 +174,9 @@ def check_loader(loader):
         inner = loader.batch_sampler.batch_sampler
         inner = getattr(inner, "sampler", inner)  # BatchSampler(DistributedSampler) or the sampler itself
         if isinstance(inner, DistributedSampler) and inner.num_replicas > 1:
-            raise PlanError("a DataLoader with a DistributedSampler went through accelerator.prepare, which shards "
-                            f"it again: each of the {inner.num_replicas} processes would see 1/{inner.num_replicas} "
-                            "of its share; drop the DistributedSampler (prepare shards the data by itself) or do "
-                            "not prepare that loader")
+            raise PlanError(
+                "a DataLoader with a DistributedSampler went through accelerator.prepare, which shards "
+                f"it again: each of the {inner.num_replicas} processes would see 1/{inner.num_replicas} "
+                "of its share; drop the DistributedSampler (prepare shards the data by itself) or do "
+                "not prepare that loader"
+            )

@@ -7,6 +7,7 @@ file; a file that still names a holder but can be locked was left by a process t
 new holder says so in one line. A holder that names its job (the fingerprint of the data set it
 prepares) is waited for by a process that comes for the same job, rather than refused.
 """
+
 import fcntl
 import json
 import os
@@ -25,8 +26,10 @@ class FolderBusy(UserError):
 
 def _describe(holder):
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
-    return (f"pid {holder.get('pid')} on {holder.get('host')}, started {started}: "
-            f"{holder.get('command') or 'unknown command'}")
+    return (
+        f"pid {holder.get('pid')} on {holder.get('host')}, started {started}: "
+        f"{holder.get('command') or 'unknown command'}"
+    )
 
 
 class FolderLock:
@@ -94,8 +97,13 @@ def lock_folder(folder, what="this folder", note=print, job=None):
     left = _read_holder(fd)
     if left:
         note(f"note: {folder} was locked by a process that is gone ({_describe(left)}); taking it over")
-    holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
-              "command": " ".join(sys.argv), **({"job": job} if job is not None else {})}
+    holder = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.time(),
+        "command": " ".join(sys.argv),
+        **({"job": job} if job is not None else {}),
+    }
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
     os.fsync(fd)
@@ -111,8 +119,10 @@ def _take(fd, folder, what, note, job):
         except BlockingIOError:
             holder = _read_holder(fd)
         except OSError as e:  # a file system without flock: say so rather than run unguarded
-            raise FolderBusy(f"cannot lock {os.path.join(folder, LOCK_NAME)} ({e.strerror}); this file system does "
-                             "not support flock, use a folder on another one") from None
+            raise FolderBusy(
+                f"cannot lock {os.path.join(folder, LOCK_NAME)} ({e.strerror}); this file system does "
+                "not support flock, use a folder on another one"
+            ) from None
         if holder is not None:
             break
         time.sleep(0.01)  # locked a moment ago and not yet named by its holder (or a waiter looking): look again

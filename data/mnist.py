@@ -12,6 +12,7 @@ Where the files come from, in order:
   2. Fashion-MNIST only: Debian's `dataset-fashion-mnist` package, /usr/share/datasets/fashion-mnist.
   3. torchvision's download into `download_root` (needs the network).
 """
+
 import gzip
 import hashlib
 import math
@@ -44,13 +45,19 @@ class DatasetSpec:
 
 DATASETS = {
     "mnist": DatasetSpec(
-        "MNIST", 0.1307, 0.3081, None,
+        "MNIST",
+        0.1307,
+        0.3081,
+        None,
         "pass --data_dir DIR holding the four MNIST idx files (from a machine with network: "
         "python -c \"import torchvision; torchvision.datasets.MNIST('DIR', download=True)\"), "
         "or use --dataset fashion_mnist",
     ),
     "fashion_mnist": DatasetSpec(
-        "FashionMNIST", 0.2860, 0.3530, "/usr/share/datasets/fashion-mnist",
+        "FashionMNIST",
+        0.2860,
+        0.3530,
+        "/usr/share/datasets/fashion-mnist",
         "install it with `apt-get install dataset-fashion-mnist`, or pass --data_dir DIR holding the "
         "four Fashion-MNIST idx files",
     ),
@@ -139,19 +146,24 @@ def _read_idx(path, ndim):
     """One uint8 idx file (raw or .gz) as a tensor with `ndim` dimensions (torchvision's reader takes ~2.4 s
     to import): two zero bytes, type 0x08 (uint8), the number of dimensions, each a big-endian uint32, the data."""
     try:
-        with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as f:
+        with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
             payload = f.read()
     except (OSError, EOFError) as e:  # not gzip, or a gzip stream cut short
-        raise DataError(f"{path} is not a valid idx file ({type(e).__name__}: {e}); "
-                        "delete it and fetch the dataset again") from None
+        raise DataError(
+            f"{path} is not a valid idx file ({type(e).__name__}: {e}); delete it and fetch the dataset again"
+        ) from None
     header_size = 4 + 4 * ndim
     if len(payload) < header_size or payload[:4] != bytes([0, 0, 0x08, ndim]):
-        raise DataError(f"{path} is not a valid idx file (bad header: expected a uint8 array of {ndim} "
-                        "dimensions); delete it and fetch the dataset again")
+        raise DataError(
+            f"{path} is not a valid idx file (bad header: expected a uint8 array of {ndim} "
+            "dimensions); delete it and fetch the dataset again"
+        )
     shape = struct.unpack(f">{ndim}I", payload[4:header_size])
     if len(payload) - header_size != math.prod(shape):
-        raise DataError(f"{path} is not a valid idx file (header says {shape}, {math.prod(shape)} bytes, but "
-                        f"{len(payload) - header_size} follow); delete it and fetch the dataset again")
+        raise DataError(
+            f"{path} is not a valid idx file (header says {shape}, {math.prod(shape)} bytes, but "
+            f"{len(payload) - header_size} follow); delete it and fetch the dataset again"
+        )
     return torch.frombuffer(bytearray(payload), dtype=torch.uint8, offset=header_size).reshape(shape)
 
 
@@ -161,11 +173,14 @@ def _load_folder(folder, spec):
         images_path, labels_path = _find_split_files(folder, split)
         images, labels = _read_idx(images_path, 3), _read_idx(labels_path, 1).long()
         if len(images) != len(labels) or len(images) == 0:
-            raise DataError(f"{images_path} has {len(images)} images but {labels_path} has {len(labels)} "
-                            "labels; the files are truncated or from different datasets, fetch them again")
+            raise DataError(
+                f"{images_path} has {len(images)} images but {labels_path} has {len(labels)} "
+                "labels; the files are truncated or from different datasets, fetch them again"
+            )
         if images.shape[1:] != (28, 28):
-            raise DataError(f"{images_path} holds {tuple(images.shape[1:])} images, not 28x28; it is not an "
-                            "MNIST-style image file")
+            raise DataError(
+                f"{images_path} holds {tuple(images.shape[1:])} images, not 28x28; it is not an MNIST-style image file"
+            )
         if labels.min() < 0 or labels.max() > 9:
             raise DataError(f"{labels_path} has labels outside 0..9; it is not an MNIST-style label file")
         splits[split] = ImageClassificationTensors(images, labels, spec.mean, spec.std)
@@ -193,15 +208,19 @@ def check_data_dir(name, data_dir):
     folder = _find_idx_folder(data_dir, spec)
     if folder is None:
         wanted = ", ".join(stem + "[.gz]" for stems in SPLIT_FILES.values() for stem in stems)
-        raise DataError(f"no {name} idx files in {data_dir} (looked for {wanted} there and in "
-                        f"{os.path.join(data_dir, spec.torchvision_name, 'raw')}); {spec.how_to_get}")
+        raise DataError(
+            f"no {name} idx files in {data_dir} (looked for {wanted} there and in "
+            f"{os.path.join(data_dir, spec.torchvision_name, 'raw')}); {spec.how_to_get}"
+        )
     return folder
 
 
 def _on_disk(spec, download_root):
     """(folder, where it is) of idx files already on disk, in load_mnist's order, or (None, None)."""
-    for root, where in ((spec.system_dir, "Debian package dataset-fashion-mnist"),
-                        (download_root, "torchvision download cache")):
+    for root, where in (
+        (spec.system_dir, "Debian package dataset-fashion-mnist"),
+        (download_root, "torchvision download cache"),
+    ):
         folder = _find_idx_folder(root, spec) if root is not None else None
         if folder is not None:
             return folder, where
@@ -238,17 +257,28 @@ def load_mnist(name, data_dir=None, download_root=DEFAULT_DOWNLOAD_ROOT):
         folder, where = _find_idx_folder(download_root, spec), "torchvision download cache"
     if folder is None:
         looked = ", ".join(root for root in (spec.system_dir, download_root) if root is not None)
-        raise DataError(f"{name} not found (looked in {looked}; {why or 'download gave no files'}); "
-                        f"{spec.how_to_get}")
+        raise DataError(f"{name} not found (looked in {looked}; {why or 'download gave no files'}); {spec.how_to_get}")
     train, test = _load_folder(folder, spec)
     return train, test, f"{folder} ({where})"
 
 
 # ---------------------------------------------------------------------------------------- written out
 
-CLASS_NAMES = {"mnist": [str(d) for d in range(10)],
-               "fashion_mnist": ["T-shirt_top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker",
-                                 "Bag", "Ankle_boot"]}
+CLASS_NAMES = {
+    "mnist": [str(d) for d in range(10)],
+    "fashion_mnist": [
+        "T-shirt_top",
+        "Trouser",
+        "Pullover",
+        "Dress",
+        "Coat",
+        "Sandal",
+        "Shirt",
+        "Sneaker",
+        "Bag",
+        "Ankle_boot",
+    ],
+}
 
 
 def prepare_mnist_shards(dataset, output_dir, num_shards=8, rows_per_group=32, data_dir=None, force=False):
@@ -289,12 +319,24 @@ def write_image_folders(dataset, output_dir, data_dir=None, max_per_class=None, 
                 os.makedirs(os.path.join(tmp, split, name))
             for i, (image, label) in enumerate(zip(ds.images.numpy(), ds.labels.tolist())):
                 if max_per_class is None or written[label] < max_per_class:
-                    Image.fromarray(image, mode="L").save(os.path.join(tmp, split, CLASS_NAMES[dataset][label],
-                                                                       f"{i:05d}.png"))
+                    Image.fromarray(image, mode="L").save(
+                        os.path.join(tmp, split, CLASS_NAMES[dataset][label], f"{i:05d}.png")
+                    )
                     written[label] += 1
             counts[split] = sum(written)
-        save_manifest(tmp, {"written_by": WRITTEN_BY, "kind": "image_folders", "dataset": dataset,
-                            "max_per_class": max_per_class, "files": file_entries(tmp, hashed=False)}, indent=None)
-    print(f"wrote {counts['train']} train + {counts['validation']} validation PNGs of {dataset} ({source}) "
-          f"to {output_dir}/{{train,validation}}/CLASS_NAME/")
+        save_manifest(
+            tmp,
+            {
+                "written_by": WRITTEN_BY,
+                "kind": "image_folders",
+                "dataset": dataset,
+                "max_per_class": max_per_class,
+                "files": file_entries(tmp, hashed=False),
+            },
+            indent=None,
+        )
+    print(
+        f"wrote {counts['train']} train + {counts['validation']} validation PNGs of {dataset} ({source}) "
+        f"to {output_dir}/{{train,validation}}/CLASS_NAME/"
+    )
     return output_dir

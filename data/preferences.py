@@ -16,6 +16,7 @@ or the pair is left out (`drop`) or refused (`error`); a prompt that fills the l
 refused unless dropped. The reference model's log-probabilities of each side are added by the
 training script (train/dpo.py), beside this folder.
 """
+
 import os
 
 from data.errors import DataError
@@ -33,8 +34,9 @@ def _is_conversation(value):
 
 def _column(ds, column, split, flag):
     if column not in ds.column_names:
-        raise DataError(f"no column {column!r} in the {split} data (columns: {', '.join(ds.column_names)}); pass "
-                        f"{flag} NAME")
+        raise DataError(
+            f"no column {column!r} in the {split} data (columns: {', '.join(ds.column_names)}); pass {flag} NAME"
+        )
     return ds[column]
 
 
@@ -58,8 +60,10 @@ def pair_segments(ds, split, columns, tokenizer):
             pairs.append(tuple([(prompt or "", False), (text, True)] for text in (good, bad)))
             continue
         if not (_is_conversation(good) and _is_conversation(bad)):
-            raise DataError(f"{where}: {columns['chosen']!r} and {columns['rejected']!r} hold conversations in some "
-                            "rows and not in others; every row must be a list of {'role', 'content'} turns")
+            raise DataError(
+                f"{where}: {columns['chosen']!r} and {columns['rejected']!r} hold conversations in some "
+                "rows and not in others; every row must be a list of {'role', 'content'} turns"
+            )
         if prompt is None:  # the turns both sides share at their start are the prompt (TRL's implicit prompt)
             shared = 0
             while shared < min(len(good), len(bad)) and good[shared] == bad[shared]:
@@ -83,14 +87,18 @@ def _rendered(tokenizer, prompt, response, where):
     """The segments of prompt turns then response turns, rendered by the chat template: the prompt with
     the generation prompt is context, what the response's turns add after it is the target."""
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError("the preference data are conversations and the model's tokenizer has no chat template to "
-                        "render them; pass plain-text columns, or add a chat_template to its tokenizer_config.json")
+        raise DataError(
+            "the preference data are conversations and the model's tokenizer has no chat template to "
+            "render them; pass plain-text columns, or add a chat_template to its tokenizer_config.json"
+        )
     before = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     after = tokenizer.apply_chat_template(prompt + response, tokenize=False)
     if not after.startswith(before):
-        raise DataError(f"{where}: the chat template renders the prompt differently once the response follows, so "
-                        "the response cannot be found; pass the pairs as plain-text prompt/chosen/rejected columns")
-    return [(before, False), (after[len(before):], True)]
+        raise DataError(
+            f"{where}: the chat template renders the prompt differently once the response follows, so "
+            "the response cannot be found; pass the pairs as plain-text prompt/chosen/rejected columns"
+        )
+    return [(before, False), (after[len(before) :], True)]
 
 
 def encode_pairs(tokenizer, pairs, max_seq_length, long_examples, split, chat):
@@ -102,8 +110,10 @@ def encode_pairs(tokenizer, pairs, max_seq_length, long_examples, split, chat):
     cut = dropped = same = 0
     for pair, chosen, rejected in zip(pairs, sides["chosen"], sides["rejected"]):
         what = f"the {split} pair {_start(pair[0][0][0])}"
-        made = [example_row(*tokens, max_seq_length, long_examples, f"{what}'s {side} side")
-                for side, tokens in zip(SIDES, (chosen, rejected))]
+        made = [
+            example_row(*tokens, max_seq_length, long_examples, f"{what}'s {side} side")
+            for side, tokens in zip(SIDES, (chosen, rejected))
+        ]
         if None in made:
             dropped += 1
             continue
@@ -115,17 +125,28 @@ def encode_pairs(tokenizer, pairs, max_seq_length, long_examples, split, chat):
             rows[f"{side}_targets"].append(sum(label != -100 for label in labels))
         rows["length"].append(max(len(made[0][0]), len(made[1][0])))
     if not rows["length"]:
-        raise DataError(f"every pair of the {split} data is longer than --max_seq_length {max_seq_length} and was "
-                        "dropped; raise --max_seq_length")
+        raise DataError(
+            f"every pair of the {split} data is longer than --max_seq_length {max_seq_length} and was "
+            "dropped; raise --max_seq_length"
+        )
     if same == len(rows["length"]):
-        raise DataError(f"in every pair of the {split} data the chosen response is the rejected one: nothing to "
-                        "prefer; check --chosen_column and --rejected_column")
-    return rows, {"pairs": len(pairs), "rows": len(rows["length"]), "cut": cut, "dropped": dropped, "same": same,
-                  "tokens": sum(len(ids) for side in SIDES for ids in rows[f"{side}_input_ids"])}
+        raise DataError(
+            f"in every pair of the {split} data the chosen response is the rejected one: nothing to "
+            "prefer; check --chosen_column and --rejected_column"
+        )
+    return rows, {
+        "pairs": len(pairs),
+        "rows": len(rows["length"]),
+        "cut": cut,
+        "dropped": dropped,
+        "same": same,
+        "tokens": sum(len(ids) for side in SIDES for ids in rows[f"{side}_input_ids"]),
+    }
 
 
-def prepare_preferences(inputs, model_dir, tokenizer, columns, max_seq_length, long_examples="truncate",
-                        cache_root="runs/tokens"):
+def prepare_preferences(
+    inputs, model_dir, tokenizer, columns, max_seq_length, long_examples="truncate", cache_root="runs/tokens"
+):
     """The tokenized folder for these inputs (data.splits.DataInputs; written if missing) and its
     info.json as a dict. `columns`: {"prompt": NAME, "chosen": NAME, "rejected": NAME}."""
     import datasets
@@ -133,8 +154,14 @@ def prepare_preferences(inputs, model_dir, tokenizer, columns, max_seq_length, l
     if long_examples not in LONG_EXAMPLES:
         raise DataError(f"--long_examples {long_examples}: pass one of {', '.join(LONG_EXAMPLES)}")
     datasets.disable_progress_bars()
-    key = {"format": FORMAT, **inputs_key(inputs), "tokenizer": tokenizer_files_hash(model_dir), "columns": columns,
-           "max_seq_length": max_seq_length, "long_examples": long_examples}
+    key = {
+        "format": FORMAT,
+        **inputs_key(inputs),
+        "tokenizer": tokenizer_files_hash(model_dir),
+        "columns": columns,
+        "max_seq_length": max_seq_length,
+        "long_examples": long_examples,
+    }
 
     def write(tmp):
         splits, where = load_splits(inputs)
@@ -166,13 +193,15 @@ class PairBatch:
         sequences = rows["chosen_input_ids"] + rows["rejected_input_ids"]
         labels = rows["chosen_labels"] + rows["rejected_labels"]
         longest = max(len(ids) for ids in sequences)
-        out = {"input_ids": torch.full((len(sequences), longest), self.pad_token_id, dtype=torch.long),
-               "labels": torch.full((len(sequences), longest), -100, dtype=torch.long),
-               "attention_mask": torch.zeros((len(sequences), longest), dtype=torch.long)}
+        out = {
+            "input_ids": torch.full((len(sequences), longest), self.pad_token_id, dtype=torch.long),
+            "labels": torch.full((len(sequences), longest), -100, dtype=torch.long),
+            "attention_mask": torch.zeros((len(sequences), longest), dtype=torch.long),
+        }
         for i, (ids, scored) in enumerate(zip(sequences, labels)):
-            out["input_ids"][i, :len(ids)] = torch.tensor(ids)
-            out["labels"][i, :len(ids)] = torch.tensor(scored)
-            out["attention_mask"][i, :len(ids)] = 1
+            out["input_ids"][i, : len(ids)] = torch.tensor(ids)
+            out["labels"][i, : len(ids)] = torch.tensor(scored)
+            out["attention_mask"][i, : len(ids)] = 1
         out["targets"] = torch.as_tensor(list(rows["chosen_targets"]) + list(rows["rejected_targets"]))
         for side in SIDES:
             if f"ref_{side}" in rows:

@@ -19,6 +19,7 @@ rows of --max_seq_length tokens, with `position_ids` starting again at 0 for eac
 that reads packed sequences from its position ids keeps attention inside each one (train/sft.py
 checks that the model does). Validation rows are never packed, so its metrics do not depend on it.
 """
+
 import bisect
 import os
 
@@ -32,8 +33,9 @@ LONG_EXAMPLES = ("truncate", "drop", "error")
 
 def _strings(ds, column, split, flag):
     if column not in ds.column_names:
-        raise DataError(f"no column {column!r} in the {split} data (columns: {', '.join(ds.column_names)}); "
-                        f"pass {flag} NAME")
+        raise DataError(
+            f"no column {column!r} in the {split} data (columns: {', '.join(ds.column_names)}); pass {flag} NAME"
+        )
     if getattr(ds.features[column], "dtype", None) not in ("string", "large_string"):
         raise DataError(f"column {column!r} holds {ds.features[column]}, not text; pass {flag} NAME")
     return ds[column]
@@ -51,8 +53,10 @@ def prompt_response_segments(ds, split, prompt_column, response_column):
     responses = _strings(ds, response_column, split, "--response_column")
     empty = [i for i, r in enumerate(responses) if not r or not r.strip()]
     if empty:
-        raise DataError(f"the {split} data has {len(empty)} row(s) with an empty {response_column!r} (the first: "
-                        f"{_start(prompts[empty[0]] or '')}); fill them in or drop those rows")
+        raise DataError(
+            f"the {split} data has {len(empty)} row(s) with an empty {response_column!r} (the first: "
+            f"{_start(prompts[empty[0]] or '')}); fill them in or drop those rows"
+        )
     return [[(p or "", False), (r, True)] for p, r in zip(prompts, responses)]
 
 
@@ -61,12 +65,16 @@ def chat_segments(ds, split, column, tokenizer):
     each assistant turn is the text the template adds to the conversation before it (rendered with
     the generation prompt) when that turn is added."""
     if column not in ds.column_names:
-        raise DataError(f"no column {column!r} in the {split} data (columns: {', '.join(ds.column_names)}); "
-                        "pass --messages_column NAME")
+        raise DataError(
+            f"no column {column!r} in the {split} data (columns: {', '.join(ds.column_names)}); "
+            "pass --messages_column NAME"
+        )
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"--messages_column {column}: the model's tokenizer has no chat template to render "
-                        "conversations with; pass --prompt_column and --response_column instead, or add a "
-                        "chat_template to its tokenizer_config.json")
+        raise DataError(
+            f"--messages_column {column}: the model's tokenizer has no chat template to render "
+            "conversations with; pass --prompt_column and --response_column instead, or add a "
+            "chat_template to its tokenizer_config.json"
+        )
 
     def render(turns, **kwargs):
         return tokenizer.apply_chat_template(turns, tokenize=False, **kwargs)
@@ -74,8 +82,10 @@ def chat_segments(ds, split, column, tokenizer):
     out = []
     for turns in ds[column]:
         if not isinstance(turns, list) or not all(isinstance(t, dict) and {"role", "content"} <= set(t) for t in turns):
-            raise DataError(f"{column!r} in the {split} data is not a list of {{'role', 'content'}} turns (its "
-                            f"value {_start(repr(turns))}); pass --messages_column NAME of such a column")
+            raise DataError(
+                f"{column!r} in the {split} data is not a list of {{'role', 'content'}} turns (its "
+                f"value {_start(repr(turns))}); pass --messages_column NAME of such a column"
+            )
         where = f"the {split} conversation {_start(turns[0]['content'] or '') if turns else '[]'}"
         if not any(t["role"] == "assistant" and (t["content"] or "").strip() for t in turns):
             raise DataError(f"{where} has no assistant turn with text: nothing to learn from; drop it")
@@ -84,12 +94,14 @@ def chat_segments(ds, split, column, tokenizer):
         for i, turn in enumerate(turns):
             if turn["role"] != "assistant":
                 continue
-            before, after = render(turns[:i], add_generation_prompt=True), render(turns[:i + 1])
+            before, after = render(turns[:i], add_generation_prompt=True), render(turns[: i + 1])
             if not (after.startswith(before) and text.startswith(after) and len(before) >= done):
-                raise DataError(f"{where}: the chat template does not render the conversation one turn after "
-                                "another (an earlier turn's text changes when a turn is added), so the assistant "
-                                "turns cannot be found; pass the pairs as --prompt_column/--response_column")
-            segments += [(text[done:len(before)], False), (after[len(before):], True)]
+                raise DataError(
+                    f"{where}: the chat template does not render the conversation one turn after "
+                    "another (an earlier turn's text changes when a turn is added), so the assistant "
+                    "turns cannot be found; pass the pairs as --prompt_column/--response_column"
+                )
+            segments += [(text[done : len(before)], False), (after[len(before) :], True)]
             done = len(after)
         out.append(segments + [(text[done:], False)])
     return out
@@ -108,12 +120,17 @@ def scored_tokens(tokenizer, examples, chat):
     template (which writes its own) end-of-text follows, a target: the model learns where a response
     stops."""
     if not getattr(tokenizer, "is_fast", False):
-        raise DataError(f"the tokenizer ({type(tokenizer).__name__}) gives no character offsets, which tell the "
-                        "response's tokens from the prompt's; use the model's fast tokenizer (a tokenizer.json in its "
-                        "folder: AutoTokenizer.from_pretrained(...).save_pretrained(...) writes one where it can)")
+        raise DataError(
+            f"the tokenizer ({type(tokenizer).__name__}) gives no character offsets, which tell the "
+            "response's tokens from the prompt's; use the model's fast tokenizer (a tokenizer.json in its "
+            "folder: AutoTokenizer.from_pretrained(...).save_pretrained(...) writes one where it can)"
+        )
     texts = ["".join(text for text, _ in segments) for segments in examples]
-    encoded = tokenizer(texts, add_special_tokens=not chat, return_offsets_mapping=True,
-                        return_special_tokens_mask=True) if texts else {"input_ids": []}
+    encoded = (
+        tokenizer(texts, add_special_tokens=not chat, return_offsets_mapping=True, return_special_tokens_mask=True)
+        if texts
+        else {"input_ids": []}
+    )
     end = [tokenizer.eos_token_id] if not chat and tokenizer.eos_token_id is not None else []
     for i, segments in enumerate(examples):
         spans, at = [], 0
@@ -151,10 +168,12 @@ def example_row(tokens, scored, max_seq_length, long_examples, what):
         return None
     if prompt >= max_seq_length + 1 or long_examples == "error":
         alone = prompt >= max_seq_length + 1
-        raise DataError(f"{what} is longer than --max_seq_length {max_seq_length}: "
-                        + (f"its prompt alone is {prompt} tokens" if alone else f"it is {len(tokens) + 1} tokens")
-                        + "; raise --max_seq_length, shorten it, or pass --long_examples drop"
-                        + ("" if alone else " (or truncate)"))
+        raise DataError(
+            f"{what} is longer than --max_seq_length {max_seq_length}: "
+            + (f"its prompt alone is {prompt} tokens" if alone else f"it is {len(tokens) + 1} tokens")
+            + "; raise --max_seq_length, shorten it, or pass --long_examples drop"
+            + ("" if alone else " (or truncate)")
+        )
     return tokens[:max_seq_length], labels[:max_seq_length]
 
 
@@ -163,8 +182,9 @@ def encode(tokenizer, examples, max_seq_length, long_examples, split, chat):
     rows = {"input_ids": [], "labels": [], "length": [], "targets": []}
     cut = dropped = 0
     for segments, (tokens, scored) in zip(examples, scored_tokens(tokenizer, examples, chat)):
-        row = example_row(tokens, scored, max_seq_length, long_examples,
-                          f"the {split} example {_start(segments[0][0])}")
+        row = example_row(
+            tokens, scored, max_seq_length, long_examples, f"the {split} example {_start(segments[0][0])}"
+        )
         if row is None:
             dropped += 1
             continue
@@ -174,10 +194,18 @@ def encode(tokenizer, examples, max_seq_length, long_examples, split, chat):
         rows["length"].append(len(row[0]))
         rows["targets"].append(sum(label != -100 for label in row[1]))
     if not rows["length"]:
-        raise DataError(f"every example of the {split} data is longer than --max_seq_length {max_seq_length} and "
-                        "was dropped; raise --max_seq_length")
-    return rows, {"examples": len(examples), "rows": len(rows["length"]), "cut": cut, "dropped": dropped,
-                  "tokens": sum(rows["length"]), "targets": sum(rows["targets"])}
+        raise DataError(
+            f"every example of the {split} data is longer than --max_seq_length {max_seq_length} and "
+            "was dropped; raise --max_seq_length"
+        )
+    return rows, {
+        "examples": len(examples),
+        "rows": len(rows["length"]),
+        "cut": cut,
+        "dropped": dropped,
+        "tokens": sum(rows["length"]),
+        "targets": sum(rows["targets"]),
+    }
 
 
 def pack(rows, max_seq_length):
@@ -204,8 +232,16 @@ def pack(rows, max_seq_length):
     return packed
 
 
-def prepare_prompt_response(inputs, model_dir, tokenizer, columns, max_seq_length, long_examples="truncate",
-                            packing=False, cache_root="runs/tokens"):
+def prepare_prompt_response(
+    inputs,
+    model_dir,
+    tokenizer,
+    columns,
+    max_seq_length,
+    long_examples="truncate",
+    packing=False,
+    cache_root="runs/tokens",
+):
     """The tokenized folder for these inputs (data.splits.DataInputs; written if missing) and its
     info.json as a dict. `columns`: {"prompt": NAME, "response": NAME} or {"messages": NAME}."""
     import datasets
@@ -214,17 +250,32 @@ def prepare_prompt_response(inputs, model_dir, tokenizer, columns, max_seq_lengt
         raise DataError(f"--long_examples {long_examples}: pass one of {', '.join(LONG_EXAMPLES)}")
     datasets.disable_progress_bars()
     chat = "messages" in columns
-    key = {"format": FORMAT, **inputs_key(inputs), "tokenizer": tokenizer_files_hash(model_dir), "columns": columns,
-           "max_seq_length": max_seq_length, "long_examples": long_examples, "packing": packing}
+    key = {
+        "format": FORMAT,
+        **inputs_key(inputs),
+        "tokenizer": tokenizer_files_hash(model_dir),
+        "columns": columns,
+        "max_seq_length": max_seq_length,
+        "long_examples": long_examples,
+        "packing": packing,
+    }
 
     def write(tmp):
         splits, where = load_splits(inputs)
-        info = {"columns": columns, "validation": where, "max_seq_length": max_seq_length, "packing": packing,
-                "splits": {}}
+        info = {
+            "columns": columns,
+            "validation": where,
+            "max_seq_length": max_seq_length,
+            "packing": packing,
+            "splits": {},
+        }
         for split, ds in splits.items():
             name = split if split == "train" else f"validation ({where})"
-            examples = chat_segments(ds, name, columns["messages"], tokenizer) if chat else \
-                prompt_response_segments(ds, name, columns["prompt"], columns["response"])
+            examples = (
+                chat_segments(ds, name, columns["messages"], tokenizer)
+                if chat
+                else prompt_response_segments(ds, name, columns["prompt"], columns["response"])
+            )
             rows, counts = encode(tokenizer, examples, max_seq_length, long_examples, name, chat)
             if packing and split == "train":
                 rows = pack(rows, max_seq_length)
@@ -252,8 +303,10 @@ class CausalBatch:
         rows = {k: v.tolist() if isinstance(v, torch.Tensor) and v.dim() == 2 else v for k, v in rows.items()}
         longest = max(len(ids) for ids in rows["input_ids"])
         n = len(rows["input_ids"])
-        out = {"input_ids": torch.full((n, longest), self.pad_token_id, dtype=torch.long),
-               "labels": torch.full((n, longest), -100, dtype=torch.long)}
+        out = {
+            "input_ids": torch.full((n, longest), self.pad_token_id, dtype=torch.long),
+            "labels": torch.full((n, longest), -100, dtype=torch.long),
+        }
         packed = "position_ids" in rows
         out["position_ids" if packed else "attention_mask"] = torch.zeros((n, longest), dtype=torch.long)
         for i, ids in enumerate(rows["input_ids"]):

@@ -33,6 +33,7 @@ does) must not be a torch DataLoader reading this dataset, directly or through o
 ShardedLoader registers there too, but is not a DataLoader. No class names or calling frames of
 accelerate are looked at.
 """
+
 import json
 import math
 
@@ -44,10 +45,12 @@ from data.errors import PlanError
 from data.sources import as_source
 
 POLICIES = ("drop", "pad")
-PREPARED_SHARDED = ("a DataLoader over a ShardedIterableDataset went through accelerator.prepare, which splits it "
-                    "by rank a second time (or dispatches rank 0's share to every rank) and loses part of the data; "
-                    "wrap it in data.loader.ShardedLoader (or use data.loader.sharded_loader) instead and do not "
-                    "prepare it")
+PREPARED_SHARDED = (
+    "a DataLoader over a ShardedIterableDataset went through accelerator.prepare, which splits it "
+    "by rank a second time (or dispatches rank 0's share to every rank) and loses part of the data; "
+    "wrap it in data.loader.ShardedLoader (or use data.loader.sharded_loader) instead and do not "
+    "prepare it"
+)
 
 
 def epoch_order(unit_sizes, seed, epoch, shuffle=True):
@@ -61,8 +64,10 @@ def epoch_order(unit_sizes, seed, epoch, shuffle=True):
     order += [u for u in range(len(unit_sizes)) if unit_sizes[u] != full]
     # a unit of 0 rows must contribute nothing: its start is the next unit's first row, which would
     # come twice per epoch (docs/data.md); units of 1 row draw nothing from the generator
-    pieces = [starts[u] + (rng.permutation(unit_sizes[u]) if unit_sizes[u] > 1 else np.zeros(unit_sizes[u], np.int64))
-              for u in order]
+    pieces = [
+        starts[u] + (rng.permutation(unit_sizes[u]) if unit_sizes[u] > 1 else np.zeros(unit_sizes[u], np.int64))
+        for u in order
+    ]
     return np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
 
 
@@ -82,8 +87,13 @@ def group_by_length(order, lengths, global_batch_size, num_batches, seed, epoch,
     step = accumulation_steps * global_batch_size
     full = num_batches // accumulation_steps  # whole optimizer steps; a shorter last one is sorted on its own
     stepped, last, tail = np.split(order, [full * step, num_batches * global_batch_size])
-    stepped = np.concatenate([chunk[np.argsort(-lengths[chunk], kind="stable")] for chunk in
-                              np.split(stepped, range(MEGABATCH * step, len(stepped), MEGABATCH * step))] or [stepped])
+    stepped = np.concatenate(
+        [
+            chunk[np.argsort(-lengths[chunk], kind="stable")]
+            for chunk in np.split(stepped, range(MEGABATCH * step, len(stepped), MEGABATCH * step))
+        ]
+        or [stepped]
+    )
     rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, 1])))
     stepped = stepped.reshape(full, step)[rng.permutation(full)].reshape(-1)
     return np.concatenate([stepped, last[np.argsort(-lengths[last], kind="stable")], tail])
@@ -94,11 +104,23 @@ class BatchPlan:
     `lengths`, batches of similar lengths (group_by_length), grouped by optimizer steps of
     `accumulation_steps` global batches."""
 
-    def __init__(self, unit_sizes, global_batch_size, world_size=1, rank=0, seed=0, shuffle=True, policy="drop",
-                 lengths=None, accumulation_steps=1):
+    def __init__(
+        self,
+        unit_sizes,
+        global_batch_size,
+        world_size=1,
+        rank=0,
+        seed=0,
+        shuffle=True,
+        policy="drop",
+        lengths=None,
+        accumulation_steps=1,
+    ):
         if global_batch_size < 1 or global_batch_size % world_size:
-            raise PlanError(f"global batch size {global_batch_size} is not divisible by world size {world_size}; "
-                            f"use a multiple of {world_size}")
+            raise PlanError(
+                f"global batch size {global_batch_size} is not divisible by world size {world_size}; "
+                f"use a multiple of {world_size}"
+            )
         if not 0 <= rank < world_size:
             raise PlanError(f"rank {rank} is outside world size {world_size}")
         if policy not in POLICIES:
@@ -106,8 +128,10 @@ class BatchPlan:
         self.unit_sizes = [int(u) for u in unit_sizes]
         self.num_samples = sum(self.unit_sizes)
         if policy == "drop" and 0 < self.num_samples < global_batch_size:
-            raise PlanError(f"{self.num_samples} samples are fewer than one global batch of {global_batch_size} "
-                            "with policy 'drop' (nothing would be yielded); use policy 'pad' or a smaller batch")
+            raise PlanError(
+                f"{self.num_samples} samples are fewer than one global batch of {global_batch_size} "
+                "with policy 'drop' (nothing would be yielded); use policy 'pad' or a smaller batch"
+            )
         self.global_batch_size, self.world_size, self.rank = global_batch_size, world_size, rank
         self.seed, self.shuffle, self.policy = seed, shuffle, policy
         self.per_rank_batch_size = global_batch_size // world_size
@@ -126,8 +150,16 @@ class BatchPlan:
         """Sample ids of the epoch in plan order: global batch i is positions [i*G, (i+1)*G)."""
         order = epoch_order(self.unit_sizes, self.seed, epoch, self.shuffle)
         if self.lengths is not None:
-            order = group_by_length(order, self.lengths, self.global_batch_size, self.num_batches(), self.seed, epoch,
-                                    self.shuffle, self.accumulation_steps)
+            order = group_by_length(
+                order,
+                self.lengths,
+                self.global_batch_size,
+                self.num_batches(),
+                self.seed,
+                epoch,
+                self.shuffle,
+                self.accumulation_steps,
+            )
         return order
 
     def step_totals(self, epoch, weights):
@@ -155,9 +187,15 @@ class BatchPlan:
 
     def identity(self):
         """What every rank must agree on for the plans to fit together."""
-        return {"num_samples": self.num_samples, "global_batch_size": self.global_batch_size, "seed": self.seed,
-                "shuffle": self.shuffle, "policy": self.policy, "world_size": self.world_size,
-                "group_by_length": self.lengths is not None}
+        return {
+            "num_samples": self.num_samples,
+            "global_batch_size": self.global_batch_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "policy": self.policy,
+            "world_size": self.world_size,
+            "group_by_length": self.lengths is not None,
+        }
 
 
 class ShardedIterableDataset(IterableDataset):
@@ -174,11 +212,23 @@ class ShardedIterableDataset(IterableDataset):
     `ShardedLoader`, which also tracks the position and plugs into accelerate.
     """
 
-    def __init__(self, source, global_batch_size, rank=0, world_size=1, seed=0, shuffle=True, policy="drop",
-                 lengths=None, weights=None, accumulation_steps=1):
+    def __init__(
+        self,
+        source,
+        global_batch_size,
+        rank=0,
+        world_size=1,
+        seed=0,
+        shuffle=True,
+        policy="drop",
+        lengths=None,
+        weights=None,
+        accumulation_steps=1,
+    ):
         self.source = source = as_source(source)
-        self.plan = BatchPlan(source.unit_sizes, global_batch_size, world_size, rank, seed, shuffle, policy, lengths,
-                              accumulation_steps)
+        self.plan = BatchPlan(
+            source.unit_sizes, global_batch_size, world_size, rank, seed, shuffle, policy, lengths, accumulation_steps
+        )
         if weights is not None and len(weights) != self.plan.num_samples:
             raise PlanError(f"{len(weights)} weights for {self.plan.num_samples} samples; pass one weight per sample")
         self.weights = None if weights is None else np.asarray(weights)
@@ -224,9 +274,11 @@ class ShardedIterableDataset(IterableDataset):
         mine = self.identity()
         for key in ("fingerprint", "num_samples", "global_batch_size", "seed", "shuffle", "policy", "group_by_length"):
             if state.get(key, False) != mine[key]:
-                raise PlanError(f"data state does not match this dataset: {key} is {state.get(key)!r} in the "
-                                f"state but {mine[key]!r} here; resume with the same data and "
-                                "--seed/batch settings, or start fresh")
+                raise PlanError(
+                    f"data state does not match this dataset: {key} is {state.get(key)!r} in the "
+                    f"state but {mine[key]!r} here; resume with the same data and "
+                    "--seed/batch settings, or start fresh"
+                )
         self.set_epoch(state["epoch"], state["next_batch"])
 
 
@@ -250,5 +302,7 @@ def check_same_plan(identity, gather_object):
     identities = gather_object([identity])
     if any(other != identities[0] for other in identities):
         differing = sorted(k for k in identity if len({json.dumps(i.get(k)) for i in identities}) > 1)
-        raise PlanError(f"ranks disagree on the data plan ({', '.join(differing)} differ across ranks); "
-                        "pass the same --seed and data to every process")
+        raise PlanError(
+            f"ranks disagree on the data plan ({', '.join(differing)} differ across ranks); "
+            "pass the same --seed and data to every process"
+        )

@@ -9,6 +9,7 @@ shard's rows and columns, and a fingerprint of inputs and arguments. Training ch
 folder against it without hashing (shards_in: sizes; ParquetSource: row counts from the footers).
 Writing a whole set safely (temporary folder, lock, what may be replaced): data/atomic_folder.py.
 """
+
 import hashlib
 import io
 import json
@@ -27,6 +28,7 @@ PREPARE_AGAIN = "prepare the folder again (python -m data.prepare with the same 
 
 # ---------------------------------------------------------------------------------------- names
 
+
 def shard_name(split, index, num_shards):
     """The one name data.prepare gives shard `index` of `num_shards` of `split`."""
     return f"{split}-{index:05d}-of-{num_shards:05d}.parquet"
@@ -43,6 +45,7 @@ def split_of(name):
 
 
 # ---------------------------------------------------------------------------------------- writing
+
 
 def shard_ranges(num_rows, num_shards, rows_per_group):
     """(lo, hi) rows of each shard: whole row groups dealt contiguously, so only the very last row
@@ -67,8 +70,15 @@ def write_shards(columns, folder, split, num_shards, rows_per_group=32):
         paths.append(os.path.join(folder, shard_name(split, i, num_shards)))
         # Statistics and dictionaries of 784-byte images are dead weight: they grew the footers to 7% of
         # the data, read again by every process that opens a shard.
-        write_parquet(table, paths[-1], row_group_size=rows_per_group, compression="none", use_dictionary=False,
-                      write_statistics=False, write_page_index=False)
+        write_parquet(
+            table,
+            paths[-1],
+            row_group_size=rows_per_group,
+            compression="none",
+            use_dictionary=False,
+            write_statistics=False,
+            write_page_index=False,
+        )
     return paths
 
 
@@ -125,10 +135,13 @@ def to_arrow(tensor):
     flat = tensor.reshape(len(tensor), math.prod(tensor.shape[1:])).contiguous().numpy()
     width = flat.shape[1] * flat.itemsize
     offsets = pa.array(np.arange(0, (len(flat) + 1) * width, width, dtype=np.int32))
-    return pa.BinaryArray.from_buffers(pa.binary(), len(flat), [None, offsets.buffers()[1], pa.py_buffer(flat.tobytes())])
+    return pa.BinaryArray.from_buffers(
+        pa.binary(), len(flat), [None, offsets.buffers()[1], pa.py_buffer(flat.tobytes())]
+    )
 
 
 # ---------------------------------------------------------------------------------------- manifest
+
 
 def hash_files(paths):
     """Content hash per input file (the files are read once; they are about to be read anyway)."""
@@ -161,8 +174,15 @@ def write_manifest(folder, inputs, arguments, extra=None):
         entry["rows"] += meta.num_rows
         entry["shards"].append({"file": name, "rows": meta.num_rows, **files[name]})
         entry["columns"] = {f.name: str(f.type) for f in meta.schema.to_arrow_schema()}
-    manifest = {"written_by": WRITTEN_BY, "fingerprint": fingerprint(inputs, arguments),
-                "inputs": inputs, "arguments": arguments, "splits": splits, **(extra or {}), "files": files}
+    manifest = {
+        "written_by": WRITTEN_BY,
+        "fingerprint": fingerprint(inputs, arguments),
+        "inputs": inputs,
+        "arguments": arguments,
+        "splits": splits,
+        **(extra or {}),
+        "files": files,
+    }
     save_manifest(folder, manifest)
     return manifest
 
@@ -218,11 +238,15 @@ def read_manifest(folder):
         with open(path, encoding="utf-8") as f:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
-        raise DataError(f"{path} is not a readable manifest ({type(e).__name__}: {' '.join(str(e).split())[:100]}); "
-                        "prepare the folder again with python -m data.prepare, or move the file away") from None
+        raise DataError(
+            f"{path} is not a readable manifest ({type(e).__name__}: {' '.join(str(e).split())[:100]}); "
+            "prepare the folder again with python -m data.prepare, or move the file away"
+        ) from None
     if not isinstance(manifest, dict):
-        raise DataError(f"{path} is not a manifest (a JSON {type(manifest).__name__}, not an object); prepare the "
-                        "folder again with python -m data.prepare, or move the file away")
+        raise DataError(
+            f"{path} is not a manifest (a JSON {type(manifest).__name__}, not an object); prepare the "
+            "folder again with python -m data.prepare, or move the file away"
+        )
     return manifest
 
 
@@ -260,6 +284,7 @@ def check_files_written(folder, manifest):
 
 # ---------------------------------------------------------------------------------------- reading
 
+
 def shards_in(folder, split):
     """The parquet shards of `split` in `folder`, sorted. Where data.prepare's manifest.json is there,
     they are the ones it lists, each still at its recorded size: a missing, cut or extra shard is one
@@ -275,14 +300,20 @@ def shards_in(folder, split):
     for shard in listed:
         path = os.path.join(folder, shard["file"])
         if not os.path.isfile(path):
-            raise DataError(f"{path} is missing: {os.path.join(folder, MANIFEST)} lists it with {shard['rows']} "
-                            f"rows; {PREPARE_AGAIN}")
+            raise DataError(
+                f"{path} is missing: {os.path.join(folder, MANIFEST)} lists it with {shard['rows']} "
+                f"rows; {PREPARE_AGAIN}"
+            )
         if "bytes" in shard and os.path.getsize(path) != shard["bytes"]:
-            raise DataError(f"{path} has {os.path.getsize(path)} bytes, not the {shard['bytes']} data.prepare "
-                            f"wrote: cut short or changed since; {PREPARE_AGAIN}")
+            raise DataError(
+                f"{path} has {os.path.getsize(path)} bytes, not the {shard['bytes']} data.prepare "
+                f"wrote: cut short or changed since; {PREPARE_AGAIN}"
+            )
     if extra := sorted(set(found) - {s["file"] for s in listed}):
-        raise DataError(f"{os.path.join(folder, extra[0])} is not in {os.path.join(folder, MANIFEST)}, which "
-                        f"lists the {split} shards data.prepare wrote; move it away or {PREPARE_AGAIN}")
+        raise DataError(
+            f"{os.path.join(folder, extra[0])} is not in {os.path.join(folder, MANIFEST)}, which "
+            f"lists the {split} shards data.prepare wrote; move it away or {PREPARE_AGAIN}"
+        )
     return [os.path.join(folder, s["file"]) for s in listed]
 
 

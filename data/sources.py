@@ -14,6 +14,7 @@ fingerprints its data (`fingerprint()`, compared on resume and across ranks).
 table_to_tensors and table_to_columns turn Arrow tables into columns (tensors, or lists for
 strings, bytes and ragged values).
 """
+
 import hashlib
 import json
 import os
@@ -23,6 +24,7 @@ import torch
 
 from data.errors import PlanError
 from data.shards import PREPARE_AGAIN, listed_rows
+
 
 class TensorSource:
     """Rows of in-memory tensors (all with the same first dimension), read by index."""
@@ -70,8 +72,9 @@ class ParquetSource:
             except Exception as e:  # pyarrow: ArrowInvalid, OSError, ... for a cut or garbled file
                 raise _unreadable(path, e) from None
             if path in listed and meta.num_rows != listed[path]:
-                raise PlanError(f"{path} holds {meta.num_rows} rows, not the {listed[path]} its manifest lists; "
-                                f"{PREPARE_AGAIN}")
+                raise PlanError(
+                    f"{path} holds {meta.num_rows} rows, not the {listed[path]} its manifest lists; {PREPARE_AGAIN}"
+                )
             self._metadata.append(meta)
             sizes.append((os.path.basename(path), meta.num_rows, os.path.getsize(path)))
             for g in range(meta.num_row_groups):
@@ -89,8 +92,10 @@ class ParquetSource:
         self.unit_starts = np.concatenate([[0], np.cumsum(self.unit_sizes)]).astype(np.int64)
         self.num_rows = int(self.unit_starts[-1])
         if self.num_rows == 0 and max_rows != 0:
-            raise PlanError(f"the {len(self.paths)} parquet shard(s) hold no rows (first: {self.paths[0]}); "
-                            "pass shards with data, or check the filter that wrote them")
+            raise PlanError(
+                f"the {len(self.paths)} parquet shard(s) hold no rows (first: {self.paths[0]}); "
+                "pass shards with data, or check the filter that wrote them"
+            )
         self._fingerprint = hashlib.blake2b(json.dumps(sizes).encode(), digest_size=16).hexdigest()
         self._files, self._cache = {}, (None, None)
         self.rows_read = self.bytes_read = 0
@@ -118,8 +123,11 @@ class ParquetSource:
             raise _unreadable(self.paths[p], e, g) from None
         meta = f.metadata.row_group(g)
         self.rows_read += table.num_rows
-        self.bytes_read += sum(meta.column(c).total_compressed_size for c in range(meta.num_columns)
-                               if self.columns is None or meta.column(c).path_in_schema in self.columns)
+        self.bytes_read += sum(
+            meta.column(c).total_compressed_size
+            for c in range(meta.num_columns)
+            if self.columns is None or meta.column(c).path_in_schema in self.columns
+        )
         self._cache = (unit, self.decode(table))
         return self._cache[1]
 
@@ -149,8 +157,10 @@ class ParquetSource:
 def _unreadable(path, error, row_group=None):
     where = f" (row group {row_group})" if row_group is not None else ""
     first = (str(error).strip().splitlines() or [type(error).__name__])[0][:120]
-    return PlanError(f"{path}{where} is not a readable parquet file ({first}); write it again (python -m data.prepare "
-                     "with --force) or leave it out")
+    return PlanError(
+        f"{path}{where} is not a readable parquet file ({first}); write it again (python -m data.prepare "
+        "with --force) or leave it out"
+    )
 
 
 def _take(column, rows):
@@ -171,12 +181,16 @@ def table_to_columns(table):
     for name, column in zip(table.column_names, table.columns):
         column = one_array(column)
         kind = column.type
-        if (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)) and \
-                column.null_count == 0:
+        if (
+            pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+        ) and column.null_count == 0:
             out[name] = table_to_tensors(table.select([name]))[name]
             continue
-        if (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)) and \
-                column.null_count == 0 and (pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type)):
+        if (
+            (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind))
+            and column.null_count == 0
+            and (pa.types.is_integer(kind.value_type) or pa.types.is_floating(kind.value_type))
+        ):
             lengths = np.asarray(column.value_lengths()) if len(column) else np.zeros(0)
             if len(lengths) and (lengths == lengths[0]).all() and column.flatten().null_count == 0:
                 values = column.flatten().to_numpy(zero_copy_only=False)
@@ -186,8 +200,12 @@ def table_to_columns(table):
     return out
 
 
-NUMPY_TYPES = {**{t: t for t in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")},
-               "halffloat": "float16", "float": "float32", "double": "float64"}
+NUMPY_TYPES = {
+    **{t: t for t in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")},
+    "halffloat": "float16",
+    "float": "float32",
+    "double": "float64",
+}
 
 
 def one_array(column):  # a ChunkedArray as one Array; its only chunk as it is (combine_chunks copies it)
@@ -209,16 +227,18 @@ def table_to_arrays(table):
         if pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type):
             _, offset_buffer, data_buffer = column.buffers()
             offset_type = np.int64 if pa.types.is_large_binary(column.type) else np.int32
-            offsets = np.frombuffer(offset_buffer, offset_type)[column.offset:column.offset + len(column) + 1]
+            offsets = np.frombuffer(offset_buffer, offset_type)[column.offset : column.offset + len(column) + 1]
             widths = np.diff(offsets)
             if len(widths) and (widths != widths[0]).any():
                 raise PlanError(f"column {name!r} has values of different lengths; decode it with a custom `decode`")
-            data = np.frombuffer(data_buffer, np.uint8)[offsets[0]:offsets[-1]] if len(widths) else np.zeros(0, np.uint8)
+            data = (
+                np.frombuffer(data_buffer, np.uint8)[offsets[0] : offsets[-1]] if len(widths) else np.zeros(0, np.uint8)
+            )
             out[name] = data.reshape(len(column), -1)
         elif str(column.type) in NUMPY_TYPES and column.null_count == 0:
             # straight from the Arrow buffer: pyarrow's to_numpy() imports pandas in every process
             dtype = np.dtype(NUMPY_TYPES[str(column.type)])
-            out[name] = np.frombuffer(column.buffers()[1], dtype)[column.offset:column.offset + len(column)]
+            out[name] = np.frombuffer(column.buffers()[1], dtype)[column.offset : column.offset + len(column)]
         else:
             try:
                 out[name] = column.to_numpy(zero_copy_only=False)
@@ -226,9 +246,11 @@ def table_to_arrays(table):
                     raise TypeError
             except (TypeError, ValueError, RuntimeError):
                 kind = f"{column.type}" + (f", {column.null_count} null(s)" if column.null_count else "")
-                raise PlanError(f"column {name!r} ({kind}) cannot become a tensor; read it with "
-                                "ParquetSource(..., columns=[...]) without it, or pass a decode(table) function "
-                                "that turns it into tensors (e.g. tokenize a string column)") from None
+                raise PlanError(
+                    f"column {name!r} ({kind}) cannot become a tensor; read it with "
+                    "ParquetSource(..., columns=[...]) without it, or pass a decode(table) function "
+                    "that turns it into tensors (e.g. tokenize a string column)"
+                ) from None
     return out
 
 
@@ -259,8 +281,11 @@ class DatasetsSource:
         """From metadata and two rows: the row count, the schema, the Arrow files behind it (names and
         sizes), the first and last row; the data itself is not read."""
         if self._fingerprint is None:
-            files = [(os.path.basename(f["filename"]), os.path.getsize(f["filename"]))
-                     for f in self.dataset.cache_files if os.path.exists(f["filename"])]
+            files = [
+                (os.path.basename(f["filename"]), os.path.getsize(f["filename"]))
+                for f in self.dataset.cache_files
+                if os.path.exists(f["filename"])
+            ]
             ends = [repr(self.dataset.with_format(None)[i]) for i in {0, self.num_rows - 1} if self.num_rows]
             payload = json.dumps([self.num_rows, str(self.dataset.features), files, sorted(ends)])
             self._fingerprint = hashlib.blake2b(payload.encode(), digest_size=16).hexdigest()
@@ -272,16 +297,21 @@ def streaming_parquet_source(stream):
     data_files=..., streaming=True)`) as a ParquetSource over the same files: row counts from the
     footers, each rank reads only its row groups, strings come as lists. Anything else is refused
     with what to pass instead: its row counts are unknown until read to the end."""
-    hint = ("pass the parquet files as ParquetSource(paths), or load the dataset without streaming=True "
-            "(memory-mapped Arrow, not held in memory) and apply map/filter there")
+    hint = (
+        "pass the parquet files as ParquetSource(paths), or load the dataset without streaming=True "
+        "(memory-mapped Arrow, not held in memory) and apply map/filter there"
+    )
     # datasets has no public accessor for the files behind a stream; read (never change) the list its
     # parquet loader keeps, which is there only while no map/filter/shuffle wraps the stream.
     examples = getattr(stream, "_ex_iterable", None)
     inputs = getattr(examples, "kwargs", None) or {}
     files = [str(f) for f in inputs.get("files") or []]
-    if type(examples).__name__ != "ArrowExamplesIterable" or not files or \
-            any(not (f.endswith(".parquet") and os.path.isfile(f)) for f in files) or \
-            any(groups is not None for groups in inputs.get("row_groups_list") or []):
+    if (
+        type(examples).__name__ != "ArrowExamplesIterable"
+        or not files
+        or any(not (f.endswith(".parquet") and os.path.isfile(f)) for f in files)
+        or any(groups is not None for groups in inputs.get("row_groups_list") or [])
+    ):
         raise PlanError(f"this streaming datasets.IterableDataset is not plain local parquet files; {hint}")
     return ParquetSource(files, columns=list(stream.features) if stream.features else None, decode=table_to_columns)
 
@@ -296,5 +326,7 @@ def as_source(data):
         return DatasetsSource(data)
     if kind.startswith("datasets.") and "Iterable" in type(data).__name__:
         return streaming_parquet_source(data)
-    raise PlanError(f"{kind} is not a source: pass a datasets.Dataset, ParquetSource, TensorSource, or an object "
-                    "with unit_sizes, read(ids) and fingerprint()")
+    raise PlanError(
+        f"{kind} is not a source: pass a datasets.Dataset, ParquetSource, TensorSource, or an object "
+        "with unit_sizes, read(ids) and fingerprint()"
+    )

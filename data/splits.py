@@ -13,6 +13,7 @@ validation rows are held out of train instead, and `where` says so.
 bytes, a local dataset folder's files, or for a Hub dataset its name, configuration and the Arrow
 files datasets made of it.
 """
+
 import os
 from collections import namedtuple
 
@@ -21,22 +22,29 @@ from data.local_files import hold_out, load_files
 from data.shards import hash_files
 
 # the flags of add_data_files_args, as one value
-DataInputs = namedtuple("DataInputs", "train_file validation_file dataset_name dataset_config_name "
-                                      "validation_split_percentage seed", defaults=(None, None, None, None, None, 0))
+DataInputs = namedtuple(
+    "DataInputs",
+    "train_file validation_file dataset_name dataset_config_name validation_split_percentage seed",
+    defaults=(None, None, None, None, None, 0),
+)
 
 
 def check_inputs(inputs):
     """One line for flags that cannot go together or are missing."""
     if inputs.dataset_name and (inputs.train_file or inputs.validation_file):
-        raise DataError("--dataset_name takes its splits from the dataset; leave out --train_file and "
-                        "--validation_file (or pass files alone, without --dataset_name)")
+        raise DataError(
+            "--dataset_name takes its splits from the dataset; leave out --train_file and "
+            "--validation_file (or pass files alone, without --dataset_name)"
+        )
     if not inputs.dataset_name and not inputs.train_file:
         raise DataError("pass --train_file (your files) or --dataset_name (a Hub dataset or a local dataset folder)")
     if inputs.dataset_config_name and not inputs.dataset_name:
         raise DataError("--dataset_config_name goes with --dataset_name; pass both, or neither")
     if inputs.dataset_name and not os.path.isdir(inputs.dataset_name) and looks_like_a_path(inputs.dataset_name):
-        raise DataError(f"--dataset_name {inputs.dataset_name}: no such folder; pass a dataset folder (data files and "
-                        "a README naming its configs) or a Hub dataset name (org/name)")
+        raise DataError(
+            f"--dataset_name {inputs.dataset_name}: no such folder; pass a dataset folder (data files and "
+            "a README naming its configs) or a Hub dataset name (org/name)"
+        )
 
 
 def looks_like_a_path(name):
@@ -59,8 +67,10 @@ def _content(paths):
     """Of files' contents and kinds (the same bytes as .csv and .tsv are other rows)."""
     if len(paths) == 1 and os.path.isdir(paths[0]):
         paths = _files_under(paths[0])
-    return [{"kind": os.path.splitext(entry["path"])[1], "bytes": entry["bytes"], "blake2b": entry["blake2b"]}
-            for entry in hash_files(paths)]
+    return [
+        {"kind": os.path.splitext(entry["path"])[1], "bytes": entry["bytes"], "blake2b": entry["blake2b"]}
+        for entry in hash_files(paths)
+    ]
 
 
 def inputs_key(inputs):
@@ -68,14 +78,19 @@ def inputs_key(inputs):
     inputs are files or folders."""
     held_out = [inputs.validation_split_percentage or 10, inputs.seed]  # used only where there is no validation
     if not inputs.dataset_name:
-        return {"inputs": _content(inputs.train_file), "validation": inputs.validation_file and
-                _content(inputs.validation_file), "split": None if inputs.validation_file else held_out}
+        return {
+            "inputs": _content(inputs.train_file),
+            "validation": inputs.validation_file and _content(inputs.validation_file),
+            "split": None if inputs.validation_file else held_out,
+        }
     if os.path.isdir(inputs.dataset_name):
         source = _content([inputs.dataset_name])
     else:  # a Hub dataset: datasets' own Arrow files of it, named by its revision and configuration
         loaded = load_named(inputs.dataset_name, inputs.dataset_config_name)
-        source = {split: [[f["filename"], os.path.getsize(f["filename"])] for f in ds.cache_files]
-                  for split, ds in loaded.items()}
+        source = {
+            split: [[f["filename"], os.path.getsize(f["filename"])] for f in ds.cache_files]
+            for split, ds in loaded.items()
+        }
     return {"dataset": inputs.dataset_name, "config": inputs.dataset_config_name, "inputs": source, "split": held_out}
 
 
@@ -98,10 +113,16 @@ def load_named(name, config=None):
         while e.__cause__ is not None:
             e = e.__cause__
         first = " ".join(str(e).split())[:240].rstrip(".") or type(e).__name__
-        offline = "" if os.path.isdir(name) else (
-            "; offline (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE set, or no network), datasets reads no Hub name: pass "
-            "the dataset's folder (a clone of its Hub repository) instead" if _offline() else
-            "; pass a dataset on the Hub (org/name) or a local dataset folder")
+        offline = (
+            ""
+            if os.path.isdir(name)
+            else (
+                "; offline (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE set, or no network), datasets reads no Hub name: pass "
+                "the dataset's folder (a clone of its Hub repository) instead"
+                if _offline()
+                else "; pass a dataset on the Hub (org/name) or a local dataset folder"
+            )
+        )
         raise DataError(f"{what} does not load: {first}{offline}") from None
     if isinstance(loaded, datasets.Dataset):
         loaded = datasets.DatasetDict({"train": loaded})
@@ -134,8 +155,9 @@ def load_splits(inputs, label_column=None):
     elif len(inputs.train_file) == 1 and os.path.isdir(inputs.train_file[0]):
         loaded, what = _saved(inputs.train_file[0]), f"--train_file {inputs.train_file[0]}"
     else:
-        splits = load_files(inputs.train_file, inputs.validation_file, None if inputs.validation_file else percentage,
-                            inputs.seed)
+        splits = load_files(
+            inputs.train_file, inputs.validation_file, None if inputs.validation_file else percentage, inputs.seed
+        )
         where = "--validation_file" if inputs.validation_file else f"{percentage:g}% of --train_file held out"
         return splits, where
     train = loaded["train"]
@@ -144,8 +166,11 @@ def load_splits(inputs, label_column=None):
     for split in ("validation", "test"):
         if split in loaded:
             ds = loaded[split]
-            hidden = label_column is not None and label_column in ds.column_names and \
-                len(missing_labels(ds, label_column)) == len(ds)
+            hidden = (
+                label_column is not None
+                and label_column in ds.column_names
+                and len(missing_labels(ds, label_column)) == len(ds)
+            )
             if not hidden:
                 return {"train": train, "validation": ds}, f"{what}'s {split} split"
             unused = f"; {what}'s {split} split has no labels"  # a benchmark's hidden test split
@@ -163,9 +188,11 @@ def _saved(folder):
     try:
         saved = datasets.load_from_disk(folder)
     except (FileNotFoundError, ValueError) as e:
-        raise DataError(f"--train_file {folder} is a folder but not one written by datasets' save_to_disk "
-                        f"({' '.join(str(e).split())[:100]}); pass a csv/tsv/json/jsonl/parquet file, or "
-                        f"--dataset_name {folder} for a dataset folder of data files") from None
+        raise DataError(
+            f"--train_file {folder} is a folder but not one written by datasets' save_to_disk "
+            f"({' '.join(str(e).split())[:100]}); pass a csv/tsv/json/jsonl/parquet file, or "
+            f"--dataset_name {folder} for a dataset folder of data files"
+        ) from None
     if isinstance(saved, datasets.Dataset):
         return datasets.DatasetDict({"train": saved})
     if "train" not in saved:

@@ -19,6 +19,7 @@ Tokenizers, none of which touches the network: `bytes` (the 256 byte values plus
 files), `bpe` (a byte-level BPE trained with Hugging Face `tokenizers` on the training split, saved as
 tokenizer.json beside the shards), or the path of an existing tokenizer.json.
 """
+
 import gzip
 import os
 
@@ -32,8 +33,10 @@ from data.sources import table_to_arrays
 
 EOT = "<|endoftext|>"
 GCIDE_FOLDERS = ("/usr/share/dictd", os.path.join("runs", "corpora", "gcide", "usr", "share", "dictd"))
-GCIDE_HOW_TO_GET = ("install it with `sudo apt-get install dict-gcide`, or without its dict server: "
-                    "`apt-get download dict-gcide && dpkg-deb -x dict-gcide_*.deb runs/corpora/gcide`")
+GCIDE_HOW_TO_GET = (
+    "install it with `sudo apt-get install dict-gcide`, or without its dict server: "
+    "`apt-get download dict-gcide && dpkg-deb -x dict-gcide_*.deb runs/corpora/gcide`"
+)
 VALIDATION_EVERY = 100  # GCIDE's fixed validation split: every 100th entry, spread over the alphabet
 _B64 = {c: i for i, c in enumerate("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")}
 
@@ -47,9 +50,10 @@ def _dictd_number(text):
 
 
 def find_gcide(folder=None):
-    for candidate in ([folder] if folder else GCIDE_FOLDERS):
-        if os.path.isfile(os.path.join(candidate, "gcide.index")) and \
-                os.path.isfile(os.path.join(candidate, "gcide.dict.dz")):
+    for candidate in [folder] if folder else GCIDE_FOLDERS:
+        if os.path.isfile(os.path.join(candidate, "gcide.index")) and os.path.isfile(
+            os.path.join(candidate, "gcide.dict.dz")
+        ):
             return candidate
     looked = folder or ", ".join(GCIDE_FOLDERS)
     raise DataError(f"the GCIDE dictionary (gcide.index, gcide.dict.dz) is not in {looked}; {GCIDE_HOW_TO_GET}")
@@ -67,7 +71,9 @@ def gcide_documents(folder=None):
             parts = line.rstrip("\n").split("\t")
             if len(parts) == 3 and not parts[0].startswith("00-"):
                 spans.add((_dictd_number(parts[1]), _dictd_number(parts[2])))
-    documents = [data[start:start + length].decode("utf-8", errors="replace").strip() for start, length in sorted(spans)]
+    documents = [
+        data[start : start + length].decode("utf-8", errors="replace").strip() for start, length in sorted(spans)
+    ]
     documents = [d for d in documents if d]
     train = [d for i, d in enumerate(documents) if i % VALIDATION_EVERY != VALIDATION_EVERY - 1]
     validation = [d for i, d in enumerate(documents) if i % VALIDATION_EVERY == VALIDATION_EVERY - 1]
@@ -76,8 +82,10 @@ def gcide_documents(folder=None):
 
 # ---------------------------------------------------------------------------------------- tokenizers
 
+
 class ByteTokenizer:
     """UTF-8 bytes as tokens 0..255 and end-of-text as 256: nothing to train, nothing to save."""
+
     name, vocab_size, eot_id = "bytes", 257, 256
 
     def encode_batch(self, texts):
@@ -95,8 +103,9 @@ class FileTokenizer:
         self.vocab_size = tokenizer.get_vocab_size()
         self.eot_id = tokenizer.token_to_id(EOT)
         if self.eot_id is None:
-            raise DataError(f"tokenizer {name} has no {EOT} token; train one with --tokenizer bpe, or add it as a "
-                            "special token")
+            raise DataError(
+                f"tokenizer {name} has no {EOT} token; train one with --tokenizer bpe, or add it as a special token"
+            )
 
     def encode_batch(self, texts):
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
@@ -117,8 +126,12 @@ def train_bpe(texts, vocab_size):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return FileTokenizer(tokenizer, f"bpe-{vocab_size}")
 
@@ -134,11 +147,14 @@ def load_tokenizer(spec):
     try:
         return FileTokenizer(Tokenizer.from_file(spec), os.path.abspath(spec))
     except Exception as e:  # tokenizers raises its own exception types for a malformed file
-        raise DataError(f"--tokenizer {spec} is not a tokenizer.json ({str(e).splitlines()[0]}); pass bytes, bpe, "
-                        "or a file saved by Hugging Face tokenizers") from None
+        raise DataError(
+            f"--tokenizer {spec} is not a tokenizer.json ({str(e).splitlines()[0]}); pass bytes, bpe, "
+            "or a file saved by Hugging Face tokenizers"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------- token shards
+
 
 def token_dtype(vocab_size):
     if vocab_size <= 1 << 16:
@@ -154,7 +170,7 @@ def encode_documents(documents, tokenizer, batch=1024):
     dtype, pieces, num_bytes = token_dtype(tokenizer.vocab_size), [], 0
     eot = np.array([tokenizer.eot_id], dtype)
     for start in range(0, len(documents), batch):
-        texts = documents[start:start + batch]
+        texts = documents[start : start + batch]
         for ids in tokenizer.encode_batch(texts):
             pieces += [np.asarray(ids, dtype), eot]
         num_bytes += sum(len(t.encode("utf-8")) + 1 for t in texts)
@@ -166,13 +182,16 @@ def windows(tokens, block_size, keep_tail):
     a last short window padded with its final token, counted in `targets` only up to the real ones."""
     full = max(len(tokens) - 1, 0) // block_size
     # a strided view, copied once: no index array (8 bytes per token of every window)
-    rows = np.lib.stride_tricks.sliding_window_view(tokens, block_size + 1)[::block_size][:full].copy() if full \
+    rows = (
+        np.lib.stride_tricks.sliding_window_view(tokens, block_size + 1)[::block_size][:full].copy()
+        if full
         else np.zeros((0, block_size + 1), tokens.dtype)
+    )
     targets = np.full(full, block_size, np.int32)
     tail = len(tokens) - 1 - full * block_size
     if keep_tail and tail > 0:
         last = np.full(block_size + 1, tokens[-1], tokens.dtype)
-        last[:tail + 1] = tokens[full * block_size:]
+        last[: tail + 1] = tokens[full * block_size :]
         rows, targets = np.concatenate([rows, last[None]]), np.append(targets, np.int32(tail))
     return rows, targets
 
@@ -186,13 +205,25 @@ def write_token_shards(documents, tokenizer, folder, split, num_shards, rows_per
     tokens, num_bytes = encode_documents(documents, tokenizer)
     rows, targets = windows(tokens, block_size, keep_tail=split != "train")
     if len(tokens) < block_size + 1:
-        raise DataError(f"the {split} split has {len(tokens)} tokens, not enough for one window of --block_size "
-                        f"{block_size} + 1; pass more text or a smaller --block_size")
+        raise DataError(
+            f"the {split} split has {len(tokens)} tokens, not enough for one window of --block_size "
+            f"{block_size} + 1; pass more text or a smaller --block_size"
+        )
     signed = {np.dtype(np.uint16): np.int16, np.dtype(np.uint32): np.int32}[rows.dtype]  # same bytes, a torch dtype
-    write_shards({"tokens": torch.from_numpy(rows.view(signed)), "targets": torch.from_numpy(targets)}, folder, split,
-                 num_shards, rows_per_group)
-    return {"documents": len(documents), "tokens": int(len(tokens)), "windows": len(rows),
-            "scored_tokens": int(targets.sum()), "text_bytes": num_bytes}
+    write_shards(
+        {"tokens": torch.from_numpy(rows.view(signed)), "targets": torch.from_numpy(targets)},
+        folder,
+        split,
+        num_shards,
+        rows_per_group,
+    )
+    return {
+        "documents": len(documents),
+        "tokens": int(len(tokens)),
+        "windows": len(rows),
+        "scored_tokens": int(targets.sum()),
+        "text_bytes": num_bytes,
+    }
 
 
 def decode_windows(token_dtype_name):
@@ -214,12 +245,29 @@ def decode_windows(token_dtype_name):
 
 # ---------------------------------------------------------------------------------------- prepare
 
-def prepare_tokens(documents, output_dir, tokenizer_spec, vocab_size, num_shards, rows_per_group, inputs,
-                   arguments, block_size, force=False):
+
+def prepare_tokens(
+    documents,
+    output_dir,
+    tokenizer_spec,
+    vocab_size,
+    num_shards,
+    rows_per_group,
+    inputs,
+    arguments,
+    block_size,
+    force=False,
+):
     """{split: [text, ...]} → token shards (data/text.py) + tokenizer.json (unless `bytes`) + manifest,
     atomically, unless already up to date. `documents` may be a function, called only when needed."""
-    arguments = {**arguments, "tokenizer": tokenizer_spec, "vocab_size": vocab_size if tokenizer_spec == "bpe" else None,
-                 "num_shards": num_shards, "rows_per_group": rows_per_group, "block_size": block_size}
+    arguments = {
+        **arguments,
+        "tokenizer": tokenizer_spec,
+        "vocab_size": vocab_size if tokenizer_spec == "bpe" else None,
+        "num_shards": num_shards,
+        "rows_per_group": rows_per_group,
+        "block_size": block_size,
+    }
     if tokenizer_spec not in ("bytes", "bpe"):
         tokenizer = load_tokenizer(tokenizer_spec)  # a bad file fails before any work
         inputs = inputs + hash_files([tokenizer_spec])
@@ -234,31 +282,88 @@ def prepare_tokens(documents, output_dir, tokenizer_spec, vocab_size, num_shards
             tokenizer = load_tokenizer("bytes")
         if hasattr(tokenizer, "save"):
             tokenizer.save(os.path.join(tmp, "tokenizer.json"))
-        counts = {split: write_token_shards(docs, tokenizer, tmp, split, num_shards, rows_per_group, block_size)
-                  for split, docs in documents.items() if docs is not None}
-        manifest = write_manifest(tmp, inputs, arguments, {
-            "tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eot_id": tokenizer.eot_id,
-            "block_size": block_size, "token_dtype": np.dtype(token_dtype(tokenizer.vocab_size)).name, "text": counts})
+        counts = {
+            split: write_token_shards(docs, tokenizer, tmp, split, num_shards, rows_per_group, block_size)
+            for split, docs in documents.items()
+            if docs is not None
+        }
+        manifest = write_manifest(
+            tmp,
+            inputs,
+            arguments,
+            {
+                "tokenizer": tokenizer.name,
+                "vocab_size": tokenizer.vocab_size,
+                "eot_id": tokenizer.eot_id,
+                "block_size": block_size,
+                "token_dtype": np.dtype(token_dtype(tokenizer.vocab_size)).name,
+                "text": counts,
+            },
+        )
     report(output_dir, manifest)
     return manifest
 
 
-def prepare_text(train_files, output_dir, tokenizer, block_size, validation_files=None, validation_split_percentage=None,
-                 text_column_name="text", vocab_size=8192, num_shards=8, rows_per_group=8, seed=0, force=False):
+def prepare_text(
+    train_files,
+    output_dir,
+    tokenizer,
+    block_size,
+    validation_files=None,
+    validation_split_percentage=None,
+    text_column_name="text",
+    vocab_size=8192,
+    num_shards=8,
+    rows_per_group=8,
+    seed=0,
+    force=False,
+):
     """Local text files (txt, or csv/json/jsonl/parquet with a text column) → window shards."""
     file_kind(train_files, validation_files)  # bad input fails before the inputs are hashed
     inputs = hash_files(list(train_files) + list(validation_files or []))
-    documents = lambda: text_column(load_files(list(train_files), list(validation_files or []) or None,  # noqa: E731
-                                               validation_split_percentage, seed), text_column_name)
-    return prepare_tokens(documents, output_dir, tokenizer, vocab_size, num_shards, rows_per_group, inputs,
-                          {"kind": "text", "text_column": text_column_name, "seed": seed,
-                           "validation_split_percentage": validation_split_percentage}, block_size, force)
+    documents = lambda: text_column(
+        load_files(
+            list(train_files),
+            list(validation_files or []) or None,  # noqa: E731
+            validation_split_percentage,
+            seed,
+        ),
+        text_column_name,
+    )
+    return prepare_tokens(
+        documents,
+        output_dir,
+        tokenizer,
+        vocab_size,
+        num_shards,
+        rows_per_group,
+        inputs,
+        {
+            "kind": "text",
+            "text_column": text_column_name,
+            "seed": seed,
+            "validation_split_percentage": validation_split_percentage,
+        },
+        block_size,
+        force,
+    )
 
 
-def prepare_gcide(output_dir, tokenizer, block_size, vocab_size=8192, num_shards=8, rows_per_group=8, folder=None,
-                  force=False):
+def prepare_gcide(
+    output_dir, tokenizer, block_size, vocab_size=8192, num_shards=8, rows_per_group=8, folder=None, force=False
+):
     """The GCIDE dictionary (data/text.py) → window shards."""
     folder = find_gcide(folder)
     inputs = hash_files([os.path.join(folder, "gcide.index"), os.path.join(folder, "gcide.dict.dz")])
-    return prepare_tokens(lambda: dict(zip(("train", "validation"), gcide_documents(folder))), output_dir, tokenizer,
-                          vocab_size, num_shards, rows_per_group, inputs, {"kind": "gcide"}, block_size, force)
+    return prepare_tokens(
+        lambda: dict(zip(("train", "validation"), gcide_documents(folder))),
+        output_dir,
+        tokenizer,
+        vocab_size,
+        num_shards,
+        rows_per_group,
+        inputs,
+        {"kind": "gcide"},
+        block_size,
+        force,
+    )

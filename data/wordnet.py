@@ -15,6 +15,7 @@ split, so the same WordNet gives byte-identical files anywhere; a rerun that wou
 writes nothing. Source: Debian's wordnet-base, installed or unpacked (make text-data); it ships no
 `lexnames` file, so the numbers below are lexnames(5WN)'s.
 """
+
 import argparse
 import collections
 import csv
@@ -25,15 +26,24 @@ import os
 from data.errors import DataError
 
 WORDNET_FOLDERS = ("/usr/share/wordnet", os.path.join("runs", "corpora", "wordnet", "usr", "share", "wordnet"))
-HOW_TO_GET = ("run `make text-data`, or `apt-get download wordnet-base && dpkg-deb -x wordnet-base_*.deb "
-              "runs/corpora/wordnet`")
-LEXNAMES = {"05": "noun.animal", "06": "noun.artifact", "08": "noun.body", "13": "noun.food",
-            "15": "noun.location", "18": "noun.person", "20": "noun.plant", "27": "noun.substance"}
+HOW_TO_GET = (
+    "run `make text-data`, or `apt-get download wordnet-base && dpkg-deb -x wordnet-base_*.deb runs/corpora/wordnet`"
+)
+LEXNAMES = {
+    "05": "noun.animal",
+    "06": "noun.artifact",
+    "08": "noun.body",
+    "13": "noun.food",
+    "15": "noun.location",
+    "18": "noun.person",
+    "20": "noun.plant",
+    "27": "noun.substance",
+}
 TRAIN_PER_CLASS, VALIDATION_PER_CLASS = 625, 125
 
 
 def find_wordnet(folder=None):
-    for candidate in ([folder] if folder else WORDNET_FOLDERS):
+    for candidate in [folder] if folder else WORDNET_FOLDERS:
         if os.path.isfile(os.path.join(candidate, "data.noun")):
             return candidate
     raise DataError(f"WordNet's data.noun is not in {folder or ', '.join(WORDNET_FOLDERS)}; {HOW_TO_GET}")
@@ -61,7 +71,7 @@ def definitions(folder):
             if lex_filenum in wanted:
                 parts = [p.strip() for p in gloss.split(";")]
                 text = "; ".join(p for p in parts if p and not p.startswith('"'))
-                rows.append((offset, wanted[lex_filenum][len("noun."):], text))
+                rows.append((offset, wanted[lex_filenum][len("noun.") :], text))
     return rows
 
 
@@ -77,7 +87,7 @@ def split_rows(rows, train_per_class, validation_per_class):
     for label, ranked in by_class.items():
         ranked.sort()
         validation += ranked[:validation_per_class]
-        train += ranked[validation_per_class:validation_per_class + train_per_class]
+        train += ranked[validation_per_class : validation_per_class + train_per_class]
     return [row[1:] for row in sorted(train)], [row[1:] for row in sorted(validation)]
 
 
@@ -106,23 +116,31 @@ def write_if_changed(path, text):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--output_dir", default=os.path.join("runs", "text", "wordnet"),
-                        help="where train.csv and validation.csv go")
-    parser.add_argument("--wordnet_dir", default=None,
-                        help=f"the folder holding data.noun; default: the first of {', '.join(WORDNET_FOLDERS)}")
+    parser.add_argument(
+        "--output_dir", default=os.path.join("runs", "text", "wordnet"), help="where train.csv and validation.csv go"
+    )
+    parser.add_argument(
+        "--wordnet_dir",
+        default=None,
+        help=f"the folder holding data.noun; default: the first of {', '.join(WORDNET_FOLDERS)}",
+    )
     args = parser.parse_args(argv)
     try:
         rows = definitions(find_wordnet(args.wordnet_dir))
         train, validation = split_rows(rows, TRAIN_PER_CLASS, VALIDATION_PER_CLASS)
         os.makedirs(args.output_dir, exist_ok=True)
-        wrote = [write_if_changed(os.path.join(args.output_dir, f"{name}.csv"), csv_text(split))
-                 for name, split in (("train", train), ("validation", validation))]
+        wrote = [
+            write_if_changed(os.path.join(args.output_dir, f"{name}.csv"), csv_text(split))
+            for name, split in (("train", train), ("validation", validation))
+        ]
     except (DataError, OSError) as e:
         parser.exit(1, f"error: {e}\n")
     counts = collections.Counter(label for _, label in train)
-    print(f"{'wrote' if any(wrote) else 'up to date:'} {args.output_dir}: train.csv {len(train)} rows, "
-          f"validation.csv {len(validation)} rows; {len(counts)} classes: "
-          + ", ".join(f"{label} {n}" for label, n in sorted(counts.items())))
+    print(
+        f"{'wrote' if any(wrote) else 'up to date:'} {args.output_dir}: train.csv {len(train)} rows, "
+        f"validation.csv {len(validation)} rows; {len(counts)} classes: "
+        + ", ".join(f"{label} {n}" for label, n in sorted(counts.items()))
+    )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ its preload list), as the top-level module `worker_server`.
   variables are hidden meanwhile: code of the script outside `if __name__ == "__main__":` that
   starts a process group must not join the training's as one rank too many.
 """
+
 import importlib
 import json
 import os
@@ -32,8 +33,18 @@ signal.signal(signal.SIGTERM, signal.SIG_IGN)
 import torch.utils.data  # noqa: E402,F401  (after the signal: an import of torch takes seconds)
 
 SERVER = "DATA_WORKER_SERVER"  # data.workers.SERVER
-RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                  "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+RANK_VARIABLES = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def _import_the_script():
@@ -45,16 +56,23 @@ def _import_the_script():
         os.environ.pop("PYTHONPATH", None)
     else:
         os.environ["PYTHONPATH"] = python_path
-    hidden = {name: os.environ.pop(name) for name in list(os.environ)
-              if name in RANK_VARIABLES or name.startswith("TORCHELASTIC_")}
+    hidden = {
+        name: os.environ.pop(name)
+        for name in list(os.environ)
+        if name in RANK_VARIABLES or name.startswith("TORCHELASTIC_")
+    }
     from multiprocessing import spawn
 
     modules = start.pop("modules")
     try:
         spawn.prepare(start)
     except BaseException as e:  # noqa: BLE001  each worker then imports the script itself, and fails where it shows
-        print(f"worker server: importing the script failed ({type(e).__name__}: {e}); each DataLoader worker "
-              "imports it instead", file=sys.stderr, flush=True)
+        print(
+            f"worker server: importing the script failed ({type(e).__name__}: {e}); each DataLoader worker "
+            "imports it instead",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         with open(modules) as f:
             names = json.load(f)

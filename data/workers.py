@@ -5,6 +5,7 @@ or come from multiprocessing itself; nothing here imports accelerate.
 The workers start from multiprocessing's forkserver, whose server imports data/worker_server.py,
 not by fork() of the training process: docs/data.md says why (CPython gh-112275) and what it costs.
 """
+
 import ast
 import functools
 import inspect
@@ -27,7 +28,7 @@ import torch
 # The first fixed release of each line; 3.12 and later have the fix.
 FIXED_IN = {(3, 8): 20, (3, 9): 20, (3, 10): 15, (3, 11): 10}
 FORK_CAN_HANG = sys.version_info < (3, 12) and sys.version_info[2] < FIXED_IN.get(sys.version_info[:2], 1 << 30)
-MAX_PICKLED = 256 * 2 ** 20  # bytes of state (besides tensors) copied to every worker at every epoch
+MAX_PICKLED = 256 * 2**20  # bytes of state (besides tensors) copied to every worker at every epoch
 MAX_STORAGES = 200  # forkserver passes at most 252 file descriptors to a new process, one per shared tensor
 SERVER = "DATA_WORKER_SERVER"  # what the worker server is started with (data/worker_server.py reads it)
 _server_started = False
@@ -55,8 +56,11 @@ def loader_workers(num_workers, dataset, collate_fn=None, worker_init_fn=None):
     if os.name != "posix":  # Windows: spawn, and none of own_process_group's signals
         return {"num_workers": num_workers, "worker_init_fn": worker_init_fn}
     init = functools.partial(own_process_group, then=worker_init_fn) if worker_init_fn else own_process_group
-    return {"num_workers": num_workers, "multiprocessing_context": _start_method(dataset, collate_fn, init),
-            "worker_init_fn": init}
+    return {
+        "num_workers": num_workers,
+        "multiprocessing_context": _start_method(dataset, collate_fn, init),
+        "worker_init_fn": init,
+    }
 
 
 def _start_method(*sent):
@@ -65,16 +69,23 @@ def _start_method(*sent):
         _start_server()  # now: it imports while this process builds its model
         return multiprocessing.get_context("forkserver")
     if FORK_CAN_HANG:
-        warnings.warn(f"DataLoader workers are forked from the training process because {problem[0]}; on this "
-                      f"Python such a fork can hang a worker forever (docs/data.md). Fix: {problem[1]}",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"DataLoader workers are forked from the training process because {problem[0]}; on this "
+            f"Python such a fork can hang a worker forever (docs/data.md). Fix: {problem[1]}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return multiprocessing.get_context("fork")
 
 
 def _is_main_guard(node):
     """`if __name__ == "__main__":` (either way round)."""
-    if not (isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and len(node.test.ops) == 1
-            and isinstance(node.test.ops[0], ast.Eq)):
+    if not (
+        isinstance(node, ast.If)
+        and isinstance(node.test, ast.Compare)
+        and len(node.test.ops) == 1
+        and isinstance(node.test.ops[0], ast.Eq)
+    ):
         return False
     sides = [node.test.left, node.test.comparators[0]]
     names = [side.id for side in sides if isinstance(side, ast.Name)]
@@ -90,8 +101,11 @@ def _main_problem():
     path = getattr(main, "__file__", None)
     # python -c, an interactive session, a notebook kernel: no file; `python - < script`: "<stdin>"
     if path is None or (path.startswith("<") and not os.path.exists(path)):
-        return ("this process has no script file to start them from (standard input, python -c, an interactive "
-                "session or a notebook)", "run the training from a script file")
+        return (
+            "this process has no script file to start them from (standard input, python -c, an interactive "
+            "session or a notebook)",
+            "run the training from a script file",
+        )
     try:
         with open(path, "rb") as f:  # bytes: ast reads the file's own coding declaration
             guards = [node for node in ast.parse(f.read()).body if _is_main_guard(node)]
@@ -102,16 +116,20 @@ def _main_problem():
         frame = frame.f_back
     if guards and (frame is None or any(g.body[0].lineno <= frame.f_lineno <= g.end_lineno for g in guards)):
         return None
-    guard = "`if __name__ == \"__main__\":`"
+    guard = '`if __name__ == "__main__":`'
     where = f"has no {guard}" if not guards else f"builds the DataLoader outside {guard}"
-    return (f"{path} {where}, and a worker server runs the script's other code once more",
-            "put the script's training code under `if __name__ == \"__main__\":`")
+    return (
+        f"{path} {where}, and a worker server runs the script's other code once more",
+        'put the script\'s training code under `if __name__ == "__main__":`',
+    )
 
 
 def _flags_problem():
     if sys.flags.ignore_environment or sys.flags.isolated:
-        return ("Python runs with -E or -I, and the worker server would not find the project's modules",
-                "run Python without -E and -I")
+        return (
+            "Python runs with -E or -I, and the worker server would not find the project's modules",
+            "run Python without -E and -I",
+        )
     return None
 
 
@@ -156,17 +174,24 @@ def _pickle_problem(sent):
         try:
             probe.dump(obj)
         except Exception as e:  # noqa: BLE001  pickle raises many kinds (PicklingError, TypeError, AttributeError)
-            return (f"{type(obj).__name__} cannot be pickled ({type(e).__name__}: {e})",
-                    "keep the dataset's state picklable (module-level functions and classes, no open files "
-                    "or lambdas)")
+            return (
+                f"{type(obj).__name__} cannot be pickled ({type(e).__name__}: {e})",
+                "keep the dataset's state picklable (module-level functions and classes, no open files or lambdas)",
+            )
     if probe.file.size > MAX_PICKLED:
-        return (f"what the workers need pickles to {probe.file.size / 2 ** 20:,.0f} MiB besides tensors, copied to "
-                "each worker at every epoch", "hold large arrays as torch tensors (they travel through shared "
-                "memory), and open big files (np.memmap) in the dataset's __getitem__ or __iter__")
+        return (
+            f"what the workers need pickles to {probe.file.size / 2**20:,.0f} MiB besides tensors, copied to "
+            "each worker at every epoch",
+            "hold large arrays as torch tensors (they travel through shared "
+            "memory), and open big files (np.memmap) in the dataset's __getitem__ or __iter__",
+        )
     if len(probe.storages) > MAX_STORAGES and torch.multiprocessing.get_sharing_strategy() == "file_descriptor":
-        return (f"its {len(probe.storages)} tensors would each take a file descriptor to reach a worker, more "
-                "than a worker's start can pass", "keep the data in a few large tensors (torch.stack), or call "
-                "torch.multiprocessing.set_sharing_strategy(\"file_system\")")
+        return (
+            f"its {len(probe.storages)} tensors would each take a file descriptor to reach a worker, more "
+            "than a worker's start can pass",
+            "keep the data in a few large tensors (torch.stack), or call "
+            'torch.multiprocessing.set_sharing_strategy("file_system")',
+        )
     try:
         free = os.statvfs("/dev/shm")
     except OSError:
@@ -174,10 +199,11 @@ def _pickle_problem(sent):
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # the other ranks of this machine do the same
     budget = free.f_bavail * free.f_frsize // 2 // max(1, local_processes)
     if _shared_memory_planned + probe.new_bytes > budget:
-        return (f"its tensors ({probe.new_bytes / 2 ** 20:,.0f} MiB, {local_processes} process(es) on this machine) "
-                f"do not fit in the free shared memory (/dev/shm: {free.f_bavail * free.f_frsize / 2 ** 20:,.0f} MiB)",
-                "give the machine more shared memory (docker run --shm-size=...), or use 0 workers for data held "
-                "in memory")
+        return (
+            f"its tensors ({probe.new_bytes / 2**20:,.0f} MiB, {local_processes} process(es) on this machine) "
+            f"do not fit in the free shared memory (/dev/shm: {free.f_bavail * free.f_frsize / 2**20:,.0f} MiB)",
+            "give the machine more shared memory (docker run --shm-size=...), or use 0 workers for data held in memory",
+        )
     _shared_memory_planned += probe.new_bytes
     return None
 

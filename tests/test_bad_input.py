@@ -1,4 +1,5 @@
 """Bad input: one clear line naming the problem and the fix, a non-zero exit, nothing written."""
+
 import gzip
 import os
 import shutil
@@ -69,8 +70,9 @@ def test_unknown_dataset_name(tmp_path, capsys):
     assert "invalid choice: 'cifar10'" in error_line(proc)
 
 
-@pytest.mark.parametrize("flag", ["--per_device_train_batch_size", "--per_device_eval_batch_size",
-                                  "--gradient_accumulation_steps"])
+@pytest.mark.parametrize(
+    "flag", ["--per_device_train_batch_size", "--per_device_eval_batch_size", "--gradient_accumulation_steps"]
+)
 def test_zero_batch_size(tmp_path, flag, capsys):
     proc = run_as_script(capsys, "mnist", flag, "0", "--output_dir", tmp_path)
     assert proc.returncode == 2
@@ -80,7 +82,8 @@ def test_zero_batch_size(tmp_path, flag, capsys):
 def test_a_misspelled_or_abbreviated_flag_is_refused(tmp_path, capsys):
     proc = run_as_script(capsys, "mnist", "--lerning_rate", "1e-3", "--output_dir", tmp_path)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
-        "error: unrecognized arguments: --lerning_rate 1e-3 (did you mean --learning_rate?); see mnist.py --help")
+        "error: unrecognized arguments: --lerning_rate 1e-3 (did you mean --learning_rate?); see mnist.py --help"
+    )
     proc = run_as_script(capsys, "mnist", "--learning", "1e-3", "--output_dir", tmp_path)  # no abbreviations
     assert proc.returncode == 2 and "error: unrecognized arguments: --learning 1e-3" in error_line(proc)
 

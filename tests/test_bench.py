@@ -1,4 +1,5 @@
 """The benchmarks run (tiny mode): behaviour only, no timing assertions."""
+
 import contextlib
 import os
 import re
@@ -15,6 +16,7 @@ from conftest import REPO, clean_env
 def time_limit(seconds):
     """For a bench's main() run in this process: past `seconds` (a hang) the test fails, as a timeout
     on its subprocess made it fail; subprocess.run kills the run the bench was waiting on."""
+
     def hung(*_):
         raise TimeoutError(f"the bench still ran after {seconds} s (a hang?)")
 
@@ -52,8 +54,10 @@ def test_compare_reference_refuses_an_unknown_path(capsys):
     with pytest.raises(SystemExit) as exit:
         compare_reference.main(["--tiny", "--paths", "ours_bf16,raw"])
     assert exit.value.code == 2
-    assert "--paths takes names from reference,ours_fp32,ours_bf16,raw_bf16, got 'ours_bf16,raw'" in \
-        capsys.readouterr().err
+    assert (
+        "--paths takes names from reference,ours_fp32,ours_bf16,raw_bf16, got 'ours_bf16,raw'"
+        in capsys.readouterr().err
+    )
 
 
 def test_time_to_accuracy_tiny_mode_reports_runs_and_target(fashion_dir, capsys):
@@ -65,8 +69,9 @@ def test_time_to_accuracy_tiny_mode_reports_runs_and_target(fashion_dir, capsys)
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| 1 |")]
     assert len(rows) == 1 and rows[0].startswith("| 1 | 3 |") and rows[0].endswith("| 500 |"), rows
-    assert "run: `make train-only EPOCHS=1 'EXTRA=--max_train_samples 1280 --max_eval_samples 500 --seed 3'`" \
-        in out  # the command the table ran
+    assert (
+        "run: `make train-only EPOCHS=1 'EXTRA=--max_train_samples 1280 --max_eval_samples 500 --seed 3'`" in out
+    )  # the command the table ran
     assert re.search(r"TARGET >= 91\.00% within 60 s: met by [01] of 1 runs", out)
 
 
@@ -79,47 +84,86 @@ def test_time_to_accuracy_pairs_each_seed_with_its_baseline_in_alternating_order
     def fake_run(out, make_vars, seed):
         made.append((os.path.basename(out), make_vars, seed))
         baseline = "MODEL=convnet_fast" in make_vars
-        return {"command": "make train-only " + " ".join(make_vars), "precision": "no", "seed": seed,
-                "wall": 30.0 if baseline else 33.0, "accuracy": 0.9 if baseline else 0.92, "per_epoch": [0.9],
-                "eval_samples": 500, "epoch_seconds": [1.0]}
+        return {
+            "command": "make train-only " + " ".join(make_vars),
+            "precision": "no",
+            "seed": seed,
+            "wall": 30.0 if baseline else 33.0,
+            "accuracy": 0.9 if baseline else 0.92,
+            "per_epoch": [0.9],
+            "eval_samples": 500,
+            "epoch_seconds": [1.0],
+        }
 
     monkeypatch.setattr(time_to_accuracy, "make_run", fake_run)
-    time_to_accuracy.main(["MIXED_PRECISION=no", "--tiny", "--seeds", "3", "4", "5", "--baseline", "MODEL=convnet_fast"])
+    time_to_accuracy.main(
+        ["MIXED_PRECISION=no", "--tiny", "--seeds", "3", "4", "5", "--baseline", "MODEL=convnet_fast"]
+    )
     tiny = ["EPOCHS=1", "EXTRA=--max_train_samples 1280 --max_eval_samples 500"]
     run, baseline = ["MIXED_PRECISION=no", *tiny], ["MIXED_PRECISION=no", "MODEL=convnet_fast", *tiny]
     # A/B, then B/A: the host's drift hits both variants alike; the baseline adds its variables to the run's
-    assert made == [("run0", run, 3), ("baseline0", baseline, 3), ("baseline1", baseline, 4), ("run1", run, 4),
-                    ("run2", run, 5), ("baseline2", baseline, 5)]
+    assert made == [
+        ("run0", run, 3),
+        ("baseline0", baseline, 3),
+        ("baseline1", baseline, 4),
+        ("run1", run, 4),
+        ("run2", run, 5),
+        ("baseline2", baseline, 5),
+    ]
     out = capsys.readouterr().out
-    assert "\nbaseline: `make train-only MIXED_PRECISION=no MODEL=convnet_fast EPOCHS=1 EXTRA=--max_train_samples " \
-           "1280 --max_eval_samples 500` and other seeds, 3 run(s) (tiny)" in out  # the command its table ran
+    assert (
+        "\nbaseline: `make train-only MIXED_PRECISION=no MODEL=convnet_fast EPOCHS=1 EXTRA=--max_train_samples "
+        "1280 --max_eval_samples 500` and other seeds, 3 run(s) (tiny)" in out
+    )  # the command its table ran
     assert "RATIO wall / baseline wall = 1.100 (per pair: 1.100, 1.100, 1.100); accuracy 0.9200 against 0.9000" in out
     assert re.findall(r"TARGET >= 91\.00% within 60 s: met by (\d) of 3 runs", out) == ["3", "0"]
 
 
 def test_loop_overhead_tiny_mode_runs_its_loops_in_two_processes(fashion_dir):
-    proc = subprocess.run([sys.executable, "bench/loop_overhead.py", "--tiny"], cwd=REPO, env=clean_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "bench/loop_overhead.py", "--tiny"],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # 1 warm-up + 19 turns = 20 steps each (10 an epoch), and every 20th is logged, as train/mnist.py does
     assert "world size 2" in proc.stdout
     assert "logged steps: ours 20..20 (1 records), raw_logged 20..20 (1 records)" in proc.stdout
     rows = [line.split(" | ")[0] for line in proc.stdout.splitlines() if line.startswith("| ")]
     assert rows[1:] == ["| raw", "| raw_logged", "| ours"], rows
-    for name, base in (("raw_logged", "raw DDP"), ("ours", "raw DDP"),
-                       ("ours", r"raw_logged \(accelerate's cost alone\)")):
-        assert re.search(rf"RATIO {name} throughput / {base} throughput = \d+\.\d+ \(median of turns \d+\.\d+\)",
-                         proc.stdout), (name, base)
+    for name, base in (
+        ("raw_logged", "raw DDP"),
+        ("ours", "raw DDP"),
+        ("ours", r"raw_logged \(accelerate's cost alone\)"),
+    ):
+        assert re.search(
+            rf"RATIO {name} throughput / {base} throughput = \d+\.\d+ \(median of turns \d+\.\d+\)", proc.stdout
+        ), (name, base)
 
 
 def test_step_phases_tiny_mode_times_every_phase_on_both_ranks(fashion_dir):
-    proc = subprocess.run([sys.executable, "bench/step_phases.py", "--tiny"], cwd=REPO, env=clean_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "bench/step_phases.py", "--tiny"],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # `auto`: bf16 on a CPU with native bf16, fp32 here (tests/conftest.py limits oneDNN to AVX2)
     assert "20 steps of each loop, alternating, world size 2, mixed_precision=no," in proc.stdout
-    table = {cells[0]: cells[1:] for cells in (line.strip("| ").split(" | ") for line in proc.stdout.splitlines()
-                                               if line.startswith("| ") and not line.startswith("| phase"))}
+    table = {
+        cells[0]: cells[1:]
+        for cells in (
+            line.strip("| ").split(" | ")
+            for line in proc.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| phase")
+        )
+    }
     # the real TrainingLoop's bookkeeping is one public call, after_batch, timed whole (no hook to split it)
     assert list(table) == ["data", "forward", "backward", "step", "zero_grad", "after_batch", "total"]
     us = {phase: list(map(float, cells[:4])) for phase, cells in table.items()}  # raw, ours rank 0; raw, ours rank 1
@@ -127,40 +171,75 @@ def test_step_phases_tiny_mode_times_every_phase_on_both_ranks(fashion_dir):
         assert min(us[phase]) > 0, (phase, us[phase])
     assert us["after_batch"][0] == us["after_batch"][2] == 0 < min(us["after_batch"][1], us["after_batch"][3])
     # 20 steps: the loop logged at step 20 (its --logging_steps) on both ranks, and only then
-    assert re.search(r"after_batch of ours, µs per call: rank 0: logging steps 1 x \d+\.\d, other steps 19 x \d+\.\d; "
-                     r"rank 1: logging steps 1 x \d+\.\d, other steps 19 x \d+\.\d$", proc.stdout, re.M), proc.stdout
+    assert re.search(
+        r"after_batch of ours, µs per call: rank 0: logging steps 1 x \d+\.\d, other steps 19 x \d+\.\d; "
+        r"rank 1: logging steps 1 x \d+\.\d, other steps 19 x \d+\.\d$",
+        proc.stdout,
+        re.M,
+    ), proc.stdout
 
 
 def test_ddp_comm_tiny_mode_times_the_step_with_and_without_its_all_reduce(fashion_dir):
-    proc = subprocess.run([sys.executable, "bench/ddp_comm.py", "--tiny"], cwd=REPO, env=clean_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "bench/ddp_comm.py", "--tiny"],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # tiny: turns of 2 steps (the full bench's are 20)
     assert "2 processes (gloo), 64 samples per process, mixed_precision=no, 2 turns of 2 steps each" in proc.stdout
-    rows = {line.split(" | ")[0].strip("| "): float(line.split(" | ")[1]) for line in proc.stdout.splitlines()
-            if line.startswith("| with") or line.startswith("| without")}
+    rows = {
+        line.split(" | ")[0].strip("| "): float(line.split(" | ")[1])
+        for line in proc.stdout.splitlines()
+        if line.startswith("| with") or line.startswith("| without")
+    }
     assert list(rows) == ["with all-reduce", "without"] and min(rows.values()) > 0, proc.stdout
     # the hook really kept the gradients local: only the model with the all-reduce stayed in step
     assert "the processes' weights after training: with all-reduce the same, without different" in proc.stdout
     assert re.search(r"all_reduce alone, 1 number: \d+\.\d\d ms", proc.stdout)
-    assert re.search(r"RATIO steps/s without the all-reduce / with it = \d+\.\d+ \(median of turns \d+\.\d+\)",
-                     proc.stdout)
+    assert re.search(
+        r"RATIO steps/s without the all-reduce / with it = \d+\.\d+ \(median of turns \d+\.\d+\)", proc.stdout
+    )
 
 
 def test_lm_throughput_tiny_mode_runs_both_loops_in_two_processes(tmp_path):
     from data.prepare import main as prepare_main
 
     words = "the of and a to in is was he for it with as his on be at by had not are but from or".split()
-    (tmp_path / "text.txt").write_text("\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(12))
-                                                 for i in range(300)) + "\n")
-    prepare_main(["--train_file", str(tmp_path / "text.txt"), "--validation_split_percentage", "10", "--tokenizer",
-                  "bytes", "--block_size", "32", "--output_dir", str(tmp_path / "shards")])
-    proc = subprocess.run([sys.executable, "bench/lm_throughput.py", "--tiny", "--dataset_dir", str(tmp_path / "shards")],
-                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=600)
+    (tmp_path / "text.txt").write_text(
+        "\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(12)) for i in range(300)) + "\n"
+    )
+    prepare_main(
+        [
+            "--train_file",
+            str(tmp_path / "text.txt"),
+            "--validation_split_percentage",
+            "10",
+            "--tokenizer",
+            "bytes",
+            "--block_size",
+            "32",
+            "--output_dir",
+            str(tmp_path / "shards"),
+        ]
+    )
+    proc = subprocess.run(
+        [sys.executable, "bench/lm_throughput.py", "--tiny", "--dataset_dir", str(tmp_path / "shards")],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # 1 warm-up + 6 turns each; 4 windows of 32 tokens per process, 2 processes
-    assert "world size 2 on cpu" in proc.stdout and \
-        "(256 tokens per step), 0 reading workers for lm.py; steps taken: raw 7, lm.py 7" in proc.stdout
+    assert (
+        "world size 2 on cpu" in proc.stdout
+        and "(256 tokens per step), 0 reading workers for lm.py; steps taken: raw 7, lm.py 7" in proc.stdout
+    )
     rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| ")]
     assert [r[0] for r in rows[1:3]] == ["| raw", "| lm.py"], rows
     # where each step went: the phases between the clocks, then the wait for the turn's end, which no
@@ -170,26 +249,42 @@ def test_lm_throughput_tiny_mode_runs_both_loops_in_two_processes(tmp_path):
     assert all(v >= 0 for values in phases.values() for v in values[:2]) and phases["forward"][0] > 0, phases
     # each timed phase's median step beside the mean, and lm.py's slowest step, which no median exceeds
     steps = {r[0][2:]: [float(v.strip(" |")) for v in r[4:7]] for r in rows[4:-1]}
-    assert all(raw_median >= 0 and 0 <= lm_median <= lm_slowest for raw_median, lm_median, lm_slowest in steps.values()), \
-        rows
+    assert all(
+        raw_median >= 0 and 0 <= lm_median <= lm_slowest for raw_median, lm_median, lm_slowest in steps.values()
+    ), rows
     assert re.search(r"RATIO lm\.py tokens/s / raw DDP tokens/s = \d+\.\d+ \(median of turns \d+\.\d+\)", proc.stdout)
     for name in ("raw", "lm.py"):
-        assert 0 < float(re.search(rf"MFU {re.escape(name)} = (\d+\.\d+) of the measured matmul peak", proc.stdout)[1]) < 1
+        assert (
+            0 < float(re.search(rf"MFU {re.escape(name)} = (\d+\.\d+) of the measured matmul peak", proc.stdout)[1]) < 1
+        )
 
 
 def test_lm_throughput_without_shards_says_how_to_make_them(tmp_path):
-    proc = subprocess.run([sys.executable, "bench/lm_throughput.py", "--dataset_dir", str(tmp_path)], cwd=REPO,
-                          env=clean_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "bench/lm_throughput.py", "--dataset_dir", str(tmp_path)],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
         f"error: {tmp_path} holds no token shards; run `make train-lm` once (it writes the demo's) or pass "
-        "--dataset_dir with shards of python -m data.prepare --tokenizer ..."]
+        "--dataset_dir with shards of python -m data.prepare --tokenizer ..."
+    ]
 
 
 def test_checkpoint_save_tiny_mode_measures_both_formats_under_ddp():
     # tiny runs one launch, DDP's: the full bench adds FSDP2's, whose row comes from the same worker and
     # table code (FSDP2's sharded and asynchronous saves themselves: tests/test_fsdp2.py)
-    proc = subprocess.run([sys.executable, "bench/checkpoint_save.py", "--tiny"], cwd=REPO, env=clean_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "bench/checkpoint_save.py", "--tiny"],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith(("| MULTI_CPU", "| FSDP2"))]
     assert [r[0] for r in rows] == ["| MULTI_CPU"], proc.stdout
@@ -215,8 +310,11 @@ def test_image_pipeline_times_both_data_paths_and_the_step(tmp_path, capsys):
     image_pipeline.main(["--train_dir", str(tmp_path), "--images", "64", "--batch_size", "16"])
     out = capsys.readouterr().out
     rows = [line.split(" | ")[0] for line in out.splitlines() if line.startswith("| ")]
-    assert rows[1:] == ["| before: decode + transforms every epoch", "| now: kept pixels, own generator",
-                        "| the model's step alone"], rows
+    assert rows[1:] == [
+        "| before: decode + transforms every epoch",
+        "| now: kept pixels, own generator",
+        "| the model's step alone",
+    ], rows
     assert re.search(r"RATIO images/s now / before = \d+\.\d+ \(data path alone: \d+\.\dx\)", out)
 
 
@@ -239,12 +337,29 @@ def test_lm_vs_nanogpt_runs_both_programs_at_nanogpts_cpu_shapes(tmp_path):
         "assert os.path.getsize('data/bytes/train.bin') > os.path.getsize('data/bytes/val.bin') > 0\n"
         "steps = int([a for a in args if a.startswith('--max_iters=')][0].split('=')[1])\n"
         "for i in range(steps + 1):\n"
-        "    print(f'iter {i}: loss 2.0000, time {50 + i % 3}.00ms, mfu 1.00%')\n")
+        "    print(f'iter {i}: loss 2.0000, time {50 + i % 3}.00ms, mfu 1.00%')\n"
+    )
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog.\n" * 400)
-    proc = subprocess.run([sys.executable, "bench/lm_vs_nanogpt.py", "--nanogpt_dir", str(fake), "--text_file",
-                           str(text), "--steps", "30", "--repeats", "1"], cwd=REPO, env=clean_env(),
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "bench/lm_vs_nanogpt.py",
+            "--nanogpt_dir",
+            str(fake),
+            "--text_file",
+            str(text),
+            "--steps",
+            "30",
+            "--repeats",
+            "1",
+        ],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # the fewest steps the bench takes: one block of 10 after the first 20 iterations, whose times
     # (50 + i % 3 ms) give 51.1 (all 31 printed iterations would give 51.0)
@@ -255,11 +370,18 @@ def test_lm_vs_nanogpt_runs_both_programs_at_nanogpts_cpu_shapes(tmp_path):
 
 def test_lm_vs_nanogpt_refuses_a_folder_that_is_not_a_nanogpt_checkout(tmp_path):
     (tmp_path / "train.py").write_text("")
-    proc = subprocess.run([sys.executable, "bench/lm_vs_nanogpt.py", "--nanogpt_dir", str(tmp_path)], cwd=REPO,
-                          env=clean_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "bench/lm_vs_nanogpt.py", "--nanogpt_dir", str(tmp_path)],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
         f"--nanogpt_dir {tmp_path} holds no configurator.py, config/train_shakespeare_char.py; pass a checkout of "
-        "nanoGPT")
+        "nanoGPT"
+    )
 
 
 def test_text_reference_gives_the_reference_sentence_csvs_and_an_offline_accuracy(tmp_path):
@@ -283,12 +405,27 @@ def test_text_reference_gives_the_reference_sentence_csvs_and_an_offline_accurac
     metric.add_batch(predictions=[0], references=[0])
     assert metric.compute() == {"accuracy": 0.75}
 
-    proc = subprocess.run([sys.executable, "bench/text_reference.py", "--reference", str(tmp_path / "none.py"),
-                           "--train_file", "t.csv", "--validation_file", "v.csv"], cwd=REPO, env=clean_env(),
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "bench/text_reference.py",
+            "--reference",
+            str(tmp_path / "none.py"),
+            "--train_file",
+            "t.csv",
+            "--validation_file",
+            "v.csv",
+        ],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].endswith(
         f"--reference {tmp_path / 'none.py'} is not a file; pass transformers' "
-        "examples/pytorch/text-classification/run_glue_no_trainer.py")
+        "examples/pytorch/text-classification/run_glue_no_trainer.py"
+    )
 
 
 def test_host_overhead_tiny_mode_prints_extra_ms_per_loop(fashion_dir, capsys, fresh_accelerate_state):
@@ -301,8 +438,12 @@ def test_host_overhead_tiny_mode_prints_extra_ms_per_loop(fashion_dir, capsys, f
         table = out.split(f"\n{task}: ms per step")[1]
         rows = re.findall(r"^\| (\w+) \| \d+\.\d+ \| [+-]\d+\.\d+ \| [+-]\d+\.\d+ \|$", table, re.M)
         assert rows[:6] == ["raw", "reader", "accelerate", "after_batch", "after_batch_nolog", "ours"], out
-        assert re.search(rf"^breakdown {task}: reading [+-]\d+\.\d+, accelerate's wrappers [+-]\d+\.\d+, after_batch "
-                         r"[+-]\d+\.\d+ \(of which logging [+-]\d+\.\d+\) ms per step$", out, re.M)
+        assert re.search(
+            rf"^breakdown {task}: reading [+-]\d+\.\d+, accelerate's wrappers [+-]\d+\.\d+, after_batch "
+            r"[+-]\d+\.\d+ \(of which logging [+-]\d+\.\d+\) ms per step$",
+            out,
+            re.M,
+        )
         calls = re.search(rf"^accelerate's calls {task}: (.*) µs per step", out, re.M).group(1)
         assert re.findall(r"(\w+) [+-]\d+", calls) == ["accumulate", "forward", "backward", "clip", "step", "zero_grad"]
     extra = re.findall(r"^EXTRA_MS (\w+) = (-?\d+\.\d+)$", out, re.M)  # the last lines, numbers
@@ -320,12 +461,28 @@ def test_dpo_reference_runs_ours_and_trls_dpo_trainer_in_two_processes(tmp_path,
 
     rng = random.Random(0)
     for split, n in (("train", 48), ("validation", 9)):
-        pairs = [{"prompt": f"define {w}\n", "chosen": f"{w} means {rng.choice(WORDS)}", "rejected": f"{v} is a {w}"}
-                 for w, v in (rng.sample(WORDS, 2) for _ in range(n))]
+        pairs = [
+            {"prompt": f"define {w}\n", "chosen": f"{w} means {rng.choice(WORDS)}", "rejected": f"{v} is a {w}"}
+            for w, v in (rng.sample(WORDS, 2) for _ in range(n))
+        ]
         (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
-    dpo_reference.main(["--model_name_or_path", tiny_causal_lm(tmp_path / "gpt2"), "--train_file",
-                        str(tmp_path / "train.jsonl"), "--validation_file", str(tmp_path / "validation.jsonl"),
-                        "--turns", "1", "--per_device_train_batch_size", "4", "--programs", "ours", "trl_precompute"])
+    dpo_reference.main(
+        [
+            "--model_name_or_path",
+            tiny_causal_lm(tmp_path / "gpt2"),
+            "--train_file",
+            str(tmp_path / "train.jsonl"),
+            "--validation_file",
+            str(tmp_path / "validation.jsonl"),
+            "--turns",
+            "1",
+            "--per_device_train_batch_size",
+            "4",
+            "--programs",
+            "ours",
+            "trl_precompute",
+        ]
+    )
     out = capsys.readouterr().out
     assert "| train/dpo.py |" in out and "| DPOTrainer, precompute_ref_log_probs |" in out, out
     assert "RATIO ours / trl_precompute = " in out and "reward accuracy" in out

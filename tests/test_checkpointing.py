@@ -1,5 +1,6 @@
 """Checkpoints: exact resume at any step, real crashes (SIGKILL of a rank, of a save), restarts,
 refusing planted pickles and bad input, and not overwriting an earlier run."""
+
 import json
 import os
 import shutil
@@ -15,8 +16,20 @@ from train.core.output_dir import list_checkpoints
 
 # 1024 samples / batch 32 = 32 steps per epoch, 2 epochs; lr small enough to stay mid-trajectory
 REGRESSION = ["--num_train_epochs", 2, "--learning_rate", 0.01, "--seed", 5]
-MNIST = ["--max_train_samples", 768, "--max_eval_samples", 101, "--num_train_epochs", 2,
-         "--per_device_train_batch_size", 16, "--gradient_accumulation_steps", 2, "--logging_steps", 5]
+MNIST = [
+    "--max_train_samples",
+    768,
+    "--max_eval_samples",
+    101,
+    "--num_train_epochs",
+    2,
+    "--per_device_train_batch_size",
+    16,
+    "--gradient_accumulation_steps",
+    2,
+    "--logging_steps",
+    5,
+]
 
 
 def weights(folder):
@@ -89,8 +102,9 @@ def crash_during_save_and_resume(config, script, step, folder, *args):
     the launch (its output holds both attempts') and the folder of the resumed run."""
     out, kept = folder / "crashed", folder / f"uninterrupted_step_{step}"
     kill = ["--rank", 0, "--step", step, "--marker", folder / "killed", "--during_save", "--keep", kept]
-    proc = kill_launch(config, script, kill, *args, "--resume_from_checkpoint", "latest", "--output_dir", out,
-                       max_restarts=1)
+    proc = kill_launch(
+        config, script, kill, *args, "--resume_from_checkpoint", "latest", "--output_dir", out, max_restarts=1
+    )
     assert proc.returncode == 0 and (folder / "killed").exists() and kept.is_dir(), output_of(proc)
     assert "no checkpoint in" in proc.stdout  # the first attempt started fresh
     same_checkpoint(kept, out / "checkpoints" / f"step_{step:08d}")
@@ -104,8 +118,9 @@ def sigterm_at_step_one_and_resume(config, script, steps, folder, *args):
     folder, to compare with an uninterrupted run."""
     out = folder / "stopped"
     kill = ["--rank", 1, "--step", 1, "--marker", folder / "signalled", "--sigterm", "self"]
-    proc = kill_launch(config, script, kill, *args, "--resume_from_checkpoint", "latest", "--output_dir", out,
-                       max_restarts=1)
+    proc = kill_launch(
+        config, script, kill, *args, "--resume_from_checkpoint", "latest", "--output_dir", out, max_restarts=1
+    )
     said = [line for line in output_of(proc).splitlines() if line.startswith("stopped on SIGTERM at step ")]
     assert proc.returncode == 0 and (folder / "signalled").exists() and len(said) == 1, output_of(proc)
     stop = out / "checkpoints" / "step_00000001"
@@ -125,6 +140,7 @@ def kill_launch(config, script, kill, *args, timeout=300, max_restarts=None):
 
 
 # ----------------------------------------------------------------------------- exact resume
+
 
 def run_regression(config, *args):
     """train/regression.py under `config`: the 1-process one in this process (as `python
@@ -146,24 +162,47 @@ def regression_runs(tmp_path_factory):
     again, the same as the uninterrupted run's 33 (crash_during_save_and_resume). Values: (run folder,
     batch); "restarted": that launch."""
     out = str(tmp_path_factory.mktemp("cpu"))
-    run_regression("cpu", *REGRESSION, "--per_device_train_batch_size", 32, "--checkpointing_steps", 1,
-                   "--output_dir", out)
-    proc, crashed = crash_during_save_and_resume("cpu_2proc", "regression", 33, tmp_path_factory.mktemp("cpu_2proc"),
-                                                 *REGRESSION, "--per_device_train_batch_size", 16,
-                                                 "--checkpointing_steps", 1)
+    run_regression(
+        "cpu", *REGRESSION, "--per_device_train_batch_size", 32, "--checkpointing_steps", 1, "--output_dir", out
+    )
+    proc, crashed = crash_during_save_and_resume(
+        "cpu_2proc",
+        "regression",
+        33,
+        tmp_path_factory.mktemp("cpu_2proc"),
+        *REGRESSION,
+        "--per_device_train_batch_size",
+        16,
+        "--checkpointing_steps",
+        1,
+    )
     return {"cpu": (out, 32), "cpu_2proc": (str(crashed), 16), "restarted": proc}
 
 
 # an epoch's start and its last step (31 batches skipped, the one left also the loader's last), the
 # latter under 2 processes too (an epoch's start under 2: the restart of regression_runs); mid-epoch,
 # the same skip with batches after it, in one process
-@pytest.mark.parametrize("config, step", [
-    pytest.param("cpu", 32, id="epoch_start-cpu"), pytest.param("cpu", 45, id="mid_epoch-cpu"),
-    pytest.param("cpu", 63, id="last_step-cpu"), pytest.param("cpu_2proc", 63, id="last_step-cpu_2proc")])
+@pytest.mark.parametrize(
+    "config, step",
+    [
+        pytest.param("cpu", 32, id="epoch_start-cpu"),
+        pytest.param("cpu", 45, id="mid_epoch-cpu"),
+        pytest.param("cpu", 63, id="last_step-cpu"),
+        pytest.param("cpu_2proc", 63, id="last_step-cpu_2proc"),
+    ],
+)
 def test_regression_resume_is_bit_identical(regression_runs, tmp_path, config, step, capsys):
     full, batch = regression_runs[config]
     out = resume_copy(full, step, str(tmp_path / "resumed"))
-    args = [*REGRESSION, "--per_device_train_batch_size", batch, "--resume_from_checkpoint", "latest", "--output_dir", out]
+    args = [
+        *REGRESSION,
+        "--per_device_train_batch_size",
+        batch,
+        "--resume_from_checkpoint",
+        "latest",
+        "--output_dir",
+        out,
+    ]
     if config == "cpu":
         run_regression(config, *args)
         printed = capsys.readouterr().out
@@ -185,8 +224,19 @@ def test_control_resume_without_the_data_position_differs(regression_runs, tmp_p
     assert meta["data"] == {"epoch": 1, "next_batch": 13}
     meta["data"]["next_batch"] = 0  # what resuming with accelerate's save_state alone does: replay the epoch
     json.dump(meta, open(meta_path, "w"))
-    regression.main(regression.parse_args([*map(str, REGRESSION), "--per_device_train_batch_size", str(batch),
-                                           "--resume_from_checkpoint", "latest", "--output_dir", out]))
+    regression.main(
+        regression.parse_args(
+            [
+                *map(str, REGRESSION),
+                "--per_device_train_batch_size",
+                str(batch),
+                "--resume_from_checkpoint",
+                "latest",
+                "--output_dir",
+                out,
+            ]
+        )
+    )
     assert not identical(weights(out), weights(full))
 
 
@@ -203,12 +253,20 @@ def mnist_1proc_runs(fashion_dir, tmp_path_factory):
             run_main("mnist", *args, "--output_dir", full, "--overwrite_output_dir")
             runs[tuple(extra)] = full, args
         return runs[tuple(extra)]
+
     return run
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
-@pytest.mark.parametrize("step,extra", [(12, []), (24, []), (36, []),  # mid-epoch, epoch boundary, mid-epoch 2
-                                        (36, ["--augment", "--label_smoothing", "0.1"])])
+@pytest.mark.parametrize(
+    "step,extra",
+    [
+        (12, []),
+        (24, []),
+        (36, []),  # mid-epoch, epoch boundary, mid-epoch 2
+        (36, ["--augment", "--label_smoothing", "0.1"]),
+    ],
+)
 def test_mnist_resume_in_process_with_accumulation_is_bit_identical(mnist_1proc_runs, tmp_path, step, extra):
     full, args = mnist_1proc_runs(extra)
     out = resume_copy(full, step, str(tmp_path / "resumed"))
@@ -225,8 +283,12 @@ def mnist_2proc_runs(fashion_dir, tmp_path_factory):
     runs = {}
     for streaming in (False, True):
         root = tmp_path_factory.mktemp("streaming" if streaming else "map_style")
-        args = [*MNIST, "--per_device_train_batch_size", 8,
-                *(["--streaming", "--parquet_dir", root / "parquet"] if streaming else [])]
+        args = [
+            *MNIST,
+            "--per_device_train_batch_size",
+            8,
+            *(["--streaming", "--parquet_dir", root / "parquet"] if streaming else []),
+        ]
         proc = launch("cpu_2proc", "mnist", *args, "--output_dir", root / "full")
         assert proc.returncode == 0, output_of(proc)
         runs[streaming] = (str(root / "full"), args)
@@ -237,15 +299,23 @@ def mnist_2proc_runs(fashion_dir, tmp_path_factory):
 # process group; the launch ends, and a second one resumes it) and to rank 1 alone (streaming: its
 # ranks' exit restarts them, --max_restarts 1, and the restart resumes), after optimizer step 9 of 48
 @pytest.mark.parametrize("streaming, to", [(False, "launcher"), (True, "self")], ids=["map_style", "streaming"])
-def test_sigterm_saves_one_step_on_every_rank_and_the_resume_is_bit_identical(mnist_2proc_runs, tmp_path,
-                                                                              streaming, to):
+def test_sigterm_saves_one_step_on_every_rank_and_the_resume_is_bit_identical(
+    mnist_2proc_runs, tmp_path, streaming, to
+):
     full, args = mnist_2proc_runs[streaming]
     args = [*args, "--dataloader_num_workers", 1 if to == "launcher" else 0]  # the data order is the same
     out = tmp_path / "preempted"
     restart = to == "self"
-    proc = kill_launch("cpu_2proc", "mnist", ["--rank", 1, "--step", 9, "--marker", tmp_path / "signalled",
-                                              "--sigterm", to], *args, "--output_dir", out,
-                       *(["--resume_from_checkpoint", "latest"] if restart else []), max_restarts=1 if restart else None)
+    proc = kill_launch(
+        "cpu_2proc",
+        "mnist",
+        ["--rank", 1, "--step", 9, "--marker", tmp_path / "signalled", "--sigterm", to],
+        *args,
+        "--output_dir",
+        out,
+        *(["--resume_from_checkpoint", "latest"] if restart else []),
+        max_restarts=1 if restart else None,
+    )
     assert (proc.returncode == 0) is restart and (tmp_path / "signalled").exists(), output_of(proc)
     said = [line for line in output_of(proc).splitlines() if line.startswith("stopped on SIGTERM at step ")]
     assert len(said) == 1, output_of(proc)  # from the first process only
@@ -266,8 +336,8 @@ def test_sigterm_saves_one_step_on_every_rank_and_the_resume_is_bit_identical(mn
 
 # ----------------------------------------------------------------------------- crashes
 
-def test_sigkill_during_save_leaves_latest_on_the_previous_checkpoint_and_max_restarts_resumes_there(
-        regression_runs):
+
+def test_sigkill_during_save_leaves_latest_on_the_previous_checkpoint_and_max_restarts_resumes_there(regression_runs):
     """The 2-process launch of regression_runs: checkpoint 33 was finished but unpublished (.tmp-) when
     rank 0 was SIGKILLed; torch elastic's restart found the latest at 32, not 33, and its 33 is the
     uninterrupted run's (weights, optimizer, schedule, both ranks' RNG, data position: compared by
@@ -278,10 +348,13 @@ def test_sigkill_during_save_leaves_latest_on_the_previous_checkpoint_and_max_re
     assert f"resumed from {out}/checkpoints/step_00000032" in proc.stdout
     # the next save of 33 replaced the unpublished one; every step's checkpoint is there, once
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == [f"step_{s:08d}" for s in range(1, 65)]
-    assert list_checkpoints(out)[-1].endswith("step_00000064") and os.path.isfile(os.path.join(out, "model.safetensors"))
+    assert list_checkpoints(out)[-1].endswith("step_00000064") and os.path.isfile(
+        os.path.join(out, "model.safetensors")
+    )
 
 
 # ----------------------------------------------------------------------------- safety and bad input
+
 
 @pytest.fixture(scope="module")
 def one_checkpoint(tmp_path_factory):
@@ -313,7 +386,9 @@ def test_planted_pickle_is_refused_not_executed(one_checkpoint, tmp_path, victim
 
 
 def test_resume_path_missing(tmp_path, capsys):
-    proc = run_as_script(capsys, "regression", "--resume_from_checkpoint", tmp_path / "nope", "--output_dir", tmp_path / "out")
+    proc = run_as_script(
+        capsys, "regression", "--resume_from_checkpoint", tmp_path / "nope", "--output_dir", tmp_path / "out"
+    )
     assert proc.returncode != 0 and "is not a checkpoint (no meta.json there)" in proc.stderr
 
 
@@ -323,12 +398,21 @@ def test_a_mistyped_checkpoint_path_names_the_checkpoints_there(one_checkpoint, 
         proc = run_as_script(capsys, "regression", "--resume_from_checkpoint", typed, "--output_dir", tmp_path / "out")
         assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
             f"error: --resume_from_checkpoint {typed} is not a checkpoint (no meta.json there); pass one of "
-            f"{one_checkpoint} (the newest last) or 'latest'"], output_of(proc)
+            f"{one_checkpoint} (the newest last) or 'latest'"
+        ], output_of(proc)
 
 
 def test_checkpoint_from_another_script(one_checkpoint, tmp_path, capsys):
-    proc = run_as_script(capsys, "mnist", "--resume_from_checkpoint", one_checkpoint, "--max_train_samples", 64,
-                         "--output_dir", tmp_path / "out")
+    proc = run_as_script(
+        capsys,
+        "mnist",
+        "--resume_from_checkpoint",
+        one_checkpoint,
+        "--max_train_samples",
+        64,
+        "--output_dir",
+        tmp_path / "out",
+    )
     assert proc.returncode != 0
     assert "was written by train/regression.py" in proc.stderr and "not train/mnist.py" in proc.stderr
 
@@ -349,15 +433,28 @@ def test_existing_run_is_not_overwritten_unless_asked(tmp_path, capsys):
     proc = run_as_script(capsys, "regression", "--max_train_steps", 3, "--seed", 9, "--output_dir", out)
     assert proc.returncode != 0 and "holds a finished run (step 3); pass --overwrite_output_dir" in proc.stderr
     assert (out / "model.safetensors").read_bytes() == before
-    proc = run_as_script(capsys, "regression", "--max_train_steps", 3, "--seed", 9, "--overwrite_output_dir",
-                         "--output_dir", out)
+    proc = run_as_script(
+        capsys, "regression", "--max_train_steps", 3, "--seed", 9, "--overwrite_output_dir", "--output_dir", out
+    )
     assert proc.returncode == 0 and (out / "model.safetensors").read_bytes() != before
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_keep_last_k_and_epoch_checkpoints(tmp_path):
-    regression.main(regression.parse_args(["--num_train_epochs", "3", "--checkpointing_steps", "epoch",
-                                           "--checkpoints_total_limit", "2", "--output_dir", str(tmp_path)]))
+    regression.main(
+        regression.parse_args(
+            [
+                "--num_train_epochs",
+                "3",
+                "--checkpointing_steps",
+                "epoch",
+                "--checkpoints_total_limit",
+                "2",
+                "--output_dir",
+                str(tmp_path),
+            ]
+        )
+    )
     names = [os.path.basename(p) for p in list_checkpoints(str(tmp_path))]
     assert names == ["step_00000128", "step_00000192"]  # 64 steps per epoch at batch 16
     assert json.load(open(tmp_path / "checkpoints" / names[-1] / "meta.json"))["data"] == {"epoch": 3, "next_batch": 0}

@@ -4,6 +4,7 @@ end; the time limit's signal saves, requeues and resumes bit for bit; a lost nod
 in seconds with one line, and the job goes on at world size 2, requeued by SLURM or by torchrun's
 elastic rendezvous, to the weights of the uninterrupted run. Skipped without the cluster, unless
 REQUIRE_CLUSTER=1 (CI) makes its absence a failure."""
+
 import os
 import re
 import signal
@@ -22,8 +23,21 @@ CLUSTER = os.path.join(CONFIGS, "slurm", "local_cluster.sh")
 # 320 steps of 32 on 4 processes, eval every epoch, checkpoints every 50 steps, the last step's weights.
 # Where a test waits on SLURM (its time-limit check comes every 30 s) or on the other job, a job's ranks
 # are frozen (SIGSTOP) meanwhile, so the job cannot finish first on a fast machine, and they burn no CPU
-ARGS = ["train/regression.py", "--global_batch_size", 32, "--num_train_epochs", 10, "--checkpointing_steps", 50,
-        "--metric_for_best_model", "none", "--mixed_precision", "no", "--seed", 11]
+ARGS = [
+    "train/regression.py",
+    "--global_batch_size",
+    32,
+    "--num_train_epochs",
+    10,
+    "--checkpointing_steps",
+    50,
+    "--metric_for_best_model",
+    "none",
+    "--mixed_precision",
+    "no",
+    "--seed",
+    11,
+]
 
 
 def slurm_env(**extra):
@@ -32,16 +46,36 @@ def slurm_env(**extra):
 
 def sbatch(out, *options, script_args=(), **env):
     """Submits train.sbatch from the repo (its working folder) with the CPU settings; the job's id."""
-    cmd = ["sbatch", "--parsable", "--gpus-per-node", "0", "--cpus-per-task", "2", "--time", "10",
-           "--output", f"{out}.log", *options, SBATCH, *map(str, ARGS), *map(str, script_args), "--output_dir", str(out)]
-    return subprocess.run(cmd, cwd=REPO, env=slurm_env(**env), check=True, capture_output=True,
-                          text=True).stdout.strip().split(";")[0]
+    cmd = [
+        "sbatch",
+        "--parsable",
+        "--gpus-per-node",
+        "0",
+        "--cpus-per-task",
+        "2",
+        "--time",
+        "10",
+        "--output",
+        f"{out}.log",
+        *options,
+        SBATCH,
+        *map(str, ARGS),
+        *map(str, script_args),
+        "--output_dir",
+        str(out),
+    ]
+    return (
+        subprocess.run(cmd, cwd=REPO, env=slurm_env(**env), check=True, capture_output=True, text=True)
+        .stdout.strip()
+        .split(";")[0]
+    )
 
 
 def job(job_id):
     """scontrol's fields of the job (JobState, Restarts, NodeList, ...)."""
-    text = subprocess.run(["scontrol", "-o", "show", "job", job_id], env=slurm_env(), capture_output=True,
-                          text=True).stdout
+    text = subprocess.run(
+        ["scontrol", "-o", "show", "job", job_id], env=slurm_env(), capture_output=True, text=True
+    ).stdout
     return dict(re.findall(r"(\w+)=(\S*)", text))
 
 
@@ -84,13 +118,18 @@ def send(pids, number):
 
 def ranks_of(node, job_id):
     """The job's training processes on the node (`python -u train/regression.py ...`), not its launchers."""
+
     def is_rank(pid):
         try:
             argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
         except OSError:
             return False
-        return (os.path.basename(argv[0]).startswith(b"python") and b"train/regression.py" in argv
-                and b"-m" not in argv and b"launch" not in argv)
+        return (
+            os.path.basename(argv[0]).startswith(b"python")
+            and b"train/regression.py" in argv
+            and b"-m" not in argv
+            and b"launch" not in argv
+        )
 
     return [pid for pid in slurm_processes(node, job_id) if is_rank(pid)]
 
@@ -110,8 +149,12 @@ def reference(uninterrupted):
     info, log = job(job_id), open(f"{out}.log", errors="replace").read()
     assert info["JobState"] == "COMPLETED" and info["NodeList"] == "node[1-2]", (info, log[-3000:])
     assert log.count("world_size=4 ") == 2, log[-3000:]  # one header per node, one world of 4
-    accounted = subprocess.run(["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,NodeList"], env=slurm_env(),
-                               capture_output=True, text=True).stdout
+    accounted = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,NodeList"],
+        env=slurm_env(),
+        capture_output=True,
+        text=True,
+    ).stdout
     assert accounted.split() == ["COMPLETED|node[1-2]"], accounted  # slurmdbd's record
     return out
 
@@ -143,7 +186,9 @@ def test_time_limit_saves_requeues_and_resumes_bit_for_bit(uninterrupted, tmp_pa
     step = int(stopped[0])
     assert f"requeueing job {job_id}" in log and f"resumed from {out}/checkpoints/step_{step:08d}" in log
     assert 50 <= step < 320 and "DataLoader worker" not in log
-    print(f"\ntime limit: signal {signalled:.0f} s after the update, save at step {step}, requeue {requeued:.0f} s after")
+    print(
+        f"\ntime limit: signal {signalled:.0f} s after the update, save at step {step}, requeue {requeued:.0f} s after"
+    )
     assert largest_difference(weights(out), weights(reference(uninterrupted))) == 0.0
 
 
@@ -158,8 +203,9 @@ def test_a_lost_node_ends_the_survivors_and_the_job_goes_on_with_the_node_left(u
     reference_weights = weights(reference(uninterrupted))  # done before the kill, which would end it too
     static, elastic = tmp_path / "static", tmp_path / "elastic"
     static_id = sbatch(static, "--nodes", "2", "--no-requeue")
-    elastic_id = sbatch(elastic, "--nodes", "2", "--no-kill", MIN_NODES="1",
-                        script_args=["--resume_from_checkpoint", "latest"])  # what restarted workers need
+    elastic_id = sbatch(
+        elastic, "--nodes", "2", "--no-kill", MIN_NODES="1", script_args=["--resume_from_checkpoint", "latest"]
+    )  # what restarted workers need
     frozen = {}
     try:
         # each job frozen once it has a checkpoint (its ranks on node1 stopped: node2's wait on them), so
@@ -200,7 +246,9 @@ def test_a_lost_node_ends_the_survivors_and_the_job_goes_on_with_the_node_left(u
         print(f"\nlost node: survivors ended {survivors_ended:.1f} s after the kill, the job {ended:.0f} s after")
         for out in (static, elastic):
             difference = largest_difference(weights(out), reference_weights)
-            print(f"{out.name}: 4 -> 2 processes, largest weight difference from the uninterrupted run {difference:.1e}")
+            print(
+                f"{out.name}: 4 -> 2 processes, largest weight difference from the uninterrupted run {difference:.1e}"
+            )
             assert difference < 1e-5
     finally:
         send([pid for ranks in frozen.values() for pid in ranks], signal.SIGCONT)  # a failure before the kill

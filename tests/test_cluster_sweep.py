@@ -3,6 +3,7 @@ its PostgreSQL database: one sweep process per host; one host's sweep and its tr
 mid-trial, as when a host dies, and the other host's sweep resumes that trial from its latest
 checkpoint; every trial runs once, the URL's password is never shown, and optuna-dashboard serves the
 study from the same URL. Skipped when the cluster is not up, failed then if REQUIRE_CLUSTER=1."""
+
 import json
 import os
 import signal
@@ -31,17 +32,37 @@ def sweep_file(tmp_path, n_trials):
     import yaml
 
     path = tmp_path / "sweep.yaml"
-    path.write_text(yaml.safe_dump({"script": "train/regression.py", "accelerate_config": "accelerate_configs/cpu.yaml",
-                                    "args": ARGS, "n_trials": n_trials, "pruner": "none",
-                                    "space": {"learning_rate": {"low": 0.001, "high": 0.3, "log": True}}}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "script": "train/regression.py",
+                "accelerate_config": "accelerate_configs/cpu.yaml",
+                "args": ARGS,
+                "n_trials": n_trials,
+                "pruner": "none",
+                "space": {"learning_rate": {"low": 0.001, "high": 0.3, "log": True}},
+            }
+        )
+    )
     return path
 
 
 def on_host(node, *command):
     """`ip netns exec NODE COMMAND` under the host's own hostname (the one worker lock files record);
     every exec keeps one process, so the Popen's pid is the command's."""
-    return ["ip", "netns", "exec", node, "unshare", "--uts", "sh", "-c", f'hostname {node} && exec "$@"', "sh",
-            *map(str, command)]
+    return [
+        "ip",
+        "netns",
+        "exec",
+        node,
+        "unshare",
+        "--uts",
+        "sh",
+        "-c",
+        f'hostname {node} && exec "$@"',
+        "sh",
+        *map(str, command),
+    ]
 
 
 def kill_tree(pid):
@@ -79,21 +100,49 @@ def test_two_hosts_share_a_study_and_one_takes_over_the_trial_of_a_host_killed_m
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         dashboard = procs["dashboard"] = subprocess.Popen(
-            [os.path.join(os.path.dirname(sys.executable), "optuna-dashboard"), url, "--host", "127.0.0.1", "--port",
-             str(port)], cwd=REPO, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                os.path.join(os.path.dirname(sys.executable), "optuna-dashboard"),
+                url,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+            cwd=REPO,
+            env=clean_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         for node in ("node1", "node2"):
             logs[node] = tmp_path / f"{node}.out"
             with open(logs[node], "w") as log:
-                procs[node] = subprocess.Popen(on_host(node, sys.executable, "train/sweep.py", path, "--output_dir", out,
-                                                       "--storage", url, "--study_name", name),
-                                               cwd=REPO, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
-                                               start_new_session=True)
+                procs[node] = subprocess.Popen(
+                    on_host(
+                        node,
+                        sys.executable,
+                        "train/sweep.py",
+                        path,
+                        "--output_dir",
+                        out,
+                        "--storage",
+                        url,
+                        "--study_name",
+                        name,
+                    ),
+                    cwd=REPO,
+                    env=clean_env(),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
 
         def wait_for(done, what):
             deadline = time.monotonic() + 300
             while not done():
-                assert all(procs[n].poll() is None for n in ("node1", "node2")) and time.monotonic() < deadline, \
-                    (what, {n: logs[n].read_text() for n in logs})
+                assert all(procs[n].poll() is None for n in ("node1", "node2")) and time.monotonic() < deadline, (
+                    what,
+                    {n: logs[n].read_text() for n in logs},
+                )
                 time.sleep(0.01)
 
         # trial 0 (the first claimed) is held (SIGSTOP) at its first checkpoint, so it is still mid-trial
@@ -104,8 +153,10 @@ def test_two_hosts_share_a_study_and_one_takes_over_the_trial_of_a_host_killed_m
         survivor = "node2" if killed == "node1" else "node1"
         assert worker.split("-")[1] == str(procs[killed].pid), worker
         checkpoints = out / "trials" / "trial_0000" / "checkpoints"
-        wait_for(lambda: checkpoints.is_dir() and any(p.name.startswith("step_") for p in checkpoints.iterdir()),
-                 "a checkpoint of trial 0")
+        wait_for(
+            lambda: checkpoints.is_dir() and any(p.name.startswith("step_") for p in checkpoints.iterdir()),
+            "a checkpoint of trial 0",
+        )
         for pid in descendants(procs[killed].pid):  # its launcher and rank
             os.kill(pid, signal.SIGSTOP)
         wait_for((out / "trials" / "trial_0001.yaml").exists, "trial 1 claimed by the other host")
@@ -156,10 +207,19 @@ def test_a_database_that_does_not_answer_is_one_line_without_its_password(tmp_pa
     from train import sweep
 
     out = tmp_path / "sweep"
-    args = sweep.parse_args([str(sweep_file(tmp_path, 1)), "--output_dir", str(out), "--storage",
-                             f"postgresql://user:{SECRET}@127.0.0.1:1/optuna"])
+    args = sweep.parse_args(
+        [
+            str(sweep_file(tmp_path, 1)),
+            "--output_dir",
+            str(out),
+            "--storage",
+            f"postgresql://user:{SECRET}@127.0.0.1:1/optuna",
+        ]
+    )
     with pytest.raises(UserError) as e:
         sweep.main(args)
-    assert str(e.value).startswith("cannot open the study's storage postgresql://user:***@127.0.0.1:1/optuna: "), e.value
+    assert str(e.value).startswith("cannot open the study's storage postgresql://user:***@127.0.0.1:1/optuna: "), (
+        e.value
+    )
     assert SECRET not in str(e.value)
     assert not out.exists()  # no sweep.json binds the folder to a storage that never answered

@@ -1,4 +1,5 @@
 """Every config in accelerate_configs/ is valid for accelerate's own loader and says what it means."""
+
 import glob
 import os
 import re
@@ -53,9 +54,16 @@ def test_accelerate_test_with_the_readme_command_runs_one_two_process_world(tmp_
     GPU-less machine the shipped 2-process config alone gives two independent 1-process worlds that
     still report success (seen here: `Distributed environment: DistributedType.NO` twice). The README's
     command (ACCELERATE_USE_CPU=1) gives one world of 2."""
+
     def accelerate_test(**env):
-        cmd = [sys.executable, "-c", "from accelerate.commands.accelerate_cli import main; main()", "test",
-               "--config_file", os.path.join(CONFIGS, "cpu_2proc.yaml")]
+        cmd = [
+            sys.executable,
+            "-c",
+            "from accelerate.commands.accelerate_cli import main; main()",
+            "test",
+            "--config_file",
+            os.path.join(CONFIGS, "cpu_2proc.yaml"),
+        ]
         proc = subprocess.run(cmd, cwd=tmp_path, env=clean_env(**env), capture_output=True, text=True, timeout=300)
         return proc.returncode, proc.stdout + proc.stderr
 
@@ -67,9 +75,17 @@ def test_accelerate_test_with_the_readme_command_runs_one_two_process_world(tmp_
 
 @pytest.mark.parametrize("target", ["train", "train-only", "train-images", "train-lm"])
 def test_make_with_a_config_that_does_not_exist_is_one_line_before_anything_runs(target):
-    proc = subprocess.run(["make", "--no-print-directory", target, "CONFIG=accelerate_configs/cpu_2procs.yaml"],
-                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["make", "--no-print-directory", target, "CONFIG=accelerate_configs/cpu_2procs.yaml"],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0 and proc.stdout == "", proc.stdout[-2000:]  # no setup, no launch
-    assert proc.stderr.splitlines()[0] == ("error: CONFIG=accelerate_configs/cpu_2procs.yaml is not a file; pass one "
-                                           "of accelerate_configs/*.yaml or your own (accelerate config --config_file "
-                                           "my.yaml)"), proc.stderr
+    assert proc.stderr.splitlines()[0] == (
+        "error: CONFIG=accelerate_configs/cpu_2procs.yaml is not a file; pass one "
+        "of accelerate_configs/*.yaml or your own (accelerate config --config_file "
+        "my.yaml)"
+    ), proc.stderr

@@ -3,6 +3,7 @@ own (by its manifest.json) is never emptied, one prepare per folder, a missing, 
 unreadable file is one line naming it (at prepare and at training load), a column that cannot become
 a tensor is refused at prepare time, a killed prepare's leftovers are removed by the next one, and a
 full or read-only disk is one line with nothing half-written left looking complete."""
+
 import json
 import os
 import shutil
@@ -75,8 +76,14 @@ def start_paused_prepare(tmp_path, *args):
     paused, go = tmp_path / "paused", tmp_path / "go"
     for f in (paused, go):
         f.unlink(missing_ok=True)
-    proc = subprocess.Popen([sys.executable, "-c", PAUSED_PREPARE, str(paused), str(go), *map(str, args)], cwd=REPO,
-                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PAUSED_PREPARE, str(paused), str(go), *map(str, args)],
+        cwd=REPO,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 60
     while not paused.exists():
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
@@ -89,6 +96,7 @@ def rows_of(folder, split="train"):
 
 
 # ---------------------------------------------------------------------------------------- users' files
+
 
 def test_prepare_never_empties_a_folder_of_the_users_files(tmp_path, capsys, fashion_dir):
     from PIL import Image
@@ -104,13 +112,28 @@ def test_prepare_never_empties_a_folder_of_the_users_files(tmp_path, capsys, fas
     hf.mkdir()
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     pq.write_table(pa.table({"x": [1, 2, 3]}), hf / "train-00000-of-00002.parquet")
     tok = tmp_path / "tok"  # a user's tokenizer, named like the one we save
     tok.mkdir()
     (tok / "tokenizer.json").write_text('{"my": "tokenizer"}')
     before = {d: snapshot(d) for d in (images, hf, tok)}
-    fails(capsys, ["--dataset", "fashion_mnist", "--format", "images", "--max_per_class", "1",
-                   "--data_dir", fashion_dir, "--output_dir", images], "did not write (train/cat/0001.png")
+    fails(
+        capsys,
+        [
+            "--dataset",
+            "fashion_mnist",
+            "--format",
+            "images",
+            "--max_per_class",
+            "1",
+            "--data_dir",
+            fashion_dir,
+            "--output_dir",
+            images,
+        ],
+        "did not write (train/cat/0001.png",
+    )
     fails(capsys, ["--train_file", csv, "--output_dir", hf], "did not write (train-00000-of-00002.parquet)")
     fails(capsys, ["--train_file", txt, "--tokenizer", "bytes", "--output_dir", tok], "did not write (tokenizer.json)")
     fails(capsys, ["--train_file", csv, "--output_dir", hf, "--force"], "did not write")  # --force does not change it
@@ -126,12 +149,19 @@ def test_prepare_never_empties_a_folder_of_the_users_files(tmp_path, capsys, fas
 
 # ---------------------------------------------------------------------------------------- one writer
 
+
 def test_a_second_prepare_of_a_folder_is_refused_naming_the_first_which_finishes_intact(tmp_path):
     csv, out = write_csv(tmp_path / "d.csv"), tmp_path / "out"
     first, go = start_paused_prepare(tmp_path, "--train_file", csv, "--output_dir", out, "--num_shards", "2")
     try:
-        second = subprocess.run(prepare_command("--train_file", csv, "--output_dir", out, "--num_shards", "3"),
-                                cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
+        second = subprocess.run(
+            prepare_command("--train_file", csv, "--output_dir", out, "--num_shards", "3"),
+            cwd=REPO,
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert second.returncode == 1 and len(second.stderr.strip().splitlines()) == 1, second.stderr
         assert f"is in use as a data folder being prepared by pid {first.pid}" in second.stderr, second.stderr
     finally:
@@ -162,6 +192,7 @@ def test_a_killed_prepare_leaves_the_old_set_and_the_next_removes_its_leftovers(
 
 # ---------------------------------------------------------------------------------------- shards vs manifest
 
+
 def test_training_load_refuses_a_missing_cut_or_extra_shard_naming_it(tmp_path, capsys):
     csv, out = write_csv(tmp_path / "d.csv"), tmp_path / "out"
     prepare_main(["--train_file", csv, "--output_dir", out, "--num_shards", "3", "--rows_per_group", "8"])
@@ -171,7 +202,7 @@ def test_training_load_refuses_a_missing_cut_or_extra_shard_naming_it(tmp_path, 
     with pytest.raises(DataError, match=f"{shard} is missing"):
         shards_in(str(out), "train")
     with open(shard, "wb") as f:  # cut short: the size is wrong
-        f.write(saved[:len(saved) // 2])
+        f.write(saved[: len(saved) // 2])
     with pytest.raises(DataError, match=f"{shard} has {len(saved) // 2} bytes, not the {len(saved)}"):
         shards_in(str(out), "train")
     with open(shard, "wb") as f:
@@ -190,7 +221,7 @@ def test_training_load_refuses_a_missing_cut_or_extra_shard_naming_it(tmp_path, 
     mine = tmp_path / "mine"  # the user's own parquet files, no manifest: accepted, a cut one named
     mine.mkdir()
     shutil.copy(shard, mine / "a.parquet")
-    (mine / "b.parquet").write_bytes(saved[:len(saved) // 2])
+    (mine / "b.parquet").write_bytes(saved[: len(saved) // 2])
     assert ParquetSource([str(mine / "a.parquet")]).num_rows == 40
     with pytest.raises(PlanError) as e:
         ParquetSource([str(mine / "a.parquet"), str(mine / "b.parquet")])
@@ -200,18 +231,31 @@ def test_training_load_refuses_a_missing_cut_or_extra_shard_naming_it(tmp_path, 
 def mnist_shards(folder, n=64):
     """A small prepared folder in train/mnist.py's format (image, label; train and test)."""
     for split in ("train", "test"):
-        write_shards({"image": torch.zeros(n, 28, 28, dtype=torch.uint8), "label": torch.arange(n) % 10}, str(folder),
-                     split, 2)
+        write_shards(
+            {"image": torch.zeros(n, 28, 28, dtype=torch.uint8), "label": torch.arange(n) % 10}, str(folder), split, 2
+        )
     write_manifest(str(folder), [], {"dataset": "fashion_mnist"})
 
 
-def test_training_scripts_refuse_a_missing_shard_and_a_garbage_manifest_in_one_line(tmp_path, capsys,
-                                                                                      fresh_accelerate_state):
+def test_training_scripts_refuse_a_missing_shard_and_a_garbage_manifest_in_one_line(
+    tmp_path, capsys, fresh_accelerate_state
+):
     mnist_shards(tmp_path / "shards")
     missing = shards_in(str(tmp_path / "shards"), "train")[0]
     os.remove(missing)
-    proc = run_as_script(capsys, "mnist", "--streaming", "--parquet_dir", tmp_path / "shards", "--output_dir",
-                         tmp_path / "run", "--num_train_epochs", 1, "--per_device_train_batch_size", 8)
+    proc = run_as_script(
+        capsys,
+        "mnist",
+        "--streaming",
+        "--parquet_dir",
+        tmp_path / "shards",
+        "--output_dir",
+        tmp_path / "run",
+        "--num_train_epochs",
+        1,
+        "--per_device_train_batch_size",
+        8,
+    )
     err = proc.stderr.strip()
     assert proc.returncode != 0 and len(err.splitlines()) == 1 and f"{missing} is missing" in err, err
     tokens = tmp_path / "tokens"
@@ -252,12 +296,17 @@ def test_prepare_refuses_a_changed_shard_or_a_garbage_manifest_and_force_rebuild
 
 # ---------------------------------------------------------------------------------------- columns
 
+
 def test_a_column_that_cannot_become_a_tensor_is_refused_at_prepare_naming_it(tmp_path, capsys):
     (tmp_path / "d.csv").write_text("x,color\n" + "".join(f"{i},{'red' if i % 2 else 'blue'}\n" for i in range(20)))
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"x": None if i == 3 else i}) + "\n" for i in range(20)))
     out = tmp_path / "out"
-    fails(capsys, ["--train_file", tmp_path / "d.csv", "--output_dir", out],
-          "column 'color' of the train data holds text, which cannot become a tensor", "--text_column color")
+    fails(
+        capsys,
+        ["--train_file", tmp_path / "d.csv", "--output_dir", out],
+        "column 'color' of the train data holds text, which cannot become a tensor",
+        "--text_column color",
+    )
     fails(capsys, ["--train_file", tmp_path / "d.jsonl", "--output_dir", out], "column 'x'", "1 empty value")
     assert not os.path.exists(out) and not [f for f in os.listdir(tmp_path) if f.startswith(".prepare-")]
     prepare_main(["--train_file", tmp_path / "d.csv", "--output_dir", out, "--text_column", "color"])  # kept as text
@@ -297,13 +346,21 @@ def test_a_full_or_read_only_disk_is_one_line_and_leaves_nothing_looking_complet
     full = ["--train_file", big, "--output_dir", disk / "full"]
     ok = ["--train_file", small, "--output_dir", disk / "ok"]
     new = ["--train_file", small, "--output_dir", disk / "new"]
-    script = (f"mount -t tmpfs -o size=256k tmpfs {disk} && "
-              f"{sys.executable} -c '{DRIVER}' '{runs(full, ok)}' > {tmp_path}/rw.json && "
-              f"mount -o remount,ro {disk} && "
-              f"{sys.executable} -c '{DRIVER}' '{runs(ok, ok + ['--force'], new)}' > {tmp_path}/ro.json && "
-              f"ls -A {disk} > {tmp_path}/listing")
-    proc = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script], cwd=REPO, env=clean_env(),
-                          capture_output=True, text=True, timeout=120)
+    script = (
+        f"mount -t tmpfs -o size=256k tmpfs {disk} && "
+        f"{sys.executable} -c '{DRIVER}' '{runs(full, ok)}' > {tmp_path}/rw.json && "
+        f"mount -o remount,ro {disk} && "
+        f"{sys.executable} -c '{DRIVER}' '{runs(ok, ok + ['--force'], new)}' > {tmp_path}/ro.json && "
+        f"ls -A {disk} > {tmp_path}/listing"
+    )
+    proc = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     full_run, ok_run = json.load(open(tmp_path / "rw.json"))
     again, forced, fresh = json.load(open(tmp_path / "ro.json"))

@@ -2,6 +2,7 @@
 entries to leave out) parsed into (headword, definition); pairs split by the dictionary's own document
 split; files written whole, and not again; the one-line refusal without GCIDE; and, where GCIDE is
 installed or unpacked (make gcide), a slice of the real dictionary."""
+
 import gzip
 import itertools
 import json
@@ -17,50 +18,67 @@ from data.text import GCIDE_HOW_TO_GET, VALIDATION_EVERY, find_gcide, gcide_docu
 # Entries as dict-gcide's text has them (a few cut short), with what parse_entry must give
 ENTRIES = [
     # an etymology over two lines, a quotation and a citation after the first sense, a second sense
-    ('Donative \\Don"a*tive\\, n. [L. donativum, fr. donare: cf. F.\n   donatif. See {Donate}.]\n'
-     '   1. A gift; a largess; a gratuity; a present. "The Romans were\n      entertained with shows and donatives."'
-     ' --Dryden.\n      [1913 Webster]\n\n   2. (Eccl. Law) A benefice conferred on a person by the\n'
-     '      founder or patron.\n      [1913 Webster]',
-     ("Donative", "A gift; a largess; a gratuity; a present.")),
+    (
+        'Donative \\Don"a*tive\\, n. [L. donativum, fr. donare: cf. F.\n   donatif. See {Donate}.]\n'
+        '   1. A gift; a largess; a gratuity; a present. "The Romans were\n      entertained with shows and donatives."'
+        " --Dryden.\n      [1913 Webster]\n\n   2. (Eccl. Law) A benefice conferred on a person by the\n"
+        "      founder or patron.\n      [1913 Webster]",
+        ("Donative", "A gift; a largess; a gratuity; a present."),
+    ),
     # a field label, subsenses (a) and (b), a cross-reference in braces
-    ('Auricle \\Au"ri*cle\\, n. [L. auricula, dim. of auris ear. See\n   {Ear}.]\n   1. (Anat.)\n'
-     '      (a) The external ear, or that part of the ear which is\n          prominent from the head.\n'
-     '      (b) The chamber, or one of the two chambers, of the heart.\n          See {Heart}.\n'
-     '          [1913 Webster]\n\n   2. (Zool.) An angular or ear-shaped lobe.\n      [1913 Webster]',
-     ("Auricle", "The external ear, or that part of the ear which is prominent from the head.")),
+    (
+        'Auricle \\Au"ri*cle\\, n. [L. auricula, dim. of auris ear. See\n   {Ear}.]\n   1. (Anat.)\n'
+        "      (a) The external ear, or that part of the ear which is\n          prominent from the head.\n"
+        "      (b) The chamber, or one of the two chambers, of the heart.\n          See {Heart}.\n"
+        "          [1913 Webster]\n\n   2. (Zool.) An angular or ear-shaped lobe.\n      [1913 Webster]",
+        ("Auricle", "The external ear, or that part of the ear which is prominent from the head."),
+    ),
     # a pronunciation in parentheses, derived forms after " -- {", accented letters in [mark letter]
-    ('Blamable \\Blam"a*ble\\ (bl[=a]m"[.a]*b\'l), a. [Cf. F.\n   bl[^a]mable.]\n'
-     '   Deserving of censure; faulty; culpable; reprehensible;\n'
-     '   censurable; blameworthy. -- {Blam"a*ble*ness}, n. --\n   {Blam"a*bly}, adv.\n   [1913 Webster]',
-     ("Blamable", "Deserving of censure; faulty; culpable; reprehensible; censurable; blameworthy.")),
+    (
+        'Blamable \\Blam"a*ble\\ (bl[=a]m"[.a]*b\'l), a. [Cf. F.\n   bl[^a]mable.]\n'
+        "   Deserving of censure; faulty; culpable; reprehensible;\n"
+        '   censurable; blameworthy. -- {Blam"a*ble*ness}, n. --\n   {Blam"a*bly}, adv.\n   [1913 Webster]',
+        ("Blamable", "Deserving of censure; faulty; culpable; reprehensible; censurable; blameworthy."),
+    ),
     # the headword's acute accents, which the dictd text writes as 'e, come back from the pronunciation
-    ('Pis\'e \\Pi`s[\'e]"\\, n. [F.]\n   Rammed earth or clay used to form walls, as in a\n   caf[\'e]. [Obs.]\n'
-     '   [1913 Webster]',
-     ("Pisé", "Rammed earth or clay used to form walls, as in a café.")),
+    (
+        "Pis'e \\Pi`s['e]\"\\, n. [F.]\n   Rammed earth or clay used to form walls, as in a\n   caf['e]. [Obs.]\n"
+        "   [1913 Webster]",
+        ("Pisé", "Rammed earth or clay used to form walls, as in a café."),
+    ),
     # two headwords over two lines, a label after the part of speech, a source line running on into the next entry
-    ('Tetradynamian \\Tet`ra*dy*na"mi*an\\, Tetradynamous\n\\Tet`ra*dyn"a*mous\\, a. (Bot.)\n'
-     '   Belonging to the order Tetradynamia; having six stamens, four\n   of which are uniformly longer than the'
-     ' others.\n   [1913 Webster] Tetragon',
-     ("Tetradynamian", "Belonging to the order Tetradynamia; having six stamens, four of which are uniformly longer "
-                       "than the others.")),
+    (
+        'Tetradynamian \\Tet`ra*dy*na"mi*an\\, Tetradynamous\n\\Tet`ra*dyn"a*mous\\, a. (Bot.)\n'
+        "   Belonging to the order Tetradynamia; having six stamens, four\n   of which are uniformly longer than the"
+        " others.\n   [1913 Webster] Tetragon",
+        (
+            "Tetradynamian",
+            "Belonging to the order Tetradynamia; having six stamens, four of which are uniformly longer "
+            "than the others.",
+        ),
+    ),
     # WordNet's entries: lowercase, numbered, synonyms after a blank line, "Also See:" pointers
-    ('bangtail \\bang"tail\\ n.\n   1. a horse bred for racing. Also See: racehorse.\n\n'
-     '   Syn: racehorse, race horse.\n        [WordNet 1.5]',
-     ("bangtail", "A horse bred for racing.")),
+    (
+        'bangtail \\bang"tail\\ n.\n   1. a horse bred for racing. Also See: racehorse.\n\n'
+        "   Syn: racehorse, race horse.\n        [WordNet 1.5]",
+        ("bangtail", "A horse bred for racing."),
+    ),
     # a stray source line before the first sense, the text of the previous entry before the headword
-    ('for.                                        --Locke.\nIrritant \\Ir"ri*tant\\, n. [Cf. F. irritant.]\n'
-     '   [1913 Webster]\n   1. That which irritates or excites.\n      [1913 Webster]\n\n'
-     '   2. (Physiol. & Med.) Any agent by which irritation is\n      produced.\n      [1913 Webster]',
-     ("Irritant", "That which irritates or excites.")),
+    (
+        'for.                                        --Locke.\nIrritant \\Ir"ri*tant\\, n. [Cf. F. irritant.]\n'
+        "   [1913 Webster]\n   1. That which irritates or excites.\n      [1913 Webster]\n\n"
+        "   2. (Physiol. & Med.) Any agent by which irritation is\n      produced.\n      [1913 Webster]",
+        ("Irritant", "That which irritates or excites."),
+    ),
     # left out: a pointer, an inflection, too short, a suffix, a number, a lost character, a phrase only, no headword
     ('Marmozet \\Mar"mo*zet`\\, n.\n   See {Marmoset}.\n   [1913 Webster]', None),
-    ('Red \\Red\\,\n   imp. & p. p. of {Read}.\n   [1913 Webster]', None),
-    ('Straik \\Straik\\, n.\n   A strake.\n   [1913 Webster]', None),
-    ('-ling \\-ling\\ (-l[i^]ng).\n   A noun suffix having a diminutive force.\n   [1913 Webster]', None),
-    ('24 \\24\\ adj.\n   1. being four more than twenty.\n\n   Syn: twenty-four, xxiv.\n        [WordNet 1.5]', None),
+    ("Red \\Red\\,\n   imp. & p. p. of {Read}.\n   [1913 Webster]", None),
+    ("Straik \\Straik\\, n.\n   A strake.\n   [1913 Webster]", None),
+    ("-ling \\-ling\\ (-l[i^]ng).\n   A noun suffix having a diminutive force.\n   [1913 Webster]", None),
+    ("24 \\24\\ adj.\n   1. being four more than twenty.\n\n   Syn: twenty-four, xxiv.\n        [WordNet 1.5]", None),
     ('Kibble \\Kib"ble\\, n.\n   A large bucket for raising ore from a m[-i]ne.\n   [1913 Webster]', None),
-    ('Gag \\Gag\\, n.\n   {Gag rein} (Harness), a rein for drawing the bit upward.\n   [1913 Webster]', None),
-    ('[1913 Webster]\n\n   2. (Min.) A rose-red mineral, a hydrous arseniate of cobalt.\n   [1913 Webster]', None),
+    ("Gag \\Gag\\, n.\n   {Gag rein} (Harness), a rein for drawing the bit upward.\n   [1913 Webster]", None),
+    ("[1913 Webster]\n\n   2. (Min.) A rose-red mineral, a hydrous arseniate of cobalt.\n   [1913 Webster]", None),
 ]
 
 
@@ -70,10 +88,12 @@ def test_entries_give_their_headword_and_first_definition():
 
 
 def test_a_definition_over_the_length_limit_is_left_out():
-    long = 'Zinc \\Zinc\\, n.\n   An abundant element' + ", bluish white" * 30 + ".\n   [1913 Webster]"
+    long = "Zinc \\Zinc\\, n.\n   An abundant element" + ", bluish white" * 30 + ".\n   [1913 Webster]"
     assert definitions.parse_entry(long) is None
-    assert definitions.parse_entry(long.replace(", bluish white" * 30, ", bluish white")) == \
-        ("Zinc", "An abundant element, bluish white.")
+    assert definitions.parse_entry(long.replace(", bluish white" * 30, ", bluish white")) == (
+        "Zinc",
+        "An abundant element, bluish white.",
+    )
 
 
 def dictd(n):
@@ -104,7 +124,7 @@ def fake_gcide(folder, documents):
 
 
 def entry(word, definition):
-    return f'{word} \\{word}\\, n.\n   {definition}\n   [1913 Webster]'
+    return f"{word} \\{word}\\, n.\n   {definition}\n   [1913 Webster]"
 
 
 WORDS = ["".join(letters).capitalize() for letters in itertools.product("bcdfg", "aeiou", "lmnrst", "aeiou")][:300]
@@ -175,8 +195,9 @@ def test_missing_gcide_is_one_line_and_exit_1(tmp_path, capsys):
         definitions.main(["--gcide_dir", str(tmp_path / "none"), "--output_dir", str(tmp_path / "out")])
     assert exit_info.value.code == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"error: the GCIDE dictionary (gcide.index, gcide.dict.dz) is not "
-                                                   f"in {tmp_path / 'none'}; ")
+    assert err.count("\n") == 1 and err.startswith(
+        f"error: the GCIDE dictionary (gcide.index, gcide.dict.dz) is not in {tmp_path / 'none'}; "
+    )
     assert GCIDE_HOW_TO_GET in err
     assert not (tmp_path / "out").exists()
 
@@ -197,5 +218,5 @@ def test_the_real_dictionary_gives_clean_pairs():
     for word, definition in train + validation:
         assert definitions.MIN_DEFINITION_CHARS <= len(definition) <= definitions.MAX_DEFINITION_CHARS
         assert definition.endswith(".") and definition[0].isalnum()
-        assert not re.search(r'[\\{}\[\]*]|--[A-Z]', definition), definition
+        assert not re.search(r"[\\{}\[\]*]|--[A-Z]", definition), definition
         assert word == word.strip() and "\\" not in word and "\n" not in word

@@ -8,6 +8,7 @@ reference's log-probabilities are computed once and found again by the restart; 
 the model with its adapters off, under DDP and FSDP2. The formulas equal TRL's DPOTrainer's on one
 batch (sigmoid, ipo, robust). Then: SIGTERM and SIGKILL resumes are bit-identical, conversations score
 only the last assistant turn, the folder generates, bad input is one line each."""
+
 import json
 import random
 
@@ -18,12 +19,31 @@ from conftest import launch, output_of, run_as_script, run_main
 from data.errors import DataError
 from data.preferences import PairBatch, encode_pairs, pair_segments
 from hf_models import WORDS, tiny_bert, tiny_causal_lm
-from test_checkpointing import (crash_during_save_and_resume, identical, largest_difference,
-                                sigterm_at_step_one_and_resume, weights)
+from test_checkpointing import (
+    crash_during_save_and_resume,
+    identical,
+    largest_difference,
+    sigterm_at_step_one_and_resume,
+    weights,
+)
 
 N_VALIDATION = 21  # odd: fills no batch of any size used here
-STEPS = ["--max_train_steps", 6, "--checkpointing_steps", 3, "--eval_steps", 3, "--logging_steps", 2,
-         "--mixed_precision", "no", "--learning_rate", 2e-3, "--beta", 0.2]
+STEPS = [
+    "--max_train_steps",
+    6,
+    "--checkpointing_steps",
+    3,
+    "--eval_steps",
+    3,
+    "--logging_steps",
+    2,
+    "--mixed_precision",
+    "no",
+    "--learning_rate",
+    2e-3,
+    "--beta",
+    0.2,
+]
 COLUMNS = {"prompt": "prompt", "chosen": "chosen", "rejected": "rejected"}
 
 
@@ -38,8 +58,13 @@ def preferences(n, seed):
     out = []
     for _ in range(n):
         word, other = rng.sample(WORDS, 2)
-        out.append({"prompt": f"define {word} {say(rng, 11)}\n", "chosen": f"{word} means {say(rng, 28)}",
-                    "rejected": f"{other} is {say(rng, 28)}"})
+        out.append(
+            {
+                "prompt": f"define {word} {say(rng, 11)}\n",
+                "chosen": f"{word} means {say(rng, 28)}",
+                "rejected": f"{other} is {say(rng, 28)}",
+            }
+        )
     return out
 
 
@@ -48,10 +73,17 @@ def conversations(n, seed):
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        shared = [{"role": "user", "content": say(rng, 6)}, {"role": "assistant", "content": say(rng, 6)},
-                  {"role": "user", "content": say(rng, 6)}]
-        out.append({"chosen": shared + [{"role": "assistant", "content": say(rng, 9)}],
-                    "rejected": shared + [{"role": "assistant", "content": say(rng, 9)}]})
+        shared = [
+            {"role": "user", "content": say(rng, 6)},
+            {"role": "assistant", "content": say(rng, 6)},
+            {"role": "user", "content": say(rng, 6)},
+        ]
+        out.append(
+            {
+                "chosen": shared + [{"role": "assistant", "content": say(rng, 9)}],
+                "rejected": shared + [{"role": "assistant", "content": say(rng, 9)}],
+            }
+        )
     return out
 
 
@@ -64,16 +96,30 @@ def write_jsonl(path, records):
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("dpo")
-    return {"gpt2": tiny_causal_lm(root / "gpt2"), "llama": tiny_causal_lm(root / "llama", "llama", chat=True),
-            "train": write_jsonl(root / "train.jsonl", preferences(96, 0)),
-            "validation": write_jsonl(root / "validation.jsonl", preferences(N_VALIDATION, 1)),
-            "chat": write_jsonl(root / "chat.jsonl", conversations(40, 2)), "cache": str(root / "tokens"),
-            "root": root}
+    return {
+        "gpt2": tiny_causal_lm(root / "gpt2"),
+        "llama": tiny_causal_lm(root / "llama", "llama", chat=True),
+        "train": write_jsonl(root / "train.jsonl", preferences(96, 0)),
+        "validation": write_jsonl(root / "validation.jsonl", preferences(N_VALIDATION, 1)),
+        "chat": write_jsonl(root / "chat.jsonl", conversations(40, 2)),
+        "cache": str(root / "tokens"),
+        "root": root,
+    }
 
 
 def args_for(data, *extra, model="gpt2"):
-    return ["--model_name_or_path", data[model], "--train_file", data["train"], "--validation_file", data["validation"],
-            "--cache_dir", data["cache"], *STEPS, *extra]
+    return [
+        "--model_name_or_path",
+        data[model],
+        "--train_file",
+        data["train"],
+        "--validation_file",
+        data["validation"],
+        "--cache_dir",
+        data["cache"],
+        *STEPS,
+        *extra,
+    ]
 
 
 def dpo_run(config, data, out, *extra, model="gpt2"):
@@ -89,8 +135,13 @@ ACCUMULATED = ["--per_device_train_batch_size", 2, "--gradient_accumulation_step
 def one(data):
     """1 process x 8, in this process: the reference of the tests below."""
     out = data["root"] / "one"
-    run_main("dpo", *args_for(data, "--per_device_train_batch_size", 8, "--eval_on_start"), "--output_dir", out,
-             through_run=True)
+    run_main(
+        "dpo",
+        *args_for(data, "--per_device_train_batch_size", 8, "--eval_on_start"),
+        "--output_dir",
+        out,
+        through_run=True,
+    )
     return out
 
 
@@ -139,15 +190,18 @@ def test_the_usual_mean_per_micro_batch_would_take_another_step(data, capsys):
             batch = PairBatch(tokenizer.eos_token_id)({k: [v[i] for i in group] for k, v in rows.items()})
             with torch.no_grad():
                 ref = sequence_logps(reference(input_ids=batch["input_ids"]).logits, batch["labels"])
-            logps = sequence_logps(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
-                                   batch["labels"])
+            logps = sequence_logps(
+                model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, batch["labels"]
+            )
             losses, _, _ = preference_loss(logps, ref + 0.5, batch["targets"], "sigmoid", 0.5)
             (losses.sum() / 8 if per_pair else losses.mean() / len(groups)).backward()
         optimizer.step()
         return model.state_dict()
 
     whole = step([range(8)], True)
-    ours, mean = (largest_difference(whole, step([[0], [1, 2, 3], [4], [5, 6, 7]], per_pair)) for per_pair in (True, False))
+    ours, mean = (
+        largest_difference(whole, step([[0], [1, 2, 3], [4], [5, 6, 7]], per_pair)) for per_pair in (True, False)
+    )
     with capsys.disabled():
         print(f"\none batch vs 4 micro-batches: per pair {ours:.1e}, mean per micro-batch {mean:.1e}")
     assert ours < 1e-5 < 1e-4 < mean
@@ -177,17 +231,38 @@ def test_loss_and_metrics_equal_trls_dpo_trainer(data, loss_type, label_smoothin
     rows, _ = encode_pairs(tokenizer, pairs, 512, "error", "train", chat)
     batch = PairBatch(tokenizer.eos_token_id)(rows)
     with torch.no_grad():
-        logps = [sequence_logps(AutoModelForCausalLM.from_pretrained(folder).eval()(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, batch["labels"])
-            for folder in (policy, other)]
-    ours = {k: v.float().mean().item() for k, v in pair_metrics(*logps, batch["targets"], loss_type, 0.3,
-                                                                label_smoothing).items()}
-    config = trl.DPOConfig(output_dir=str(tmp_path / "trl"), beta=0.3, loss_type=[loss_type],
-                           label_smoothing=label_smoothing, per_device_eval_batch_size=12, report_to=[], use_cpu=True,
-                           bf16=False, max_length=None)
-    trainer = trl.DPOTrainer(model=AutoModelForCausalLM.from_pretrained(policy),
-                             ref_model=AutoModelForCausalLM.from_pretrained(other), args=config,
-                             processing_class=tokenizer, train_dataset=_dataset(records), eval_dataset=_dataset(records))
+        logps = [
+            sequence_logps(
+                AutoModelForCausalLM.from_pretrained(folder)
+                .eval()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                .logits,
+                batch["labels"],
+            )
+            for folder in (policy, other)
+        ]
+    ours = {
+        k: v.float().mean().item()
+        for k, v in pair_metrics(*logps, batch["targets"], loss_type, 0.3, label_smoothing).items()
+    }
+    config = trl.DPOConfig(
+        output_dir=str(tmp_path / "trl"),
+        beta=0.3,
+        loss_type=[loss_type],
+        label_smoothing=label_smoothing,
+        per_device_eval_batch_size=12,
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        max_length=None,
+    )
+    trainer = trl.DPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(policy),
+        ref_model=AutoModelForCausalLM.from_pretrained(other),
+        args=config,
+        processing_class=tokenizer,
+        train_dataset=_dataset(records),
+        eval_dataset=_dataset(records),
+    )
     theirs = trainer.evaluate()
     assert 0 < ours["rewards/accuracies"] < 1 and abs(ours["rewards/margins"]) > 1e-3, ours  # not a trivial batch
     for name, value in ours.items():
@@ -196,8 +271,8 @@ def test_loss_and_metrics_equal_trls_dpo_trainer(data, loss_type, label_smoothin
 
 # ------------------------------------------------------------------------------------ the reference and resume
 
-def test_sigterm_saves_at_one_step_and_the_resume_finds_the_reference_and_is_bit_identical(data, accumulated,
-                                                                                            tmp_path):
+
+def test_sigterm_saves_at_one_step_and_the_resume_finds_the_reference_and_is_bit_identical(data, accumulated, tmp_path):
     """Its own token cache: the first attempt computes the reference's log-probabilities, the restart finds
     them and ends where the uninterrupted 2 x 2 x 2 run ended."""
     args = args_for(data, *ACCUMULATED)
@@ -237,14 +312,17 @@ def test_fsdp2_takes_the_steps_of_one_process_with_either_reference(data, one, l
     adapters = tmp_path / "lora"
     proc = dpo_run("fsdp2_cpu_2proc", data, adapters, *lora_args(data), model="llama")
     assert "fsdp2: fully_shard over 2 CPU processes" in proc.stdout
-    differences = [largest_difference(weights(full), weights(one)),
-                   largest_difference(weights(adapters), weights(lora[1]))]
+    differences = [
+        largest_difference(weights(full), weights(one)),
+        largest_difference(weights(adapters), weights(lora[1])),
+    ]
     with capsys.disabled():
         print(f"\n1x8 vs FSDP2 2x4 {differences[0]:.2e}; LoRA DDP vs FSDP2 {differences[1]:.2e}")
     assert max(differences) < 2e-5, differences
 
 
 # ------------------------------------------------------------------------------------ conversations, outputs
+
 
 def test_conversations_score_only_the_last_assistant_turn(data):
     from transformers import AutoTokenizer
@@ -265,8 +343,19 @@ def test_conversations_score_only_the_last_assistant_turn(data):
 
 def test_llama_tunes_on_conversations_and_its_folder_answers_a_user_turn(data, tmp_path, capsys):
     out = tmp_path / "chat"
-    proc = run_as_script(capsys, "dpo", "--model_name_or_path", data["llama"], "--train_file", data["chat"],
-                         "--cache_dir", data["cache"], *STEPS, "--output_dir", out)
+    proc = run_as_script(
+        capsys,
+        "dpo",
+        "--model_name_or_path",
+        data["llama"],
+        "--train_file",
+        data["chat"],
+        "--cache_dir",
+        data["cache"],
+        *STEPS,
+        "--output_dir",
+        out,
+    )
     assert proc.returncode == 0 and "validation (10% of --train_file held out) 4 pairs" in proc.stdout, output_of(proc)
     assert json.load(open(out / "args.json"))["conversational"] is True
     proc = run_as_script(capsys, "dpo", "--output_dir", out, "--prompt", "quick animal", "--max_new_tokens", 3)
@@ -281,6 +370,7 @@ def test_llama_tunes_on_conversations_and_its_folder_answers_a_user_turn(data, t
 
 
 # ------------------------------------------------------------------------------------ bad input, one line each
+
 
 def bad(capsys, *args, code=1):
     proc = run_as_script(capsys, "dpo", *args)
@@ -298,8 +388,10 @@ def test_bad_input_is_one_line_and_writes_no_run(data, tmp_path, capsys):
     same = write_jsonl(tmp_path / "same.jsonl", [{**r, "rejected": r["chosen"]} for r in preferences(20, 4)])
     line = bad(capsys, *gpt2, "--train_file", same, *common)
     assert "the chosen response is the rejected one: nothing to prefer" in line, line
-    empty = write_jsonl(tmp_path / "empty.jsonl", preferences(10, 5) + [{"prompt": "define tree\n", "chosen": "",
-                                                                         "rejected": "a stone"}])
+    empty = write_jsonl(
+        tmp_path / "empty.jsonl",
+        preferences(10, 5) + [{"prompt": "define tree\n", "chosen": "", "rejected": "a stone"}],
+    )
     line = bad(capsys, *gpt2, "--train_file", empty, "--validation_file", data["validation"], *common)
     assert "pair 10 ('define tree') has an empty chosen response" in line, line
     line = bad(capsys, *gpt2, "--train_file", data["train"], "--max_seq_length", 3, *common)

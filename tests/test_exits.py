@@ -1,6 +1,7 @@
 """How a run ends: its workers die with their launcher, Ctrl-C is one line and exit 130 (that the
 last line under `accelerate launch` is our error: test_first_hour.py), a full, read-only or
 unwritable disk is one line, and `--mixed_precision auto` obeys a config file's answer, 'no' included."""
+
 import errno
 import os
 import re
@@ -17,10 +18,26 @@ from train.core import accelerator as accelerator_module
 from train.core.accelerator import check_writable, choose_mixed_precision
 from train.core.run import run
 
-TINY_MNIST = ["--model", "convnet_fast", "--max_train_samples", 2000, "--max_eval_samples", 100,
-              "--num_train_epochs", 1]
-LONG_MNIST = ["--model", "convnet_fast", "--max_train_samples", 20000, "--max_eval_samples", 100,
-              "--num_train_epochs", 3]
+TINY_MNIST = [
+    "--model",
+    "convnet_fast",
+    "--max_train_samples",
+    2000,
+    "--max_eval_samples",
+    100,
+    "--num_train_epochs",
+    1,
+]
+LONG_MNIST = [
+    "--model",
+    "convnet_fast",
+    "--max_train_samples",
+    20000,
+    "--max_eval_samples",
+    100,
+    "--num_train_epochs",
+    3,
+]
 
 
 def nonempty_lines(text):
@@ -41,8 +58,15 @@ def start(cmd, log):
     surviving worker could hold open). Ctrl-C reaches it as it would from a terminal even when the suite
     itself runs in the background, where the shell sets SIGINT to be ignored and children inherit that."""
     with open(log, "w") as f:
-        return subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=clean_env(), stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        return subprocess.Popen(
+            [str(c) for c in cmd],
+            cwd=REPO,
+            env=clean_env(),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
 
 
 def wait_for(condition, proc, seconds=240):
@@ -74,16 +98,33 @@ def mount(tmp_path):
 
 # ----------------------------------------------------------------------------- the launcher dies
 
-@pytest.mark.parametrize("launcher, processes", [(["--config_file", os.path.join(CONFIGS, "cpu_2proc.yaml")], 2),
-                                                 (["--cpu", "--num_processes", 2], 1)], ids=["cpu_2proc", "cpu_flag"])
+
+@pytest.mark.parametrize(
+    "launcher, processes",
+    [(["--config_file", os.path.join(CONFIGS, "cpu_2proc.yaml")], 2), (["--cpu", "--num_processes", 2], 1)],
+    ids=["cpu_2proc", "cpu_flag"],
+)
 def test_workers_die_with_their_launcher(tmp_path, launcher, processes):
     """kill -9 (or the OOM killer) on `accelerate launch` mid-training: no worker goes on writing
     (torch elastic's workers for 2 processes, accelerate's own one-process launcher, as for cpu.yaml,
     for `--cpu --num_processes 2`: asked for two, it starts one, and the run's warning that says so is
     checked here too; a MULTI_CPU config file's: test_first_hour.py)."""
     out = tmp_path / "run"
-    proc = start([sys.executable, "-m", "accelerate.commands.launch", *launcher, os.path.join("train", "mnist.py"),
-                  *LONG_MNIST, "--checkpointing_steps", 10, "--output_dir", out], tmp_path / "log")
+    proc = start(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            *launcher,
+            os.path.join("train", "mnist.py"),
+            *LONG_MNIST,
+            "--checkpointing_steps",
+            10,
+            "--output_dir",
+            out,
+        ],
+        tmp_path / "log",
+    )
     pids = []
     try:
         wait_for(lambda: (out / "checkpoints" / "step_00000010").is_dir(), proc)  # training, and writing
@@ -109,10 +150,13 @@ def test_workers_die_with_their_launcher(tmp_path, launcher, processes):
 
 # ----------------------------------------------------------------------------- Ctrl-C
 
+
 def test_ctrl_c_of_a_plain_run_is_the_resume_line_and_130(tmp_path):
     out = tmp_path / "run"
-    proc = start([sys.executable, "train/mnist.py", *LONG_MNIST, "--checkpointing_steps", 10, "--output_dir", out],
-                 tmp_path / "log")
+    proc = start(
+        [sys.executable, "train/mnist.py", *LONG_MNIST, "--checkpointing_steps", 10, "--output_dir", out],
+        tmp_path / "log",
+    )
     wait_for(lambda: (out / "checkpoints" / "step_00000010").is_dir(), proc)
     os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C
     assert proc.wait(timeout=30) == 130
@@ -128,12 +172,15 @@ def test_ctrl_c_of_a_plain_run_is_the_resume_line_and_130(tmp_path):
 FREE = "free space or pass another --output_dir"
 
 
-@pytest.mark.parametrize("number, expected", [
-    (errno.ENOSPC, "error: no space left on device writing {out}/checkpoints/x; " + FREE),
-    (errno.EDQUOT, "error: disk quota exceeded writing {out}/checkpoints/x; " + FREE),
-    (errno.EROFS, "error: read-only file system: cannot write {out}/checkpoints/x; pass another --output_dir"),
-    (errno.EACCES, "error: permission denied: {out}/checkpoints/x; pass another --output_dir"),
-])
+@pytest.mark.parametrize(
+    "number, expected",
+    [
+        (errno.ENOSPC, "error: no space left on device writing {out}/checkpoints/x; " + FREE),
+        (errno.EDQUOT, "error: disk quota exceeded writing {out}/checkpoints/x; " + FREE),
+        (errno.EROFS, "error: read-only file system: cannot write {out}/checkpoints/x; pass another --output_dir"),
+        (errno.EACCES, "error: permission denied: {out}/checkpoints/x; pass another --output_dir"),
+    ],
+)
 def test_a_disk_fault_is_one_line(tmp_path, capsys, number, expected):
     out = str(tmp_path / "out")
 
@@ -156,12 +203,17 @@ def test_other_os_errors_are_not_disguised(tmp_path):
 
 # ----------------------------------------------------------------------------- --full_determinism
 
+
 @pytest.fixture
 def restore_determinism():
     import torch
 
-    before = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic, \
-        torch.backends.cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    )
     yield
     torch.use_deterministic_algorithms(before[0])
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1:3]
@@ -174,8 +226,9 @@ def test_full_determinism_turns_on_deterministic_kernels_before_the_run(tmp_path
 
     torch.use_deterministic_algorithms(False)
     os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-    proc = run_as_script(capsys, "regression", "--full_determinism", "--num_train_epochs", 1, "--output_dir",
-                         tmp_path / "run")
+    proc = run_as_script(
+        capsys, "regression", "--full_determinism", "--num_train_epochs", 1, "--output_dir", tmp_path / "run"
+    )
     assert proc.returncode == 0, output_of(proc)
     assert "full_determinism: deterministic kernels only" in proc.stdout
     assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
@@ -194,9 +247,11 @@ def test_an_op_without_a_deterministic_kernel_is_one_line(tmp_path, capsys, rest
     with pytest.raises(SystemExit) as stopped:
         run(main, types.SimpleNamespace(output_dir=str(tmp_path), full_determinism=True))
     assert stopped.value.code == 1
-    assert capsys.readouterr().err == ("error: --full_determinism: put_ has no deterministic kernel on this device; "
-                                       "run without --full_determinism (a rerun then agrees to rounding, not to the "
-                                       "bit)\n")
+    assert capsys.readouterr().err == (
+        "error: --full_determinism: put_ has no deterministic kernel on this device; "
+        "run without --full_determinism (a rerun then agrees to rounding, not to the "
+        "bit)\n"
+    )
 
 
 def test_check_writable(tmp_path, mount):
@@ -229,16 +284,29 @@ def test_a_full_disk_during_a_run_is_one_line(tmp_path, mount, checkpoint_format
     """The first checkpoint does not fit: one line naming the file, exit 1 (was 105 lines); the
     sharded writer's error comes out of torch.distributed.checkpoint's wrapper as the same line."""
     out = mount("size=64k") / "run"
-    proc = run_as_script(capsys, "mnist", *TINY_MNIST, "--checkpointing_steps", 2, "--checkpoint_format",
-                         checkpoint_format, "--output_dir", out)
+    proc = run_as_script(
+        capsys,
+        "mnist",
+        *TINY_MNIST,
+        "--checkpointing_steps",
+        2,
+        "--checkpoint_format",
+        checkpoint_format,
+        "--output_dir",
+        out,
+    )
     assert proc.returncode == 1, output_of(proc)[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     last = nonempty_lines(proc.stderr)[-1]
-    assert re.fullmatch(rf"error: no space left on device writing {out}/checkpoints/\S+; free space or pass "
-                        r"another --output_dir", last), last
+    assert re.fullmatch(
+        rf"error: no space left on device writing {out}/checkpoints/\S+; free space or pass "
+        r"another --output_dir",
+        last,
+    ), last
 
 
 # ----------------------------------------------------------------------------- a config's mixed precision
+
 
 @pytest.fixture
 def native_bf16_cpu(monkeypatch):
@@ -248,6 +316,7 @@ def native_bf16_cpu(monkeypatch):
 
     def launched_with(*argv):
         monkeypatch.setattr(accelerator_module, "launcher_argv", lambda: ["accelerate", "launch", *argv])
+
     return launched_with
 
 
@@ -263,8 +332,10 @@ def test_auto_obeys_a_config_that_says_no(tmp_path, native_bf16_cpu):
 
 def test_auto_without_an_answer_follows_the_hardware(tmp_path, monkeypatch, native_bf16_cpu):
     native_bf16_cpu("--config_file", os.path.join(CONFIGS, "cpu_2proc.yaml"))  # the shipped file: no key
-    assert choose_mixed_precision("auto", on_cpu=True) == ("bf16", "auto: native bf16 on this CPU, avx512_bf16, "
-                                                                   "AVX512 (faked)")
+    assert choose_mixed_precision("auto", on_cpu=True) == (
+        "bf16",
+        "auto: native bf16 on this CPU, avx512_bf16, AVX512 (faked)",
+    )
     native_bf16_cpu("--mixed_precision", "no")  # said on the launch command line
     assert choose_mixed_precision("auto", on_cpu=True) == ("no", "from accelerate launch --mixed_precision")
     # no --config_file: accelerate's default config file, as accelerate launch reads it (not with --cpu)

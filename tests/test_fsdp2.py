@@ -1,6 +1,7 @@
 """FSDP2 on 2 real CPU processes (accelerate_configs/fsdp2_cpu_2proc.yaml) and sharded checkpoints:
 the same steps as unsharded training, really sharded, exact resume after SIGKILL, resume at another process count
 and across FSDP2 and DDP, and checkpoints that cannot run code or half-load."""
+
 import json
 import os
 import pickle
@@ -39,8 +40,9 @@ def runs(text, tmp_path_factory):  # noqa: F811
     root = tmp_path_factory.mktemp("fsdp2")
     unsharded = root / "unsharded"
     one_process(shards, unsharded)
-    proc, fsdp = crash_during_save_and_resume("fsdp2_cpu_2proc", "lm", 8, root, "--dataset_dir", shards, *ARGS,
-                                              "--checkpoint_async")
+    proc, fsdp = crash_during_save_and_resume(
+        "fsdp2_cpu_2proc", "lm", 8, root, "--dataset_dir", shards, *ARGS, "--checkpoint_async"
+    )
     return {"shards": shards, "fsdp": fsdp, "unsharded": unsharded, "fsdp_proc": proc}
 
 
@@ -86,8 +88,20 @@ def test_a_sharded_checkpoint_resumes_at_other_process_counts_and_under_ddp(runs
     # 1 process, twice the per-process batch: the same global batch, so the same steps
     def one_process_resume(name, *extra):
         folder = resume_copy(runs["fsdp"], 4, str(tmp_path / name))
-        proc = run_as_script(capsys, "lm", "--dataset_dir", runs["shards"], *ARGS, "--per_device_train_batch_size", 8,
-                             *extra, "--output_dir", folder, "--resume_from_checkpoint", "latest")
+        proc = run_as_script(
+            capsys,
+            "lm",
+            "--dataset_dir",
+            runs["shards"],
+            *ARGS,
+            "--per_device_train_batch_size",
+            8,
+            *extra,
+            "--output_dir",
+            folder,
+            "--resume_from_checkpoint",
+            "latest",
+        )
         assert proc.returncode == 0, output_of(proc)
         assert "world_size=1 " in proc.stdout and "saved with 2 processes" in proc.stdout
         return folder
@@ -119,19 +133,30 @@ def test_a_sharded_checkpoint_resumes_at_other_process_counts_and_under_ddp(runs
 def test_gradient_checkpointing_and_bf16_under_fsdp2(runs, tmp_path):
     # recomputing each block in backward (tests/test_gpt.py: it changes neither loss nor gradient)
     # and bf16: FSDP2 computes in bf16 and keeps fp32 weights, and so fp32 checkpoints and final weights
-    proc = lm("fsdp2_cpu_2proc", runs["shards"], tmp_path / "bf16", "--mixed_precision", "bf16", "--gradient_checkpointing")
+    proc = lm(
+        "fsdp2_cpu_2proc", runs["shards"], tmp_path / "bf16", "--mixed_precision", "bf16", "--gradient_checkpointing"
+    )
     assert "mixed_precision=bf16" in proc.stdout
     final = weights(tmp_path / "bf16")
     assert all(t.dtype == torch.float32 for t in final.values())
     assert 0.0 < largest_difference(final, weights(runs["fsdp"])) < 0.1  # bf16 rounding, yet the same training
     assert json.load(open(tmp_path / "bf16" / "all_results.json"))["eval_loss"] == pytest.approx(
-        json.load(open(runs["fsdp"] / "all_results.json"))["eval_loss"], rel=0.02)
+        json.load(open(runs["fsdp"] / "all_results.json"))["eval_loss"], rel=0.02
+    )
 
 
 def test_the_other_scripts_take_under_fsdp2_the_steps_they_take_unsharded(fashion_dir, tmp_path, capsys):
     # mnist: DDP's steps to the bit (with contiguous weights, as FSDP keeps them)
-    args = ["--max_train_samples", 1000, "--max_eval_samples", 333, "--num_train_epochs", 1,
-            "--per_device_train_batch_size", 32]
+    args = [
+        "--max_train_samples",
+        1000,
+        "--max_eval_samples",
+        333,
+        "--num_train_epochs",
+        1,
+        "--per_device_train_batch_size",
+        32,
+    ]
     fsdp = launch("fsdp2_cpu_2proc", "mnist", *args, "--output_dir", tmp_path / "fsdp")
     ddp = launch("cpu_2proc", "mnist", *args, "--no_channels_last", "--output_dir", tmp_path / "ddp")
     assert fsdp.returncode == 0 and ddp.returncode == 0, output_of(fsdp) + output_of(ddp)
@@ -157,8 +182,19 @@ class _WritesAFile:
 
 def test_sharded_checkpoints_run_no_code_and_bad_ones_are_one_line(runs, tmp_path, capsys):
     def resume(folder):
-        return run_as_script(capsys, "lm", "--dataset_dir", runs["shards"], *ARGS, "--per_device_train_batch_size", 8,
-                             "--output_dir", folder, "--resume_from_checkpoint", "latest")
+        return run_as_script(
+            capsys,
+            "lm",
+            "--dataset_dir",
+            runs["shards"],
+            *ARGS,
+            "--per_device_train_batch_size",
+            8,
+            "--output_dir",
+            folder,
+            "--resume_from_checkpoint",
+            "latest",
+        )
 
     def broken(name, damage):
         folder = resume_copy(runs["fsdp"], 4, str(tmp_path / name))
@@ -184,15 +220,31 @@ def test_sharded_checkpoints_run_no_code_and_bad_ones_are_one_line(runs, tmp_pat
             f.truncate(1000)
 
     assert "is cut short" in broken("cut", cut)
-    assert "is not a complete sharded checkpoint" in broken("nometa", lambda state: os.remove(os.path.join(state, ".metadata")))
+    assert "is not a complete sharded checkpoint" in broken(
+        "nometa", lambda state: os.remove(os.path.join(state, ".metadata"))
+    )
     # another model's checkpoint: wider layers
     other = resume_copy(runs["fsdp"], 4, str(tmp_path / "other"))
-    proc = run_as_script(capsys, "lm", "--dataset_dir", runs["shards"], *ARGS, "--per_device_train_batch_size", 8,
-                         "--n_embd", 64, "--output_dir", other, "--resume_from_checkpoint", "latest")
+    proc = run_as_script(
+        capsys,
+        "lm",
+        "--dataset_dir",
+        runs["shards"],
+        *ARGS,
+        "--per_device_train_batch_size",
+        8,
+        "--n_embd",
+        64,
+        "--output_dir",
+        other,
+        "--resume_from_checkpoint",
+        "latest",
+    )
     assert proc.returncode != 0 and "does not fit this model (shapes differ: model." in proc.stderr, output_of(proc)
     # background saves are of sharded checkpoints only
-    proc = run_as_script(capsys, "lm", "--dataset_dir", runs["shards"], *ARGS, "--checkpoint_async",
-                         "--output_dir", tmp_path / "full")
+    proc = run_as_script(
+        capsys, "lm", "--dataset_dir", runs["shards"], *ARGS, "--checkpoint_async", "--output_dir", tmp_path / "full"
+    )
     assert proc.returncode == 1 and "--checkpoint_async writes sharded checkpoints only" in proc.stderr, output_of(proc)
     shutil.rmtree(tmp_path)
 
@@ -214,6 +266,7 @@ def test_a_parameter_without_gradient_yet_resumes_with_no_optimizer_state(tmp_pa
     again, fresh = make()
     load_sharded(str(tmp_path), again, fresh)
     assert identical(again.state_dict(), model.state_dict())
-    assert len(fresh.state) == 2 and all(torch.equal(fresh.state[b]["exp_avg"], optimizer.state[a]["exp_avg"])
-                                         for a, b in zip(model["used"].parameters(), again["used"].parameters()))
-
+    assert len(fresh.state) == 2 and all(
+        torch.equal(fresh.state[b]["exp_avg"], optimizer.state[a]["exp_avg"])
+        for a, b in zip(model["used"].parameters(), again["used"].parameters())
+    )

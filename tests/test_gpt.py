@@ -1,6 +1,7 @@
 """train/models/gpt.py: causality, weight tying, activation checkpointing that changes nothing but memory,
 the AdamW groups, the FLOPs count behind mfu, and sampling; train/models/gpt_hf.py: the model and its
 tokenizer as a Hugging Face GPT-2 folder that transformers loads with the same logits and ids."""
+
 import os
 
 import pytest
@@ -75,8 +76,8 @@ def test_the_loss_in_pieces_is_cross_entropy_with_its_gradients(vocab, dtype):
         assert torch.allclose(ours, whole, rtol=1e-6, atol=1e-6)
         # a weight per row, so the backward's scaling of each row is checked, not only the sum's
         weights = torch.rand(whole.shape) if reduction == "none" else torch.tensor(2.5)
-        grad, = torch.autograd.grad((ours * weights).sum(), logits)
-        expected, = torch.autograd.grad((whole * weights).sum(), logits)
+        (grad,) = torch.autograd.grad((ours * weights).sum(), logits)
+        (expected,) = torch.autograd.grad((whole * weights).sum(), logits)
         assert grad.dtype == dtype and not grad[0, :50].any()  # no gradient into unscored positions
         tolerance = {"rtol": 1e-5, "atol": 1e-9} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-5}
         assert torch.allclose(grad.float(), expected.float(), **tolerance)
@@ -96,8 +97,8 @@ def test_the_loss_in_pieces_keeps_cross_entropys_edge_cases(monkeypatch):
     whole = F.cross_entropy(whole_in.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="none")
     assert torch.equal(ours, whole)  # the same log-softmax per row: inf where the label's logit is -inf
     finite = torch.isfinite(whole)
-    grad, = torch.autograd.grad(ours[finite].sum(), ours_in)
-    expected, = torch.autograd.grad(whole[finite].sum(), whole_in)
+    (grad,) = torch.autograd.grad(ours[finite].sum(), ours_in)
+    (expected,) = torch.autograd.grad(whole[finite].sum(), whole_in)
     assert torch.isfinite(grad).all() and torch.allclose(grad, expected, rtol=1e-5, atol=1e-9)
     # a mean over no scored token is nan, as F.cross_entropy's, and its gradient 0, not nan
     unscored = torch.randn(2, 5, 64, requires_grad=True)
@@ -145,6 +146,7 @@ def test_torch_compile_through_accelerate_matches_eager(fresh_accelerate_state):
 
 
 # ---------------------------------------------------------------------------------------- the Hugging Face folder
+
 
 def loads_quietly(folder):
     """AutoModelForCausalLM and AutoTokenizer from `folder`, asserting that transformers reported
@@ -197,12 +199,22 @@ def test_the_gpt_saves_as_a_gpt2_folder_that_transformers_loads_with_the_same_lo
     assert {k: v.shape for k, v in from_gpt2(to_gpt2(ours)).items()} == {k: v.shape for k, v in ours.items()}
     assert all(torch.equal(from_gpt2(to_gpt2(ours))[k], v) for k, v in ours.items())
     save_gpt2_folder(ours, tmp_path, model.config, ByteTokenizer())
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-            "tokenizer_config.json"} <= set(os.listdir(tmp_path))
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= set(os.listdir(tmp_path))
     config = json.load(open(tmp_path / "config.json"))
     assert config["architectures"] == ["GPT2LMHeadModel"] and config["activation_function"] == "gelu"
-    assert (config["n_positions"], config["n_embd"], config["n_layer"], config["n_head"], config["vocab_size"]) == \
-        (16, 32, 2, 4, 257)
+    assert (config["n_positions"], config["n_embd"], config["n_layer"], config["n_head"], config["vocab_size"]) == (
+        16,
+        32,
+        2,
+        4,
+        257,
+    )
     assert config["resid_pdrop"] == config["embd_pdrop"] == config["attn_pdrop"] == 0.1
     assert config["bos_token_id"] == config["eos_token_id"] == 256 and config["tie_word_embeddings"]
     saved = load_file(tmp_path / "model.safetensors")  # GPT-2's names; Conv1D weights [in, out]; lm_head tied
@@ -226,8 +238,12 @@ def test_the_folders_tokenizer_gives_our_ids(kind, tmp_path):
     from data.text import ByteTokenizer, train_bpe
     from train.models.gpt_hf import hf_tokenizer
 
-    texts = ["Naïve café, déjà vu — 日本語 and emoji 🙂.", "  two  spaces\tand a tab\n", "Ünïcödé ß æ ø å",
-             "plain ascii text, repeated: the the the"]
+    texts = [
+        "Naïve café, déjà vu — 日本語 and emoji 🙂.",
+        "  two  spaces\tand a tab\n",
+        "Ünïcödé ß æ ø å",
+        "plain ascii text, repeated: the the the",
+    ]
     ours = ByteTokenizer() if kind == "bytes" else train_bpe(texts * 20, 300)
     hf_tokenizer(ours, 16).save_pretrained(tmp_path)
     from transformers import AutoTokenizer

@@ -4,6 +4,7 @@ that ends bit-identical to an uninterrupted run on one GPU, plain and under FSDP
     python -m pytest -n 5 --dist load tests/test_gpu.py     # on a machine with a CUDA GPU (docs/gpu.md)
 
 On a CPU the same behaviours are asserted by test_fsdp2.py and test_checkpointing.py."""
+
 import json
 import os
 
@@ -26,7 +27,7 @@ def fsdp2_1gpu(tmp_path_factory):
     assert "num_processes: 4 " in four
     path = tmp_path_factory.mktemp("configs") / "fsdp2_1gpu.yaml"
     path.write_text(four.replace("num_processes: 4 ", "num_processes: 1 "))
-    return str(path)[:-len(".yaml")]  # launch() adds .yaml to a config's name; an absolute path passes through
+    return str(path)[: -len(".yaml")]  # launch() adds .yaml to a config's name; an absolute path passes through
 
 
 def test_gpu_configs_pass_or_refuse_preflight():
@@ -41,8 +42,20 @@ def test_gpu_configs_pass_or_refuse_preflight():
 
 
 LM = [*TINY[2:], "--max_train_steps", 12, "--checkpointing_steps", 4, "--eval_steps", 6]
-MNIST = ["--dataset", "fashion_mnist", "--max_train_samples", 2048, "--max_eval_samples", 512,
-         "--per_device_train_batch_size", 64, "--num_train_epochs", 1, "--checkpointing_steps", 8]
+MNIST = [
+    "--dataset",
+    "fashion_mnist",
+    "--max_train_samples",
+    2048,
+    "--max_eval_samples",
+    512,
+    "--per_device_train_batch_size",
+    64,
+    "--num_train_epochs",
+    1,
+    "--checkpointing_steps",
+    8,
+]
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +66,19 @@ def shards(request):
     return demo if os.path.isfile(os.path.join(demo, "manifest.json")) else request.getfixturevalue("text")[1]
 
 
-@pytest.mark.parametrize("script,config,precision", [("lm", "fsdp2", "no"), ("lm", "fsdp2", "bf16"),
-                                                     ("mnist", "fsdp2", "no"), ("mnist", "1gpu", "bf16"),
-                                                     ("lm", "1gpu", "no")])
-def test_sigkill_then_resume_is_bit_identical_with_full_determinism(script, config, precision, shards, fsdp2_1gpu,
-                                                                    fashion_dir, tmp_path):
+@pytest.mark.parametrize(
+    "script,config,precision",
+    [
+        ("lm", "fsdp2", "no"),
+        ("lm", "fsdp2", "bf16"),
+        ("mnist", "fsdp2", "no"),
+        ("mnist", "1gpu", "bf16"),
+        ("lm", "1gpu", "no"),
+    ],
+)
+def test_sigkill_then_resume_is_bit_identical_with_full_determinism(
+    script, config, precision, shards, fsdp2_1gpu, fashion_dir, tmp_path
+):
     config = fsdp2_1gpu if config == "fsdp2" else config
     args = [*(LM if script == "lm" else MNIST), "--mixed_precision", precision, "--full_determinism"]
     if script == "lm":

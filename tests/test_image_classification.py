@@ -2,6 +2,7 @@
 slice), trained with 2 real CPU processes; every validation image counted once; bit-identical resume
 after a real SIGKILL on both data paths; prediction with the trained run; images of every format and mode;
 torchvision models by name and local pretrained weights; and each kind of bad folder as one line."""
+
 import json
 import os
 import shutil
@@ -43,9 +44,21 @@ def trained(folders, tmp_path_factory):
     18 steps; rank 0 SIGKILLed as checkpoint 28 (mid epoch 2) is published, then torch elastic's restart
     resumes from 24 and must save the same 28 (crash_during_save_and_resume), and trains to the end."""
     train_dir, validation_dir = folders
-    return crash_during_save_and_resume("cpu_2proc", "image_classification", 28, tmp_path_factory.mktemp("trained"),
-                                        "--train_dir", train_dir, "--validation_dir", validation_dir, *SMALL,
-                                        "--num_train_epochs", 3, "--checkpointing_steps", 4)
+    return crash_during_save_and_resume(
+        "cpu_2proc",
+        "image_classification",
+        28,
+        tmp_path_factory.mktemp("trained"),
+        "--train_dir",
+        train_dir,
+        "--validation_dir",
+        validation_dir,
+        *SMALL,
+        "--num_train_epochs",
+        3,
+        "--checkpointing_steps",
+        4,
+    )
 
 
 def test_two_processes_learn_well_above_chance_and_count_every_image_once(trained):
@@ -87,8 +100,22 @@ def test_resume_after_a_crash_is_bit_identical_under_two_processes(request, fold
         proc, crashed = request.getfixturevalue("trained")
         assert f"resumed from {crashed}/checkpoints/step_00000024" in proc.stdout
         return
-    args = ["--train_dir", folders[0], "--validation_dir", folders[1], *SMALL, "--max_train_samples", 320,
-            "--num_train_epochs", 2, "--checkpointing_steps", 4, "--streaming", "--dataloader_num_workers", 0]
+    args = [
+        "--train_dir",
+        folders[0],
+        "--validation_dir",
+        folders[1],
+        *SMALL,
+        "--max_train_samples",
+        320,
+        "--num_train_epochs",
+        2,
+        "--checkpointing_steps",
+        4,
+        "--streaming",
+        "--dataloader_num_workers",
+        0,
+    ]
     proc, crashed = crash_during_save_and_resume("cpu_2proc", "image_classification", 16, tmp_path, *args)
     assert f"resumed from {crashed}/checkpoints/step_00000012" in proc.stdout
     assert (crashed / "model.safetensors").exists()
@@ -108,8 +135,14 @@ def test_streaming_source_reads_each_image_once_per_epoch_split_across_ranks(fol
 
 
 def test_every_format_and_mode_and_size_becomes_one_rgb_square(tmp_path):
-    made = {"a/rgb.png": ("RGB", (40, 30)), "a/gray.jpg": ("L", (17, 50)), "a/nested/palette.bmp": ("P", (28, 28)),
-            "b/rgba.webp": ("RGBA", (64, 20)), "b/palette_alpha.png": ("P", (9, 33)), "b/16bit.png": ("I;16", (30, 30))}
+    made = {
+        "a/rgb.png": ("RGB", (40, 30)),
+        "a/gray.jpg": ("L", (17, 50)),
+        "a/nested/palette.bmp": ("P", (28, 28)),
+        "b/rgba.webp": ("RGBA", (64, 20)),
+        "b/palette_alpha.png": ("P", (9, 33)),
+        "b/16bit.png": ("I;16", (30, 30)),
+    }
     for name, (mode, size) in made.items():
         os.makedirs(tmp_path / os.path.dirname(name), exist_ok=True)
         image = Image.new(mode, size, 7)
@@ -146,7 +179,7 @@ def test_kept_pixels_crop_and_flip_as_torchvision_does_from_the_file(tmp_path):
             dataset.set_epoch(epoch)
             for i in range(len(images)):
                 with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(hash((5, epoch, i)) & (2 ** 63 - 1))
+                    torch.manual_seed(hash((5, epoch, i)) & (2**63 - 1))
                     expected = reference(load_image(images.files[i]))
                 assert torch.equal(dataset[i]["image"], expected), (cache, epoch, i)
         assert len(dataset.cache or {}) == (len(images) if cache else 0)
@@ -158,8 +191,8 @@ def test_kept_pixels_crop_and_flip_as_torchvision_does_from_the_file(tmp_path):
 
 
 def test_pixels_are_kept_only_without_workers_and_within_the_memory_budget():
-    assert keep_budget(processes=2, num_workers=4, free=8 * 2 ** 30) == 0
-    assert keep_budget(1, 0, free=8 * 2 ** 30) == 2 * 2 ** 30 and keep_budget(2, 0, free=8 * 2 ** 30) == 2 ** 30
+    assert keep_budget(processes=2, num_workers=4, free=8 * 2**30) == 0
+    assert keep_budget(1, 0, free=8 * 2**30) == 2 * 2**30 and keep_budget(2, 0, free=8 * 2**30) == 2**30
     assert keep_budget(1, 0) > 0  # this machine's free memory, read
 
 
@@ -183,10 +216,30 @@ def test_torchvision_model_by_name_with_local_pretrained_weights(folders, tmp_pa
     save_file({k: v.contiguous() for k, v in pretrained.items()}, str(tmp_path / "resnet18.safetensors"))
     for name in ("resnet18.pth", "resnet18.safetensors"):
         out = tmp_path / name.replace(".", "_")
-        results = image_classification.main(image_classification.parse_args(
-            ["--train_dir", folders[0], "--validation_dir", folders[1], "--model", "resnet18", "--image_size", "32",
-             "--max_train_steps", "2", "--max_eval_samples", "20", "--dataloader_num_workers", "0",
-             "--pretrained_weights", str(tmp_path / name), "--output_dir", str(out)]))
+        results = image_classification.main(
+            image_classification.parse_args(
+                [
+                    "--train_dir",
+                    folders[0],
+                    "--validation_dir",
+                    folders[1],
+                    "--model",
+                    "resnet18",
+                    "--image_size",
+                    "32",
+                    "--max_train_steps",
+                    "2",
+                    "--max_eval_samples",
+                    "20",
+                    "--dataloader_num_workers",
+                    "0",
+                    "--pretrained_weights",
+                    str(tmp_path / name),
+                    "--output_dir",
+                    str(out),
+                ]
+            )
+        )
         reset_accelerate_state()
         saved = weights(out)
         assert results["eval_samples"] == 20 and saved["fc.weight"].shape == (10, 512)
@@ -194,6 +247,7 @@ def test_torchvision_model_by_name_with_local_pretrained_weights(folders, tmp_pa
 
 
 # ----------------------------------------------------------------------------- bad input: one line, exit 1
+
 
 def _class_folders(root, counts):
     for name, n in counts.items():
@@ -230,28 +284,51 @@ def test_bad_folders_each_fail_in_one_line(tmp_path, capsys):
     for train_dir, text in cases.items():
         _fails_with(fails("--train_dir", train_dir), text)
     unknown = _class_folders(tmp_path / "val", {"cat": 2, "bird": 2})
-    _fails_with(fails("--train_dir", good, "--validation_dir", unknown),
-                "has class folder(s) the training set does not have: bird")
+    _fails_with(
+        fails("--train_dir", good, "--validation_dir", unknown),
+        "has class folder(s) the training set does not have: bird",
+    )
     _fails_with(fails("--train_dir", good, "--model", "resnet_18"), "(did you mean resnet18")
-    _fails_with(run_as_script(capsys, "image_classification", "--predict", good, "--output_dir", tmp_path / "nothing"),
-                "holds no finished image classification run")
+    _fails_with(
+        run_as_script(capsys, "image_classification", "--predict", good, "--output_dir", tmp_path / "nothing"),
+        "holds no finished image classification run",
+    )
 
 
 def test_image_that_fails_to_decode_in_a_worker_is_one_line(tmp_path):
     root = _class_folders(tmp_path / "imgs", {"cat": 4, "dog": 4})
     Image.new("RGB", (200, 200), 3).save(os.path.join(root, "dog", "big.png"))
     data = open(os.path.join(root, "dog", "big.png"), "rb").read()
-    open(os.path.join(root, "dog", "big.png"), "wb").write(data[:len(data) // 2])  # header fine, pixels cut off
-    proc = run_script("image_classification", "--train_dir", root, "--validation_dir", root, "--output_dir",
-                      tmp_path / "out", "--per_device_train_batch_size", 2, "--image_size", 16,
-                      "--dataloader_num_workers", 1)  # raised in a worker, printed by the training process
+    open(os.path.join(root, "dog", "big.png"), "wb").write(data[: len(data) // 2])  # header fine, pixels cut off
+    proc = run_script(
+        "image_classification",
+        "--train_dir",
+        root,
+        "--validation_dir",
+        root,
+        "--output_dir",
+        tmp_path / "out",
+        "--per_device_train_batch_size",
+        2,
+        "--image_size",
+        16,
+        "--dataloader_num_workers",
+        1,
+    )  # raised in a worker, printed by the training process
     _fails_with(proc, "big.png cannot be decoded")
 
 
 def test_bad_folder_under_two_processes_is_one_line(tmp_path):
     (tmp_path / "empty").mkdir()  # beside the output folder, which the run creates before it scans
-    proc = launch("cpu_2proc", "image_classification", "--train_dir", tmp_path / "empty", "--output_dir",
-                  tmp_path / "out", timeout=120)
+    proc = launch(
+        "cpu_2proc",
+        "image_classification",
+        "--train_dir",
+        tmp_path / "empty",
+        "--output_dir",
+        tmp_path / "out",
+        timeout=120,
+    )
     output = output_of(proc)
     assert proc.returncode != 0 and output.count("has no class subfolders (it is empty)") == 1, output
 
@@ -264,7 +341,7 @@ def test_predict_goes_on_past_an_undecodable_file(trained, folders, tmp_path, ca
         shutil.copy(os.path.join(folders[1], "Bag", name), mixed / name)
     Image.new("RGB", (300, 300), 5).save(mixed / "cut.png")
     data = (mixed / "cut.png").read_bytes()
-    (mixed / "cut.png").write_bytes(data[:len(data) // 2])
+    (mixed / "cut.png").write_bytes(data[: len(data) // 2])
     proc = run_as_script(capsys, "image_classification", "--predict", mixed, "--output_dir", out)
     assert proc.returncode == 0, output_of(proc)
     assert len(proc.stdout.splitlines()) == 2 and "cut.png" not in proc.stdout
@@ -287,50 +364,86 @@ def test_whole_pickled_model_as_pretrained_weights_is_one_line(tmp_path, capsys)
     torch.save(torch.nn.Linear(2, 2), tmp_path / "model.pth")  # the object, not its state_dict
     (tmp_path / "notes.pth").write_text("hello")
     for name, text in (("model.pth", "save model.state_dict() instead"), ("notes.pth", "is not a .safetensors")):
-        _fails_with(run_as_script(capsys, "image_classification", "--train_dir", good, "--pretrained_weights",
-                                  tmp_path / name, "--output_dir", tmp_path / "out", "--image_size", 16), text)
+        _fails_with(
+            run_as_script(
+                capsys,
+                "image_classification",
+                "--train_dir",
+                good,
+                "--pretrained_weights",
+                tmp_path / name,
+                "--output_dir",
+                tmp_path / "out",
+                "--image_size",
+                16,
+            ),
+            text,
+        )
 
 
 # ----------------------------------------------------------------------------- defaults that follow the data
+
 
 def test_image_size_and_epochs_follow_the_data(tmp_path):
     pick_size, pick_epochs = image_classification.pick_image_size, image_classification.pick_num_train_epochs
     digits = scan_image_folder(_class_folders(tmp_path / "digits", {"0": 3, "1": 3}), "--train_dir")
     assert digits.median_size == (8, 8) and pick_size("convnet", digits.median_size)[0] == 32
     photos = tmp_path / "photos"  # short sides 8, 200, 200, 480, 480 (stable order): the median is a/1.png
-    for name, size in {"a/0.jpg": (300, 200), "a/1.png": (200, 300), "a/2.png": (8, 8), "b/0.png": (640, 480),
-                       "b/1.png": (480, 640)}.items():
+    for name, size in {
+        "a/0.jpg": (300, 200),
+        "a/1.png": (200, 300),
+        "a/2.png": (8, 8),
+        "b/0.png": (640, 480),
+        "b/1.png": (480, 640),
+    }.items():
         os.makedirs(photos / os.path.dirname(name), exist_ok=True)
         Image.new("RGB", size).save(photos / name)
     scanned = scan_image_folder(str(photos), "--train_dir")
     assert min(scanned.median_size) == 200 and pick_size("convnet", scanned.median_size) == (
-        64, "the median image is 200x300; convnet takes 32 to 64")
+        64,
+        "the median image is 200x300; convnet takes 32 to 64",
+    )
     assert scanned.split(0.4, seed=0)[0].median_size == scanned.median_size  # the whole training folder's
     assert [pick_size("convnet", s)[0] for s in ((28, 28), (40, 52), (64, 56), (4000, 3000))] == [32, 40, 56, 64]
     assert pick_size("resnet18", (8, 8))[0] == 224
     # 1,000 optimizer steps, 3 to 50 epochs: 8x8 digits (1,437 at a global batch of 64), Fashion-MNIST, a handful
     assert pick_epochs(1437, 22) == (46, "1,437 training images: 22 optimizer steps per epoch")
     assert pick_epochs(60000, 937)[0] == 3
-    assert pick_epochs(8, 1) == (50, "8 training images: 1 optimizer step per epoch, 50 in 50 epochs: more images "
-                                     "would help")
+    assert pick_epochs(8, 1) == (
+        50,
+        "8 training images: 1 optimizer step per epoch, 50 in 50 epochs: more images would help",
+    )
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_picked_defaults_are_said_recorded_and_kept_by_a_resume(tmp_path, capsys):
     root = _class_folders(tmp_path / "digits", {"0": 1, "1": 1})  # two 8x8 images, one batch: 1 step per epoch
-    common = ["--train_dir", root, "--validation_dir", root, "--per_device_train_batch_size", 2,
-              "--dataloader_num_workers", 0, "--logging_steps", 10]
+    common = [
+        "--train_dir",
+        root,
+        "--validation_dir",
+        root,
+        "--per_device_train_batch_size",
+        2,
+        "--dataloader_num_workers",
+        0,
+        "--logging_steps",
+        10,
+    ]
 
     def train(out, *more):
         capsys.readouterr()
-        image_classification.main(image_classification.parse_args([*map(str, common + ["--output_dir", out]),
-                                                                    *map(str, more)]))
+        image_classification.main(
+            image_classification.parse_args([*map(str, common + ["--output_dir", out]), *map(str, more)])
+        )
         reset_accelerate_state()
         return capsys.readouterr().out, json.load(open(out / "args.json"))
 
     said, args = train(tmp_path / "picked", "--checkpointing_steps", 48)
-    assert "image_size=32 (the median image is 8x8; convnet takes 32 to 64; pass --image_size to choose) " \
-           "num_train_epochs=50 (2 training images: 1 optimizer step per epoch" in said
+    assert (
+        "image_size=32 (the median image is 8x8; convnet takes 32 to 64; pass --image_size to choose) "
+        "num_train_epochs=50 (2 training images: 1 optimizer step per epoch" in said
+    )
     assert "epochs=50 steps=50 " in said and args["image_size"] == 32 and args["num_train_epochs"] == 50
     checkpoint = tmp_path / "picked" / "checkpoints" / "step_00000048"
     assert json.load(open(checkpoint / "meta.json"))["args"]["num_train_epochs"] == 50

@@ -6,6 +6,7 @@ import is still an arrow). `import data.x`, `from data import x` (x a module) an
 import y` all count as an arrow to data.x; `from data import name` (a name in data/__init__.py) is
 an arrow to the package `data`.
 """
+
 import ast
 import os
 
@@ -17,8 +18,8 @@ PACKAGES = ("bench", "data", "train")
 
 
 def module_name(path):
-    rel = os.path.relpath(path, REPO)[:-len(".py")].replace(os.sep, ".")
-    return rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
+    rel = os.path.relpath(path, REPO)[: -len(".py")].replace(os.sep, ".")
+    return rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
 
 
 def repo_modules():
@@ -61,7 +62,7 @@ def find_cycle(edges, within):
             if nxt not in within:
                 continue
             if state.get(nxt) == "open":
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := visit(nxt, path + [nxt])):
                 return cycle
         state[node] = "done"
@@ -77,11 +78,14 @@ def in_package(package):
     return {m for m in graph() if m == package or m.startswith(package + ".")}
 
 
-@pytest.mark.parametrize("package", [
-    "data",
-    "bench",
-    "train",
-])
+@pytest.mark.parametrize(
+    "package",
+    [
+        "data",
+        "bench",
+        "train",
+    ],
+)
 def test_no_import_cycle_within(package):
     cycle = find_cycle(graph(), in_package(package))
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
@@ -116,8 +120,9 @@ def test_no_cycle_passes_through_data_or_bench():
     for node in sorted(in_package("data") | in_package("bench")):
         cycle = cycle_through(edges, node)
         assert cycle is None, "import cycle: " + " -> ".join(cycle)
-    assert not {m for d in in_package("data") for m in edges[d] if not m.startswith("data")}, \
+    assert not {m for d in in_package("data") for m in edges[d] if not m.startswith("data")}, (
         "data/ imports a module of train/ or bench/"
+    )
 
 
 def test_the_checker_finds_a_cycle():

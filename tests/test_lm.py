@@ -1,5 +1,6 @@
 """train/lm.py end to end on a small text under real processes: exact evaluation counts, the same
 steps from 1 and 2 processes, SIGKILL + resume bit-identical, sampling, bad input in one line."""
+
 import json
 import os
 import random
@@ -17,10 +18,28 @@ from data.sources import ParquetSource
 from data.text import decode_windows
 from test_checkpointing import crash_during_save_and_resume, largest_difference, resume_copy, weights
 
-WORDS = ("the of and a to in is was he for it with as his on be at by had not are but from or have an they which "
-         "one you were her all she there would their we him been has when who will more no if out so said").split()
-TINY = ["--block_size", 32, "--n_layer", 2, "--n_head", 2, "--n_embd", 32, "--per_device_train_batch_size", 4,
-        "--per_device_eval_batch_size", 8, "--num_warmup_steps", 2, "--logging_steps", 4]
+WORDS = (
+    "the of and a to in is was he for it with as his on be at by had not are but from or have an they which "
+    "one you were her all she there would their we him been has when who will more no if out so said"
+).split()
+TINY = [
+    "--block_size",
+    32,
+    "--n_layer",
+    2,
+    "--n_head",
+    2,
+    "--n_embd",
+    32,
+    "--per_device_train_batch_size",
+    4,
+    "--per_device_eval_batch_size",
+    8,
+    "--num_warmup_steps",
+    2,
+    "--logging_steps",
+    4,
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +50,22 @@ def text(tmp_path_factory):
     (folder / "train.txt").write_text("\n".join(lines[:360]) + "\n")
     (folder / "validation.txt").write_text("\n".join(lines[360:]) + "\n")
     shards = str(folder / "shards")
-    prepare_main(["--train_file", str(folder / "train.txt"), "--validation_file", str(folder / "validation.txt"),
-                  "--tokenizer", "bytes", "--block_size", "32", "--output_dir", shards, "--rows_per_group", "4"])
+    prepare_main(
+        [
+            "--train_file",
+            str(folder / "train.txt"),
+            "--validation_file",
+            str(folder / "validation.txt"),
+            "--tokenizer",
+            "bytes",
+            "--block_size",
+            "32",
+            "--output_dir",
+            shards,
+            "--rows_per_group",
+            "4",
+        ]
+    )
     return folder, shards
 
 
@@ -81,13 +114,15 @@ def test_two_processes_score_every_validation_token_once_and_report_the_run(text
     out, proc, _ = two_process_run
     manifest, got = json.load(open(os.path.join(shards, "manifest.json"))), results(out)
     assert got["world_size"] == 2 and got["eval_tokens"] == manifest["text"]["validation"]["scored_tokens"]
-    assert [h["step"] for h in got["history"]] == [6, 12] and got["history"][-1]["eval_loss"] < got["history"][0]["eval_loss"]
+    assert [h["step"] for h in got["history"]] == [6, 12] and got["history"][-1]["eval_loss"] < got["history"][0][
+        "eval_loss"
+    ]
     assert 0 < got["eval_bpb"] < 8 and got["train_tokens_per_second"] > 0 and 0 < got["mfu"] < 1
     assert got["peak_memory_mb"] > 0 and "eval_bpb=" in proc.stdout
     model_line = [line for line in proc.stdout.splitlines() if line.startswith("model: GPT, ")]
     assert len(model_line) == 2 and model_line[0].startswith(  # by rank 0 alone, once in each attempt
-        f"model: GPT, {got['parameters'] / 1e6:.2f}M parameters, 2 layers, 2 heads, width 32, context 32, vocab "), \
-        proc.stdout[-2000:]
+        f"model: GPT, {got['parameters'] / 1e6:.2f}M parameters, 2 layers, 2 heads, width 32, context 32, vocab "
+    ), proc.stdout[-2000:]
     assert "too few for the model to learn much" not in proc.stdout  # 12 steps, as asked
     events = [f for _, _, files in os.walk(out / "tensorboard") for f in files if f.startswith("events.out.tfevents")]
     assert events, "--with_tracking wrote no TensorBoard events"  # lm.py once took the flag and wrote none
@@ -98,8 +133,9 @@ def test_two_processes_score_every_validation_token_once_and_report_the_run(text
     assert sampled.returncode == 0 and sampled.stdout.startswith("the man") and len(sampled.stdout) > len("the man")
 
 
-def test_the_run_is_a_hugging_face_folder_and_an_older_runs_folder_still_samples(text, two_process_run, tmp_path,
-                                                                                 capsys):
+def test_the_run_is_a_hugging_face_folder_and_an_older_runs_folder_still_samples(
+    text, two_process_run, tmp_path, capsys
+):
     """The final folder loads with AutoModelForCausalLM + AutoTokenizer, quietly, with our GPT's
     logits and tokens; --prompt reads the folder's own tokenizer (no token shards needed), and a run
     saved before (our names, the shape and the shards in all_results.json) still samples."""
@@ -109,8 +145,16 @@ def test_the_run_is_a_hugging_face_folder_and_an_older_runs_folder_still_samples
     from train.models.gpt_hf import from_gpt2
 
     out, _, _ = two_process_run
-    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "all_results.json",
-            "args.json", "metrics.jsonl", "curves.png"} <= set(os.listdir(out))
+    assert {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "all_results.json",
+        "args.json",
+        "metrics.jsonl",
+        "curves.png",
+    } <= set(os.listdir(out))
     hf, tokenizer = loads_quietly(out)
     config, ours, _ = trained_model(str(out))
     model = GPT(config).eval()
@@ -147,11 +191,25 @@ def test_sft_fine_tunes_the_exported_gpt(two_process_run, tmp_path, capsys):
     """train/sft.py takes lm.py's folder as any causal LM: its tokenizer (bytes, end-of-text 256), its positions."""
     out, _, _ = two_process_run
     pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"prompt": f"the {w} is\n", "response": f"{w} and {w}."}) + "\n"
-                             for w in WORDS[:40]))
-    proc = run_as_script(capsys, "sft", "--model_name_or_path", out, "--train_file", pairs, "--max_train_steps", 4,
-                         "--per_device_train_batch_size", 4, "--cache_dir", tmp_path / "tokens", "--output_dir",
-                         tmp_path / "sft")
+    pairs.write_text(
+        "".join(json.dumps({"prompt": f"the {w} is\n", "response": f"{w} and {w}."}) + "\n" for w in WORDS[:40])
+    )
+    proc = run_as_script(
+        capsys,
+        "sft",
+        "--model_name_or_path",
+        out,
+        "--train_file",
+        pairs,
+        "--max_train_steps",
+        4,
+        "--per_device_train_batch_size",
+        4,
+        "--cache_dir",
+        tmp_path / "tokens",
+        "--output_dir",
+        tmp_path / "sft",
+    )
     held_out = "validation (10% of --train_file held out) 4 examples"
     assert proc.returncode == 0 and held_out in proc.stdout, output_of(proc)
     assert "max_seq_length 32;" in proc.stdout and results(tmp_path / "sft")["eval_loss"] > 0
@@ -176,16 +234,33 @@ def test_a_short_text_says_what_to_try(text, tmp_path, capsys):
     proc = run_as_script(capsys, "lm", "--dataset_dir", shards, *args, "--output_dir", tmp_path / "short")
     assert proc.returncode == 0, output_of(proc)
     steps = results(tmp_path / "short")["step"]
-    assert steps < 100 and proc.stdout.count(f"training windows make {steps} optimizer steps in 1 epoch(s), too few "
-                                             "for the model to learn much; try --max_train_steps 500") == 1
+    assert (
+        steps < 100
+        and proc.stdout.count(
+            f"training windows make {steps} optimizer steps in 1 epoch(s), too few "
+            "for the model to learn much; try --max_train_steps 500"
+        )
+        == 1
+    )
 
 
 def test_one_process_takes_the_same_steps_as_two_with_the_same_global_batch(text, two_process_run, tmp_path, capsys):
     _, shards = text
     out, _, _ = two_process_run
     args = [a if a != 4 else 8 for a in TINY]  # one process, twice the per-device batch
-    proc = run_as_script(capsys, "lm", "--dataset_dir", shards, *args, "--max_train_steps", 12, "--eval_steps", 6,
-                         "--output_dir", tmp_path / "one")
+    proc = run_as_script(
+        capsys,
+        "lm",
+        "--dataset_dir",
+        shards,
+        *args,
+        "--max_train_steps",
+        12,
+        "--eval_steps",
+        6,
+        "--output_dir",
+        tmp_path / "one",
+    )
     assert proc.returncode == 0, output_of(proc)
     one, two = results(tmp_path / "one"), results(out)
     assert one["eval_tokens"] == two["eval_tokens"]
@@ -193,8 +268,9 @@ def test_one_process_takes_the_same_steps_as_two_with_the_same_global_batch(text
         assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-5, abs=1e-6)
 
 
-def test_sigkill_and_resume_is_bit_identical_and_resumes_at_another_process_count(text, two_process_run, tmp_path,
-                                                                                   capsys):
+def test_sigkill_and_resume_is_bit_identical_and_resumes_at_another_process_count(
+    text, two_process_run, tmp_path, capsys
+):
     _, shards = text
     args = ["--dataset_dir", shards, *RUN]
     full, proc, root = two_process_run
@@ -202,8 +278,12 @@ def test_sigkill_and_resume_is_bit_identical_and_resumes_at_another_process_coun
     # rank 1, waiting in step 9's all-reduce for a rank that is gone, is ended by the launcher's agent,
     # which restarts both: the second attempt's rank 0 writes TensorBoard events within a minute of the kill
     pids = re.findall(r"^process 0/2 pid=(\d+) ", proc.stdout, re.M)
-    began = [int(m) for _, _, files in os.walk(full / "tensorboard") for f in files
-             for m in re.findall(rf"^events\.out\.tfevents\.(\d+)\..*\.{pids[-1]}\.\d+$", f)]
+    began = [
+        int(m)
+        for _, _, files in os.walk(full / "tensorboard")
+        for f in files
+        for m in re.findall(rf"^events\.out\.tfevents\.(\d+)\..*\.{pids[-1]}\.\d+$", f)
+    ]
     assert len(pids) == 2 and began, (pids, began)
     assert min(began) - os.path.getmtime(root / "killed") < 60, "the survivor took a minute or more to exit"
     # the restart resumed from step 4 (the unpublished step 8 is no checkpoint) and saved step 8 as
@@ -216,8 +296,17 @@ def test_sigkill_and_resume_is_bit_identical_and_resumes_at_another_process_coun
     # the same steps on the same windows: equal to float rounding (the 2-process run sums its
     # gradients in another order), where a wrong data position would be a different trajectory
     one = resume_copy(full, 4, str(tmp_path / "one"))
-    proc = run_as_script(capsys, "lm", *args, "--per_device_train_batch_size", 8, "--output_dir", one,
-                         "--resume_from_checkpoint", "latest")
+    proc = run_as_script(
+        capsys,
+        "lm",
+        *args,
+        "--per_device_train_batch_size",
+        8,
+        "--output_dir",
+        one,
+        "--resume_from_checkpoint",
+        "latest",
+    )
     assert proc.returncode == 0, output_of(proc)
     assert "world_size=1 " in proc.stdout and f"resumed from {one}/checkpoints/step_00000004" in proc.stdout
     assert largest_difference(weights(one), weights(full)) < 1e-5
@@ -235,8 +324,19 @@ def test_bad_input_is_one_line(text, two_process_run, tmp_path, capsys):
 
     fails(["--n_embd", 30, "--n_head", 4], "--n_embd 30 is not divisible by --n_head 4; pick e.g. --n_head 3")
     fails(["--dataset_dir", shards, "--block_size", 64], "holds windows of 32 tokens, not --block_size 64")
-    fails(["--train_file", folder / "train.txt", "--validation_file", tmp_path / "short.txt", "--block_size", 32,
-           "--dataset_dir", tmp_path / "cache"], "the validation split has 5 tokens, not enough for one window")
+    fails(
+        [
+            "--train_file",
+            folder / "train.txt",
+            "--validation_file",
+            tmp_path / "short.txt",
+            "--block_size",
+            32,
+            "--dataset_dir",
+            tmp_path / "cache",
+        ],
+        "the validation split has 5 tokens, not enough for one window",
+    )
     fails(["--dataset_dir", tmp_path], "holds no token shards")
     fails(["--prompt", "hello"], "holds no finished train/lm.py run")
     damaged = tmp_path / "damaged"  # a finished run whose weights file was cut short
@@ -247,14 +347,42 @@ def test_bad_input_is_one_line(text, two_process_run, tmp_path, capsys):
     assert proc.returncode != 0 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], output_of(proc)
     assert "holds no finished train/lm.py run" in proc.stderr, output_of(proc)
     bpe = tmp_path / "bpe"
-    prepare_main(["--train_file", str(folder / "train.txt"), "--validation_split_percentage", "10", "--tokenizer", "bpe",
-                  "--vocab_size", "300", "--block_size", "32", "--output_dir", str(bpe)])
+    prepare_main(
+        [
+            "--train_file",
+            str(folder / "train.txt"),
+            "--validation_split_percentage",
+            "10",
+            "--tokenizer",
+            "bpe",
+            "--vocab_size",
+            "300",
+            "--block_size",
+            "32",
+            "--output_dir",
+            str(bpe),
+        ]
+    )
     mismatched = tmp_path / "mismatched"  # shards of one tokenizer, tokenizer.json of another
     os.makedirs(mismatched)
     for name in os.listdir(bpe):
         os.link(bpe / name, mismatched / name)
     os.remove(mismatched / "tokenizer.json")
-    prepare_main(["--train_file", str(folder / "train.txt"), "--validation_split_percentage", "10", "--tokenizer", "bpe",
-                  "--vocab_size", "280", "--block_size", "32", "--output_dir", str(tmp_path / "other")])
+    prepare_main(
+        [
+            "--train_file",
+            str(folder / "train.txt"),
+            "--validation_split_percentage",
+            "10",
+            "--tokenizer",
+            "bpe",
+            "--vocab_size",
+            "280",
+            "--block_size",
+            "32",
+            "--output_dir",
+            str(tmp_path / "other"),
+        ]
+    )
     os.link(tmp_path / "other" / "tokenizer.json", mismatched / "tokenizer.json")
     fails(["--dataset_dir", mismatched, "--block_size", 32], "has 280 tokens but its shards were written with 300")

@@ -1,6 +1,7 @@
 """DataLoader workers start from a server process, not by forking the training process: CPython
 before 3.11.10 and 3.12 can hang a child forked while another thread (gloo's, freeing a collective)
 creates its Python thread state (data.workers.loader_workers, docs/data.md)."""
+
 import json
 import multiprocessing
 import os
@@ -75,15 +76,17 @@ def test_an_unpicklable_dataset_gets_forked_workers_and_a_warning_that_names_the
 def test_a_script_that_builds_its_loader_outside_a_main_guard_gets_forked_workers(tmp_path, guard):
     # the worker server runs the script's code outside the guard once more: it would build (and train) too
     script = tmp_path / "unguarded.py"
-    script.write_text(f"import sys\nsys.path.insert(0, {REPO!r})\n"
-                      "import torch\nfrom data.workers import loader_workers\n"
-                      "kwargs = loader_workers(1, torch.arange(4))\n"
-                      "print(kwargs['multiprocessing_context'].get_start_method())\n"
-                      + ('if __name__ == "__main__":\n    pass\n' if guard == "elsewhere" else ""))
+    script.write_text(
+        f"import sys\nsys.path.insert(0, {REPO!r})\n"
+        "import torch\nfrom data.workers import loader_workers\n"
+        "kwargs = loader_workers(1, torch.arange(4))\n"
+        "print(kwargs['multiprocessing_context'].get_start_method())\n"
+        + ('if __name__ == "__main__":\n    pass\n' if guard == "elsewhere" else "")
+    )
     proc = run_or_dump([sys.executable, str(script)], 120, env=clean_env(), forked_workers=True)
     assert proc.returncode == 0 and proc.stdout.split() == ["fork"], proc.stderr[-3000:]
     if workers.FORK_CAN_HANG:
-        said = {"none": 'has no `if __name__ == "__main__":`', "elsewhere": 'builds the DataLoader outside'}[guard]
+        said = {"none": 'has no `if __name__ == "__main__":`', "elsewhere": "builds the DataLoader outside"}[guard]
         assert said in proc.stderr, proc.stderr
 
 
@@ -103,8 +106,15 @@ print(sum(len(batch["x"]) for batch in loader))
 def test_code_from_standard_input_python_c_or_an_interactive_session_gets_working_workers(how):
     # no script file for a worker server to import (a notebook kernel's __main__ has none either): forked
     cmd = {"stdin": ["-"], "-c": ["-c", COUNT_EVERY_ROW], "interactive": ["-i"]}[how]
-    proc = subprocess.run([sys.executable, *cmd], input=None if how == "-c" else COUNT_EVERY_ROW, cwd=REPO,
-                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, *cmd],
+        input=None if how == "-c" else COUNT_EVERY_ROW,
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0 and proc.stdout.split()[-1:] == ["1000"], proc.stderr[-3000:]
     if workers.FORK_CAN_HANG:
         assert "has no script file to start them from" in proc.stderr, proc.stderr

@@ -1,5 +1,6 @@
 """train/mnist.py on real Fashion-MNIST: 2 real processes through accelerate launch (map-style and
 --streaming, both in bf16 asked of the launcher, with the recipe's flags), and in-process."""
+
 import json
 import os
 
@@ -17,9 +18,23 @@ EVAL_SAMPLES = 1001  # odd: with 2 processes and eval batch 500 the last batch i
 # the recipe's augmentation, smoothing and warmup, and bf16 asked of the launcher (not the script), in
 # both launched runs; 20 steps, as bf16 is emulated on this CPU (ONEDNN_MAX_CPU_ISA=AVX2): 1280 samples
 # cost 18 CPU-s a launch, 3000 cost 23
-SMALL_RUN = ["--dataset", "fashion_mnist", "--max_train_samples", 1280, "--max_eval_samples", EVAL_SAMPLES,
-             "--num_train_epochs", 1, "--per_device_train_batch_size", 32, "--augment", "--label_smoothing", 0.1,
-             "--num_warmup_steps", 5]
+SMALL_RUN = [
+    "--dataset",
+    "fashion_mnist",
+    "--max_train_samples",
+    1280,
+    "--max_eval_samples",
+    EVAL_SAMPLES,
+    "--num_train_epochs",
+    1,
+    "--per_device_train_batch_size",
+    32,
+    "--augment",
+    "--label_smoothing",
+    0.1,
+    "--num_warmup_steps",
+    5,
+]
 STEPS = 1280 // 64  # drop_last: whole global batches of 2 x 32
 
 
@@ -56,10 +71,13 @@ def test_two_processes_train_and_count_eval_exactly(fashion_dir, map_style_run):
 def test_streaming_path_under_two_processes_matches_map_style(map_style_run, tmp_path):
     proc = launch_bf16("--streaming", "--parquet_dir", tmp_path / "parquet", "--output_dir", tmp_path / "out")
     assert proc.returncode == 0, output_of(proc)
-    assert "world_size=2 " in proc.stdout and "sharded iterable" in proc.stdout and "mixed_precision=bf16" in proc.stdout
+    assert (
+        "world_size=2 " in proc.stdout and "sharded iterable" in proc.stdout and "mixed_precision=bf16" in proc.stdout
+    )
     # the prepare step wrote 8 train + 8 test shards + manifest, and left its (released) lock file
     assert sorted(set(os.listdir(tmp_path / "parquet")) - {".lock"}) == sorted(
-        [f"{split}-{i:05d}-of-00008.parquet" for split in ("test", "train") for i in range(8)] + ["manifest.json"])
+        [f"{split}-{i:05d}-of-00008.parquet" for split in ("test", "train") for i in range(8)] + ["manifest.json"]
+    )
     streaming = json.load(open(tmp_path / "out" / "all_results.json"))
     map_style = json.load(open(map_style_run[1] / "all_results.json"))
     assert streaming["eval_samples"] == EVAL_SAMPLES  # padding excluded through the valid mask
@@ -78,13 +96,29 @@ def test_in_process_smoke_from_data_dir(tmp_path, fashion_dir, layout):
             os.symlink(os.path.join(fashion_dir, name), data_dir / name)
     else:  # torchvision's download layout, uncompressed
         import gzip
+
         raw = data_dir / "FashionMNIST" / "raw"
         raw.mkdir(parents=True)
         for name in os.listdir(fashion_dir):
             (raw / name[:-3]).write_bytes(gzip.open(os.path.join(fashion_dir, name)).read())
-    args = mnist.parse_args(["--data_dir", str(data_dir), "--max_train_samples", "640", "--max_eval_samples", "333",
-                             "--max_train_steps", "5", "--per_device_train_batch_size", "64",
-                             "--gradient_accumulation_steps", "2", "--output_dir", str(tmp_path / "out")])
+    args = mnist.parse_args(
+        [
+            "--data_dir",
+            str(data_dir),
+            "--max_train_samples",
+            "640",
+            "--max_eval_samples",
+            "333",
+            "--max_train_steps",
+            "5",
+            "--per_device_train_batch_size",
+            "64",
+            "--gradient_accumulation_steps",
+            "2",
+            "--output_dir",
+            str(tmp_path / "out"),
+        ]
+    )
     results = mnist.main(args)
     assert results["eval_samples"] == 333 and results["step"] == 5 and results["world_size"] == 1
     assert results["data_source"].startswith(str(data_dir))
@@ -111,9 +145,22 @@ def test_on_disk_only_when_nothing_is_left_to_download(tmp_path, fashion_dir):
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_gradient_accumulation_is_one_step_per_n_batches(tmp_path, fashion_dir):
-    args = mnist.parse_args(["--max_train_samples", "640", "--max_eval_samples", "10", "--num_train_epochs", "1",
-                             "--per_device_train_batch_size", "32", "--gradient_accumulation_steps", "4",
-                             "--output_dir", str(tmp_path)])
+    args = mnist.parse_args(
+        [
+            "--max_train_samples",
+            "640",
+            "--max_eval_samples",
+            "10",
+            "--num_train_epochs",
+            "1",
+            "--per_device_train_batch_size",
+            "32",
+            "--gradient_accumulation_steps",
+            "4",
+            "--output_dir",
+            str(tmp_path),
+        ]
+    )
     results = mnist.main(args)
     assert results["step"] == 640 // 32 // 4
     assert results["global_batch_size"] == 128
@@ -147,8 +194,11 @@ def test_nothing_of_accelerate_is_replaced():
         assert changed == [], f"{owner.__name__}: {changed}"
     # and no earlier test in this process replaced them either
     for owner in classes:
-        assert all(getattr(value, "__module__", owner.__module__).startswith("accelerate")
-                   for value in vars(owner).values() if callable(value)), owner
+        assert all(
+            getattr(value, "__module__", owner.__module__).startswith("accelerate")
+            for value in vars(owner).values()
+            if callable(value)
+        ), owner
     assert accelerate.optimizer.is_lomo_available.__module__.startswith("accelerate")
 
 
@@ -159,7 +209,9 @@ def test_loaded_tensors_are_uint8_in_memory(fashion_dir):
     assert (len(train), len(test)) == (60000, 10000) and fashion_dir in source
     assert train.images.dtype == torch.uint8 and train.images.shape == (60000, 28, 28)
     batch = train.__getitems__([3, 1, 4])
-    assert torch.equal(batch["image"][1], train.images[1]) and batch["label"].tolist() == train.labels[[3, 1, 4]].tolist()
+    assert (
+        torch.equal(batch["image"][1], train.images[1]) and batch["label"].tolist() == train.labels[[3, 1, 4]].tolist()
+    )
     x = normalize_images(train.images[:2000], train.mean, train.std)
     assert x.shape == (2000, 1, 28, 28)
     assert abs(x.mean().item()) < 0.05 and abs(x.std().item() - 1) < 0.05  # the stored mean/std fit the data
@@ -173,9 +225,14 @@ def test_an_fsdp1_config_on_cpu_processes_is_one_line(tmp_path, capsys, monkeypa
     monkeypatch.setenv("FSDP_VERSION", "1")
     proc = run_as_script(capsys, "regression", "--max_train_steps", 3, "--output_dir", tmp_path / "out")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, output_of(proc)
-    assert proc.stderr.strip().splitlines()[-1].startswith(
-        "error: the accelerate config asks for FSDP version 1, which runs on GPUs only; for CPU processes set "
-        "fsdp_version: 2"), output_of(proc)
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "error: the accelerate config asks for FSDP version 1, which runs on GPUs only; for CPU processes set "
+            "fsdp_version: 2"
+        )
+    ), output_of(proc)
 
 
 @pytest.mark.parametrize("model", sorted(m for m, kw in mnist.MODELS.items() if not kw.get("norm_after_pool")))
@@ -205,16 +262,33 @@ def test_augment_images_shifts_and_flips_each_image_reproducibly():
     seen = set()
     for image, result in zip(images, out):
         padded = [torch.nn.functional.pad(src, (2, 2, 2, 2)) for src in (image, image.flip(-1))]
-        matches = [(flip, dy, dx) for flip in (0, 1) for dy in range(-2, 3) for dx in range(-2, 3)
-                   if torch.equal(padded[flip][2 + dy:30 + dy, 2 + dx:30 + dx], result)]
+        matches = [
+            (flip, dy, dx)
+            for flip in (0, 1)
+            for dy in range(-2, 3)
+            for dx in range(-2, 3)
+            if torch.equal(padded[flip][2 + dy : 30 + dy, 2 + dx : 30 + dx], result)
+        ]
         assert len(matches) == 1  # exactly one shift/flip explains each output
         seen.add(matches[0])
     assert len(seen) == 50  # every one of the 2 x 5 x 5 variants occurs (each missed with p < 1e-8)
 
 
 def test_resume_with_another_model_is_refused(fashion_dir, tmp_path):
-    args = ["--max_train_samples", "640", "--max_eval_samples", "100", "--num_train_epochs", "1",
-            "--per_device_train_batch_size", "32", "--checkpointing_steps", "10", "--output_dir", str(tmp_path)]
+    args = [
+        "--max_train_samples",
+        "640",
+        "--max_eval_samples",
+        "100",
+        "--num_train_epochs",
+        "1",
+        "--per_device_train_batch_size",
+        "32",
+        "--checkpointing_steps",
+        "10",
+        "--output_dir",
+        str(tmp_path),
+    ]
     mnist.main(mnist.parse_args(args))
     os.remove(tmp_path / "all_results.json")  # unfinished, as a crash leaves it: a finished run is not resumed
     with pytest.raises(UserError, match="does not fit this model"):

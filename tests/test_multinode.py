@@ -4,6 +4,7 @@ weights one process reaches with the same global batch, within float rounding (1
 tests/test_regression.py, whose controls miss it by more than 1e-3; 4 processes measured 1.2e-7 from
 1). Both rendezvous styles, from the repo's own 2-node templates. Nodes on hosts with their own
 addresses, under SLURM: tests/test_cluster.py."""
+
 import os
 import socket
 import sys
@@ -27,8 +28,9 @@ def free_port():
 def loopback_config(template, tmp_path):
     """The template with the edits its comments ask for, for 2 CPU processes per 'node' here."""
     config = yaml.safe_load(open(os.path.join(CONFIGS, template + ".yaml")))
-    config.update(num_processes=4, main_process_ip="127.0.0.1", main_process_port=free_port(), use_cpu=True,
-                  mixed_precision="no")
+    config.update(
+        num_processes=4, main_process_ip="127.0.0.1", main_process_port=free_port(), use_cpu=True, mixed_precision="no"
+    )
     path = tmp_path / f"{template}_loopback.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -36,9 +38,25 @@ def loopback_config(template, tmp_path):
 
 def two_nodes(config_path, script, *args):
     # one command for both nodes, as the README says; --machine_rank overrides the file
-    return run_together([([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path),
-                           "--machine_rank", str(rank), os.path.join("train", script + ".py"), *map(str, args)],
-                          clean_env()) for rank in (0, 1)])
+    return run_together(
+        [
+            (
+                [
+                    sys.executable,
+                    "-m",
+                    "accelerate.commands.launch",
+                    "--config_file",
+                    str(config_path),
+                    "--machine_rank",
+                    str(rank),
+                    os.path.join("train", script + ".py"),
+                    *map(str, args),
+                ],
+                clean_env(),
+            )
+            for rank in (0, 1)
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +64,9 @@ def one_process(tmp_path_factory):
     """The reference, in the test's process: one process, batch 32 (a 4-process launch cost 4 ranks'
     start-up for weights equal to these to 1.2e-7)."""
     out = tmp_path_factory.mktemp("regression")
-    run_main("regression", "--per_device_train_batch_size", 32, "--max_train_steps", 20, "--seed", 11,
-             "--output_dir", out)
+    run_main(
+        "regression", "--per_device_train_batch_size", 32, "--max_train_steps", 20, "--seed", 11, "--output_dir", out
+    )
     return weights(out)
 
 
@@ -67,11 +86,21 @@ def test_two_loopback_nodes_equal_one_node(one_process, tmp_path, template):
 def test_global_batch_size_that_does_not_divide_is_one_line(capsys, tmp_path):
     from conftest import run_as_script
 
-    proc = run_as_script(capsys, "regression", "--global_batch_size", 25, "--gradient_accumulation_steps", 2,
-                         "--output_dir", tmp_path / "out")
+    proc = run_as_script(
+        capsys,
+        "regression",
+        "--global_batch_size",
+        25,
+        "--gradient_accumulation_steps",
+        2,
+        "--output_dir",
+        tmp_path / "out",
+    )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr + proc.stdout
-    assert ("--global_batch_size 25 is not a multiple of 1 processes x 2 accumulation steps; pass a multiple of 2"
-            in proc.stderr + proc.stdout)
+    assert (
+        "--global_batch_size 25 is not a multiple of 1 processes x 2 accumulation steps; pass a multiple of 2"
+        in proc.stderr + proc.stdout
+    )
 
 
 def test_a_lost_peer_is_named_from_gloos_error():
@@ -82,7 +111,9 @@ def test_a_lost_peer_is_named_from_gloos_error():
 
     here = socket.gethostname()
     closed = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer [{}]:30894. This"
-    reset = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error [{}]:17025: Connection reset by peer."
+    reset = (
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error [{}]:17025: Connection reset by peer."
+    )
     assert lost_peer(RuntimeError(closed.format("192.0.2.7"))) == "192.0.2.7"  # no name known: the address
     name = socket.gethostbyaddr("127.0.0.1")[0]
     expected = f"another process of this node ({here})" if name == here else f"{name} (127.0.0.1)"

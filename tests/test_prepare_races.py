@@ -1,6 +1,7 @@
 """Processes that meet on one data folder at the same moment: a prepare's lock, its swap and its
 check that the set is already there. Each test releases its processes together with a barrier, many
 rounds over, and counts the rounds that went wrong."""
+
 import os
 
 import pytest
@@ -11,10 +12,12 @@ from races import quiet, race
 
 # ---------------------------------------------------------------------------------------- the lock
 
+
 def test_a_folder_removed_while_another_process_locks_it_is_made_again_not_a_crash(tmp_path):
     """One process removes a folder it created (a failed first prepare: .lock and the folder, then it
     lets go) while another takes its lock: 300 rounds, none may end in FileNotFoundError or
     FileExistsError from between lock_folder's makedirs and its open."""
+
     def remove(n, barrier):
         out = str(tmp_path / f"round_{n}")
         lock = lock_folder(out, note=quiet)
@@ -124,12 +127,19 @@ def test_a_swap_by_renames_never_strands_the_old_set(tmp_path):
     rounds = 100
     rewritten, _ = race([rewrite, take], rounds)
     ours = re.compile(r"^\.prepare-out-[0-9a-f]{8}$")
-    stranded = [name for n in range(rounds) for name in os.listdir(tmp_path / f"round_{n}")
-                if name != "out" and not ours.match(name)]
+    stranded = [
+        name
+        for n in range(rounds)
+        for name in os.listdir(tmp_path / f"round_{n}")
+        if name != "out" and not ours.match(name)
+    ]
     assert not stranded, f"{len(stranded)} of {rounds} rounds left the old set where no clean-up looks: {stranded[0]}"
     for n, outcome in enumerate(rewritten):  # a set in the folder, or the old one where the next prepare removes it
-        sets = [name for name in os.listdir(tmp_path / f"round_{n}")
-                if os.path.isfile(tmp_path / f"round_{n}" / name / "manifest.json")]
+        sets = [
+            name
+            for name in os.listdir(tmp_path / f"round_{n}")
+            if os.path.isfile(tmp_path / f"round_{n}" / name / "manifest.json")
+        ]
         assert sets == ["out"] or (sets and outcome.startswith("DataError: another process made")), (sets, outcome)
 
 
@@ -157,6 +167,7 @@ def test_a_swap_by_renames_that_cannot_put_the_new_set_in_puts_the_old_one_back(
 
 
 # ---------------------------------------------------------------------------------------- two prepares
+
 
 def test_two_prepares_of_the_same_set_started_together_both_get_it(tmp_path):
     """Two runs reach the prepare of the same cold folder together (one up to 10 ms later), 100 rounds:

@@ -5,6 +5,7 @@ files and a README naming its configs), labels as datasets define them (ClassLab
 label", a benchmark's hidden test split), checkpoints saved in bfloat16 trained in float32 and saved
 back in bfloat16, the flags of transformers' scripts, and a main process that tokenizes for longer
 than --ddp_timeout."""
+
 import json
 import os
 import random
@@ -40,11 +41,14 @@ def dataset_folder(root, splits, configs=None):
     metadata, as datasets writes them) and a README whose YAML names the configs and their files."""
     import datasets
 
-    features = datasets.Features({"text": datasets.Value("string"),
-                                  "label": datasets.ClassLabel(names=["positive", "negative"])})
+    features = datasets.Features(
+        {"text": datasets.Value("string"), "label": datasets.ClassLabel(names=["positive", "negative"])}
+    )
     os.makedirs(os.path.join(root, "data"))
     for split, records in splits.items():
-        datasets.Dataset.from_list(records, features=features).to_parquet(os.path.join(root, "data", f"{split}.parquet"))
+        datasets.Dataset.from_list(records, features=features).to_parquet(
+            os.path.join(root, "data", f"{split}.parquet")
+        )
     configs = configs or {"default": {split: split for split in splits}}  # config: {its split: the file's}
     lines = ["---", "configs:"]
     for name, files in configs.items():
@@ -77,12 +81,28 @@ def test_a_hub_id_and_a_dataset_folder_with_a_hidden_test_split(hub, tmp_path):
     hidden = [{"text": r["text"], "label": -1} for r in reviews(16, 2)]
     folder = dataset_folder(tmp_path / "moods", {"train": reviews(200, 1), "test": hidden})
     out = tmp_path / "out"
-    proc = launch("cpu_2proc", "text_classification", "--model_name_or_path", "org/tiny-bert", "--dataset_name",
-                  folder, "--cache_dir", tmp_path / "tokens", "--max_train_steps", 4, "--learning_rate", 1e-3,
-                  "--output_dir", out, HF_HOME=hub["home"])
+    proc = launch(
+        "cpu_2proc",
+        "text_classification",
+        "--model_name_or_path",
+        "org/tiny-bert",
+        "--dataset_name",
+        folder,
+        "--cache_dir",
+        tmp_path / "tokens",
+        "--max_train_steps",
+        4,
+        "--learning_rate",
+        1e-3,
+        "--output_dir",
+        out,
+        HF_HOME=hub["home"],
+    )
     assert proc.returncode == 0, output_of(proc)
-    assert ("180 train, 20 validation rows (10% of the dataset's train split held out; the dataset's test split has "
-            "no labels), 2 labels (positive, negative)") in proc.stdout, proc.stdout
+    assert (
+        "180 train, 20 validation rows (10% of the dataset's train split held out; the dataset's test split has "
+        "no labels), 2 labels (positive, negative)"
+    ) in proc.stdout, proc.stdout
     assert json.load(open(out / "all_results.json"))["eval_samples"] == 20
     assert json.load(open(out / "config.json"))["id2label"] == {"0": "positive", "1": "negative"}
     fingerprint = json.load(open(out / "args.json"))["model_fingerprint"]
@@ -99,12 +119,29 @@ def test_sft_takes_a_hub_id_and_saves_in_its_dtype_with_its_generation_config(hu
     for split, n, seed in (("train", 48, 0), ("validation", 9, 1)):
         rng = random.Random(seed)
         with open(data / f"{split}.jsonl", "w") as f:
-            f.writelines(json.dumps({"prompt": f"define {w}\n", "response": f"{w} means {rng.choice(WORDS)}"}) + "\n"
-                         for w in (rng.choice(WORDS) for _ in range(n)))
+            f.writelines(
+                json.dumps({"prompt": f"define {w}\n", "response": f"{w} means {rng.choice(WORDS)}"}) + "\n"
+                for w in (rng.choice(WORDS) for _ in range(n))
+            )
     out = tmp_path / "sft"
-    proc = run_script("sft", "--model_name_or_path", "org/tiny-gpt2-bf16", "--dataset_name", data, "--cache_dir",
-                      tmp_path / "tokens", "--max_train_steps", 3, "--mixed_precision", "no", "--learning_rate", 1e-3,
-                      "--output_dir", out, HF_HOME=hub["home"])
+    proc = run_script(
+        "sft",
+        "--model_name_or_path",
+        "org/tiny-gpt2-bf16",
+        "--dataset_name",
+        data,
+        "--cache_dir",
+        tmp_path / "tokens",
+        "--max_train_steps",
+        3,
+        "--mixed_precision",
+        "no",
+        "--learning_rate",
+        1e-3,
+        "--output_dir",
+        out,
+        HF_HOME=hub["home"],
+    )
     assert proc.returncode == 0, output_of(proc)
     assert "validation (the dataset's validation split) 9 examples" in proc.stdout, proc.stdout
     assert "training weights float32" in proc.stdout and "frozen" not in proc.stdout
@@ -137,10 +174,26 @@ def precisions(tmp_path_factory):
 
 
 def short_run(precisions, model, out, *extra):
-    return run_main("text_classification", "--model_name_or_path", precisions[model], "--dataset_name",
-                    precisions["data"], "--cache_dir", precisions["root"] / "tokens", "--max_train_steps", 4,
-                    "--learning_rate", 1e-4, "--mixed_precision", "no", "--per_device_train_batch_size", 8,
-                    "--output_dir", out, *extra)
+    return run_main(
+        "text_classification",
+        "--model_name_or_path",
+        precisions[model],
+        "--dataset_name",
+        precisions["data"],
+        "--cache_dir",
+        precisions["root"] / "tokens",
+        "--max_train_steps",
+        4,
+        "--learning_rate",
+        1e-4,
+        "--mixed_precision",
+        "no",
+        "--per_device_train_batch_size",
+        8,
+        "--output_dir",
+        out,
+        *extra,
+    )
 
 
 def test_a_bfloat16_checkpoint_takes_the_steps_of_its_float32_copy(precisions, tmp_path, capsys):
@@ -150,8 +203,16 @@ def test_a_bfloat16_checkpoint_takes_the_steps_of_its_float32_copy(precisions, t
     short_run(precisions, "fp32", tmp_path / "fp32")
     short_run(precisions, "bf16", tmp_path / "bf16", "--save_dtype", "float32")
     same = largest_difference(weights(tmp_path / "fp32"), weights(tmp_path / "bf16"))
-    short_run(precisions, "bf16", tmp_path / "pure", "--torch_dtype", "auto", "--pure_low_precision", "--save_dtype",
-              "float32")
+    short_run(
+        precisions,
+        "bf16",
+        tmp_path / "pure",
+        "--torch_dtype",
+        "auto",
+        "--pure_low_precision",
+        "--save_dtype",
+        "float32",
+    )
     pure = largest_difference(weights(tmp_path / "fp32"), weights(tmp_path / "pure"))
     with capsys.disabled():
         print(f"bfloat16 checkpoint vs its float32 copy after 4 steps: {same:.1e}; trained in bfloat16: {pure:.1e}")
@@ -162,11 +223,24 @@ def test_a_bfloat16_checkpoint_takes_the_steps_of_its_float32_copy(precisions, t
     assert "training weights float32" in capsys.readouterr().out
 
 
-def test_lora_keeps_a_bfloat16_base_frozen_and_its_best_model_file_holds_only_what_trains(precisions, tmp_path,
-                                                                                          capsys):
+def test_lora_keeps_a_bfloat16_base_frozen_and_its_best_model_file_holds_only_what_trains(precisions, tmp_path, capsys):
     out = tmp_path / "lora"
-    lora = ["--lora_r", 4, "--torch_dtype", "bfloat16", "--max_train_steps", 6, "--eval_steps", 2,
-            "--checkpointing_steps", 2, "--metric_for_best_model", "loss", "--learning_rate", 1e-3]
+    lora = [
+        "--lora_r",
+        4,
+        "--torch_dtype",
+        "bfloat16",
+        "--max_train_steps",
+        6,
+        "--eval_steps",
+        2,
+        "--checkpointing_steps",
+        2,
+        "--metric_for_best_model",
+        "loss",
+        "--learning_rate",
+        1e-3,
+    ]
     with pytest.raises(DataError.__base__, match="frozen weights are bfloat16 .* pass --mixed_precision bf16"):
         short_run(precisions, "bf16", tmp_path / "refused", *lora)  # the new head is float32, the body bfloat16
     short_run(precisions, "bf16", out, *lora, "--mixed_precision", "bf16")
@@ -188,14 +262,30 @@ def test_the_main_process_may_tokenize_for_longer_than_ddp_timeout(tmp_path):
     tiny_causal_lm(folder)
     rows = [{"prompt": f"define {w}\n", "response": f"{w} means water"} for w in WORDS]
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = probe("cpu_2proc", ["--slow_prepare", 8], "--model_name_or_path", folder, "--train_file",
-                 tmp_path / "pairs.jsonl", "--cache_dir", tmp_path / "tokens", "--max_train_steps", 2,
-                 "--per_device_train_batch_size", 2, "--ddp_timeout", 3, "--output_dir", tmp_path / "out",
-                 script="sft")
+    proc = probe(
+        "cpu_2proc",
+        ["--slow_prepare", 8],
+        "--model_name_or_path",
+        folder,
+        "--train_file",
+        tmp_path / "pairs.jsonl",
+        "--cache_dir",
+        tmp_path / "tokens",
+        "--max_train_steps",
+        2,
+        "--per_device_train_batch_size",
+        2,
+        "--ddp_timeout",
+        3,
+        "--output_dir",
+        tmp_path / "out",
+        script="sft",
+    )
     assert proc.returncode == 0 and "world_size=2" in proc.stdout, output_of(proc)
 
 
 # ------------------------------------------------------------------------------------ labels and splits, one process
+
 
 def test_a_classlabel_keeps_its_order_and_a_pretrained_heads_order_is_kept_when_it_fits():
     import datasets
@@ -214,8 +304,10 @@ def test_rows_without_a_label_are_refused_naming_them_or_left_out_and_counted():
     import datasets
 
     kinds = datasets.ClassLabel(names=["a", "b"])
-    train = datasets.Dataset.from_dict({"text": list("pqrstu"), "label": [0, -1, 1, 1, -1, 0]},
-                                       features=datasets.Features({"text": datasets.Value("string"), "label": kinds}))
+    train = datasets.Dataset.from_dict(
+        {"text": list("pqrstu"), "label": [0, -1, 1, 1, -1, 0]},
+        features=datasets.Features({"text": datasets.Value("string"), "label": kinds}),
+    )
     names, ids = label_names(train, train, "label")
     assert ids["train"] == [0, None, 1, 1, None, 0]  # -1 is "no label", never the last class
     with pytest.raises(DataError, match=r"2 row\(s\) without a 'label' \(row 1, 4; .*--missing_labels drop"):
@@ -228,8 +320,11 @@ def test_rows_without_a_label_are_refused_naming_them_or_left_out_and_counted():
 
 def test_dataset_splits_by_name_config_and_fallback(tmp_path):
     labelled = {"train": reviews(50, 0), "test": reviews(10, 1)}
-    folder = dataset_folder(tmp_path / "d", {**labelled, "other": reviews(30, 2)},
-                            configs={"default": {"train": "train", "test": "test"}, "small": {"train": "other"}})
+    folder = dataset_folder(
+        tmp_path / "d",
+        {**labelled, "other": reviews(30, 2)},
+        configs={"default": {"train": "train", "test": "test"}, "small": {"train": "other"}},
+    )
     splits, where = load_splits(DataInputs(dataset_name=folder), "label")
     assert where == "the dataset's test split" and len(splits["validation"]) == 10  # labelled: it evaluates
     splits, where = load_splits(DataInputs(dataset_name=folder, dataset_config_name="small"), "label")
@@ -242,6 +337,7 @@ def test_dataset_splits_by_name_config_and_fallback(tmp_path):
 
 
 # ------------------------------------------------------------------------------------ flags users know
+
 
 def test_transformers_schedules_by_name_and_a_warmup_ratio():
     from transformers import get_scheduler
@@ -261,8 +357,11 @@ def test_transformers_schedules_by_name_and_a_warmup_ratio():
     def optimizer():
         return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
 
-    for name, kwargs in (("polynomial", {"power": 2.0}), ("cosine_with_min_lr", {"min_lr_rate": 0.1}),
-                         ("constant_with_warmup", None)):
+    for name, kwargs in (
+        ("polynomial", {"power": 2.0}),
+        ("cosine_with_min_lr", {"min_lr_rate": 0.1}),
+        ("constant_with_warmup", None),
+    ):
         ours = lrs(make_scheduler(optimizer(), name, 4, 20, kwargs))
         theirs = lrs(get_scheduler(name, optimizer(), 4, 20, scheduler_specific_kwargs=kwargs or {}))
         assert ours == theirs, name
@@ -273,22 +372,31 @@ def test_a_mistyped_folder_is_not_taken_for_a_hub_name(tmp_path, capsys):
     rows = reviews(20, 0)
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     common = ["--cache_dir", tmp_path / "tokens", "--output_dir", tmp_path / "out"]
-    for flags, expected in ((["--model_name_or_path", "tests/no_such_model", "--train_file", tmp_path / "train.jsonl"],
-                             "--model_name_or_path tests/no_such_model is not a folder"),
-                            (["--model_name_or_path", tiny_bert(tmp_path / "model"), "--dataset_name",
-                              "tests/no_such_data"], "--dataset_name tests/no_such_data: no such folder")):
+    for flags, expected in (
+        (
+            ["--model_name_or_path", "tests/no_such_model", "--train_file", tmp_path / "train.jsonl"],
+            "--model_name_or_path tests/no_such_model is not a folder",
+        ),
+        (
+            ["--model_name_or_path", tiny_bert(tmp_path / "model"), "--dataset_name", "tests/no_such_data"],
+            "--dataset_name tests/no_such_data: no such folder",
+        ),
+    ):
         proc = run_as_script(capsys, "text_classification", *flags, *common)
         lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
         assert proc.returncode == 1 and len(lines) == 1 and expected in lines[0], output_of(proc)
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("flags, code, expected", [
-    (["--push_to_hub"], 2, "--push_to_hub: this project never uploads"),
-    (["--report_to", "wandb", "--with_tracking"], 1, "--report_to wandb: the wandb package is not installed"),
-    (["--lr_scheduler_type", "cosine_with_min_lr"], 1, "--lr_scheduler_type cosine_with_min_lr: "),
-    (["--torch_dtype", "bfloat8"], 2, "argument --torch_dtype: invalid choice: 'bfloat8'"),
-])
+@pytest.mark.parametrize(
+    "flags, code, expected",
+    [
+        (["--push_to_hub"], 2, "--push_to_hub: this project never uploads"),
+        (["--report_to", "wandb", "--with_tracking"], 1, "--report_to wandb: the wandb package is not installed"),
+        (["--lr_scheduler_type", "cosine_with_min_lr"], 1, "--lr_scheduler_type cosine_with_min_lr: "),
+        (["--torch_dtype", "bfloat8"], 2, "argument --torch_dtype: invalid choice: 'bfloat8'"),
+    ],
+)
 def test_flags_we_do_not_take_are_one_line(flags, code, expected, tmp_path, capsys):
     import importlib.util
 
@@ -297,9 +405,21 @@ def test_flags_we_do_not_take_are_one_line(flags, code, expected, tmp_path, caps
     model = tiny_bert(tmp_path / "model")
     rows = reviews(40, 0)
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    proc = run_as_script(capsys, "text_classification", "--model_name_or_path", model, "--train_file",
-                         tmp_path / "train.jsonl", "--cache_dir", tmp_path / "tokens", "--max_train_steps", 1,
-                         "--output_dir", tmp_path / "out", *flags)
+    proc = run_as_script(
+        capsys,
+        "text_classification",
+        "--model_name_or_path",
+        model,
+        "--train_file",
+        tmp_path / "train.jsonl",
+        "--cache_dir",
+        tmp_path / "tokens",
+        "--max_train_steps",
+        1,
+        "--output_dir",
+        tmp_path / "out",
+        *flags,
+    )
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == code and len(lines) == 1 and expected in lines[0], output_of(proc)
     assert not (tmp_path / "out" / "all_results.json").exists()

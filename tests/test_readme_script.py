@@ -1,6 +1,7 @@
 """The README's "Write your own script" skeleton, as printed there and saved where it says (train/),
 runs under 2 real processes once its one `...` line (the user's data and model) is filled in: it
 trains, counts its evaluation exactly, checkpoints, and resumes bit-identically."""
+
 import json
 import os
 import re
@@ -25,7 +26,7 @@ FILL = """\
 
 def readme_skeleton():
     readme = open(os.path.join(REPO, "README.md")).read()
-    section = readme[readme.index("## Write your own script"):]
+    section = readme[readme.index("## Write your own script") :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     lines = code.splitlines(keepends=True)
     holes = [i for i, line in enumerate(lines) if "= ..., ..., ..." in line]
@@ -36,8 +37,15 @@ def readme_skeleton():
 
 def launch_skeleton(path, *args):
     """As the README says: saved in train/, launched from the repo root, no PYTHONPATH."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, "cpu_2proc.yaml"),
-           str(path), *map(str, args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        os.path.join(CONFIGS, "cpu_2proc.yaml"),
+        str(path),
+        *map(str, args),
+    ]
     return subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
 
 
@@ -51,8 +59,18 @@ def skeleton():
 
 
 def test_readme_skeleton_trains_evaluates_and_resumes(skeleton, tmp_path):
-    args = ["--per_device_train_batch_size", 16, "--per_device_eval_batch_size", 5, "--num_train_epochs", 3,
-            "--checkpointing_steps", 4, "--learning_rate", 0.05]
+    args = [
+        "--per_device_train_batch_size",
+        16,
+        "--per_device_eval_batch_size",
+        5,
+        "--num_train_epochs",
+        3,
+        "--checkpointing_steps",
+        4,
+        "--learning_rate",
+        0.05,
+    ]
     full = tmp_path / "full"
     proc = launch_skeleton(skeleton, *args, "--output_dir", full)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,6 +1,7 @@
 """Exact data-parallel math: with the same global batch, 2 processes compute the averaged gradient
 that 1 process computes, so the weights agree to float rounding. The controls show the comparison
 would catch a gradient that is not averaged across processes."""
+
 import pytest
 import torch
 
@@ -62,8 +63,16 @@ def test_torch_compile_flags_compile_any_script_and_say_so(tmp_path, capsys, mon
     header names which decided. The compiled run saves plain weights."""
     from conftest import run_as_script
 
-    proc = run_as_script(capsys, "regression", "--torch_compile_mode", "max-autotune-no-cudagraphs",
-                         "--num_train_epochs", 1, "--output_dir", tmp_path / "flag")
+    proc = run_as_script(
+        capsys,
+        "regression",
+        "--torch_compile_mode",
+        "max-autotune-no-cudagraphs",
+        "--num_train_epochs",
+        1,
+        "--output_dir",
+        tmp_path / "flag",
+    )
     assert proc.returncode == 0, output_of(proc)
     assert "torch_compile: inductor, mode max-autotune-no-cudagraphs (--torch_compile)" in proc.stdout
     assert not any(k.startswith("_orig_mod") for k in weights(tmp_path / "flag"))

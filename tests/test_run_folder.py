@@ -2,6 +2,7 @@
 (and only once the new run has something to show), one writer at a time, every rank resumes from
 the same checkpoint, no final model from a run whose numbers went bad, no resume into another
 run's batches or data, strict JSON, and a first log after a resume that averages the same steps."""
+
 import json
 import os
 import shutil
@@ -38,6 +39,7 @@ def strict_json(path):
 
 # ----------------------------------------------------------------------------- only what the project wrote
 
+
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_a_folder_that_is_not_a_run_is_never_written_over(tmp_path, overwrite, capsys):
     out = tmp_path / "mine"
@@ -48,8 +50,9 @@ def test_a_folder_that_is_not_a_run_is_never_written_over(tmp_path, overwrite, c
     (out / "labels.json").write_text('["cat", "dog"]')
     (out / "notes.txt").write_text("my notes")
     before = checksums(out)
-    proc = run_as_script(capsys, "regression", *QUICK, "--output_dir", out,
-                         *(["--overwrite_output_dir"] if overwrite else []))
+    proc = run_as_script(
+        capsys, "regression", *QUICK, "--output_dir", out, *(["--overwrite_output_dir"] if overwrite else [])
+    )
     assert proc.returncode == 1, output_of(proc)
     assert len(error_lines(proc)) == 1 and "checkpoints, tensorboard, labels.json but no run.json" in proc.stderr
     assert "Traceback" not in output_of(proc)
@@ -73,8 +76,17 @@ def test_overwrite_keeps_the_earlier_run_until_the_new_one_has_a_checkpoint(tmp_
     ours = lambda sums: {k: v for k, v in sums.items() if k not in ("run.json", ".lock")}  # noqa: E731
     finished = ours(checksums(out))
     # a replacement that fails before its first checkpoint (here: its loss diverges at once) puts it back
-    proc = run_as_script(capsys, "regression", "--learning_rate", 1e20, "--checkpointing_steps", 50, "--output_dir", out,
-                         "--overwrite_output_dir")
+    proc = run_as_script(
+        capsys,
+        "regression",
+        "--learning_rate",
+        1e20,
+        "--checkpointing_steps",
+        50,
+        "--output_dir",
+        out,
+        "--overwrite_output_dir",
+    )
     assert proc.returncode == 1 and "non-finite" in proc.stderr, output_of(proc)
     assert f"moved the earlier run to {out / 'replaced_run'}" in proc.stdout
     assert f"put the earlier run back in {out}" in proc.stdout and not (out / "replaced_run").exists()
@@ -84,8 +96,17 @@ def test_overwrite_keeps_the_earlier_run_until_the_new_one_has_a_checkpoint(tmp_
     for name in set(os.listdir(out)) - {"run.json", ".lock", "replaced_run"}:
         os.replace(out / name, out / "replaced_run" / name)
     (out / "args.json").write_text("{}")  # what the killed replacement had written
-    proc = run_as_script(capsys, "regression", "--learning_rate", 1e20, "--checkpointing_steps", 50, "--output_dir", out,
-                         "--overwrite_output_dir")
+    proc = run_as_script(
+        capsys,
+        "regression",
+        "--learning_rate",
+        1e20,
+        "--checkpointing_steps",
+        50,
+        "--output_dir",
+        out,
+        "--overwrite_output_dir",
+    )
     assert proc.returncode == 1 and "removed the unfinished run" in proc.stdout, output_of(proc)
     assert ours(checksums(out)) == finished and not (out / "replaced_run").exists()
     # the one that works: once it has a checkpoint the replaced run goes
@@ -99,18 +120,34 @@ def test_a_save_killed_midway_is_cleaned_up_by_the_next_run(tmp_path):
     os.remove(out / "all_results.json")
     os.remove(out / "model.safetensors")
     shutil.copytree(out / "checkpoints" / "step_00000003", out / "checkpoints" / ".tmp-step_00000006")
-    in_process("--max_train_steps", 6, "--checkpointing_steps", 3, "--output_dir", out,
-               "--resume_from_checkpoint", "latest")
+    in_process(
+        "--max_train_steps", 6, "--checkpointing_steps", 3, "--output_dir", out, "--resume_from_checkpoint", "latest"
+    )
     assert sorted(os.listdir(out / "checkpoints")) == ["step_00000003", "step_00000006"]
 
 
 # ----------------------------------------------------------------------------- one writer
 
+
 def test_a_second_run_on_a_folder_in_use_is_refused_and_the_first_finishes_intact(tmp_path, capsys):
     out = tmp_path / "run"
-    first = subprocess.Popen([sys.executable, os.path.join("train", "regression.py"), "--num_train_epochs", "3",
-                              "--checkpointing_steps", "40", "--output_dir", str(out)],
-                             cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join("train", "regression.py"),
+            "--num_train_epochs",
+            "3",
+            "--checkpointing_steps",
+            "40",
+            "--output_dir",
+            str(out),
+        ],
+        cwd=REPO,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.time() + 60
         while not (out / ".lock").exists() or not (out / ".lock").read_text().strip():
@@ -138,20 +175,21 @@ def test_a_second_run_on_a_folder_in_use_is_refused_and_the_first_finishes_intac
     results = strict_json(out / "all_results.json")
     assert results["step"] == 3 * 64 and results["resumed_from"] is None
     assert [r["step"] for r in map(json.loads, open(out / "metrics.jsonl"))] == sorted(
-        r["step"] for r in map(json.loads, open(out / "metrics.jsonl")))  # one writer: one ordered log
+        r["step"] for r in map(json.loads, open(out / "metrics.jsonl"))
+    )  # one writer: one ordered log
 
 
 def test_a_lock_left_by_a_dead_process_is_taken_over_with_one_line(tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (out / ".lock").write_text(json.dumps({"host": "here", "pid": int(dead.stdout), "started": 0,
-                                           "command": "train/regression.py"}))
+    (out / ".lock").write_text(
+        json.dumps({"host": "here", "pid": int(dead.stdout), "started": 0, "command": "train/regression.py"})
+    )
     proc = run_as_script(capsys, "regression", *QUICK, "--output_dir", out)
     assert proc.returncode == 0, output_of(proc)
     assert f"was locked by a process that is gone (pid {int(dead.stdout)}" in proc.stdout
     assert (out / ".lock").read_text() == ""  # released on purpose at the end
-
 
 
 def test_a_run_removing_the_folder_it_made_never_leaves_two_owners(tmp_path):
@@ -197,27 +235,32 @@ def test_a_run_removing_the_folder_it_made_never_leaves_two_owners(tmp_path):
     bad = [o for o in removed if o != "removed"] + [o for o in taken if o not in ("owns the folder", "busy throughout")]
     assert not bad, f"{len(bad)} bad outcomes in {rounds} rounds, e.g. {bad[0]}"
 
+
 # ----------------------------------------------------------------------------- wrong numbers
+
 
 def test_a_diverging_loss_stops_every_rank_with_one_line_and_no_final_model(tmp_path):
     out = tmp_path / "run"
     # rank 1's 7th loss is NaN; DDP spreads its gradients to rank 0; checkpoints every 4 steps
-    proc = probe("cpu_2proc", ["--nan_at", 7, "--rank", 1], "--checkpointing_steps", 4, "--logging_steps", 5,
-                 "--output_dir", out)
+    proc = probe(
+        "cpu_2proc", ["--nan_at", 7, "--rank", 1], "--checkpointing_steps", 4, "--logging_steps", 5, "--output_dir", out
+    )
     assert proc.returncode == 1, output_of(proc)
     lines = error_lines(proc)
     assert len(lines) == 1 and "the training loss became non-finite at step 7" in lines[0], output_of(proc)
     assert "step_00000004" in lines[0] and "--nonfinite_loss skip" in lines[0]
     assert not (out / "model.safetensors").exists() and not (out / "all_results.json").exists()
     assert [os.path.basename(p) for p in sorted((out / "checkpoints").iterdir())] == ["step_00000004"]
-    assert all(torch.isfinite(t).all() for t in load_file(out / "checkpoints" / "step_00000004" /
-                                                          "model.safetensors").values())
+    assert all(
+        torch.isfinite(t).all() for t in load_file(out / "checkpoints" / "step_00000004" / "model.safetensors").values()
+    )
 
 
 def test_weights_that_overflow_stop_the_run_before_a_checkpoint_of_them(tmp_path, capsys):
     # at this rate the first update takes the weights past float32's range
-    proc = run_as_script(capsys, "regression", "--learning_rate", 1e38, "--checkpointing_steps", 1, "--output_dir",
-                         tmp_path / "run")
+    proc = run_as_script(
+        capsys, "regression", "--learning_rate", 1e38, "--checkpointing_steps", 1, "--output_dir", tmp_path / "run"
+    )
     assert proc.returncode == 1 and len(error_lines(proc)) == 1, output_of(proc)
     assert "the model's weights are no longer finite at step 1" in proc.stderr
     assert "no checkpoint was saved" in proc.stderr
@@ -227,16 +270,28 @@ def test_weights_that_overflow_stop_the_run_before_a_checkpoint_of_them(tmp_path
 
 def test_nonfinite_loss_skip_drops_that_step_and_writes_strict_json(tmp_path):
     out = tmp_path / "run"
-    proc = probe("cpu_2proc", ["--nan_at", 7, "--rank", 1], "--nonfinite_loss", "skip", "--max_train_steps", 12,
-                 "--logging_steps", 4, "--output_dir", out)
+    proc = probe(
+        "cpu_2proc",
+        ["--nan_at", 7, "--rank", 1],
+        "--nonfinite_loss",
+        "skip",
+        "--max_train_steps",
+        12,
+        "--logging_steps",
+        4,
+        "--output_dir",
+        out,
+    )
     assert proc.returncode == 0, output_of(proc)
     results = strict_json(out / "all_results.json")
     assert results["skipped_steps"] == 1 and results["step"] == 12
     assert all(torch.isfinite(t).all() for t in load_file(out / "model.safetensors").values())
     for name in ("args.json", "run.json"):
         strict_json(out / name)
-    logged = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl"))
-              for line in open(out / "metrics.jsonl")]
+    logged = [
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl"))
+        for line in open(out / "metrics.jsonl")
+    ]
     train = [r for r in logged if "train_loss" in r]
     assert [r["step"] for r in train] == [4, 8, 12] and [r.get("skipped_steps", 0) for r in train] == [0, 1, 1]
     assert all(r["train_loss"] is not None for r in train)  # the NaN loss is left out of the mean
@@ -244,17 +299,25 @@ def test_nonfinite_loss_skip_drops_that_step_and_writes_strict_json(tmp_path):
 
 # ----------------------------------------------------------------------------- resume: the same run, or none
 
-@pytest.mark.parametrize("change, what", [
-    (["--per_device_train_batch_size", 32], "a global batch of 16 per process x 1 processes x 1 accumulation steps"),
-    (["--gradient_accumulation_steps", 2], "this run has 16 per process x 1 processes x 2 accumulation steps"),
-    (["--num_train_samples", 900], "saved training on 1024 samples per epoch; this run has 900"),
-])
+
+@pytest.mark.parametrize(
+    "change, what",
+    [
+        (
+            ["--per_device_train_batch_size", 32],
+            "a global batch of 16 per process x 1 processes x 1 accumulation steps",
+        ),
+        (["--gradient_accumulation_steps", 2], "this run has 16 per process x 1 processes x 2 accumulation steps"),
+        (["--num_train_samples", 900], "saved training on 1024 samples per epoch; this run has 900"),
+    ],
+)
 def test_resume_with_another_batch_or_data_is_refused(tmp_path, change, what, capsys):
     out = tmp_path / "run"
     in_process("--max_train_steps", 6, "--checkpointing_steps", 3, "--output_dir", out)
     os.remove(out / "all_results.json")
-    proc = run_as_script(capsys, "regression", "--max_train_steps", 9, *change, "--output_dir", out,
-                         "--resume_from_checkpoint", "latest")
+    proc = run_as_script(
+        capsys, "regression", "--max_train_steps", 9, *change, "--output_dir", out, "--resume_from_checkpoint", "latest"
+    )
     assert proc.returncode == 1 and len(error_lines(proc)) == 1, output_of(proc)
     assert what in proc.stderr, proc.stderr
 
@@ -271,13 +334,15 @@ def test_the_first_log_after_a_resume_averages_the_same_steps(tmp_path):
     in_process(*args, "--output_dir", out, "--resume_from_checkpoint", "latest")
 
     def logged(folder):
-        return [(r["step"], r["train_loss"]) for r in map(json.loads, open(folder / "metrics.jsonl"))
-                if "train_loss" in r]
+        return [
+            (r["step"], r["train_loss"]) for r in map(json.loads, open(folder / "metrics.jsonl")) if "train_loss" in r
+        ]
 
     assert logged(out) == logged(full) and [s for s, _ in logged(out)] == [20, 40, 60]
 
 
 # ----------------------------------------------------------------------------- a full disk
+
 
 @pytest.fixture
 def small_disk(tmp_path):

@@ -8,6 +8,7 @@ exactly the validation set's response tokens. Then: the output folder loads with
 generates; SIGKILL (LoRA) and SIGTERM (full, with accumulation) then resume are bit-identical; FSDP2's
 sharded checkpoint resumes in 1 process; packing keeps examples apart; chat turns render with the
 template and only assistant turns are scored; bad input is one line each."""
+
 import json
 import os
 import random
@@ -21,11 +22,28 @@ from data.errors import DataError
 from data.prompt_response import CausalBatch, encode, chat_segments, pack, prompt_response_segments
 from data.sharding import BatchPlan
 from hf_models import WORDS, tiny_bert, tiny_causal_lm
-from test_checkpointing import (crash_during_save_and_resume, identical, largest_difference, resume_copy,
-                                sigterm_at_step_one_and_resume, weights)
+from test_checkpointing import (
+    crash_during_save_and_resume,
+    identical,
+    largest_difference,
+    resume_copy,
+    sigterm_at_step_one_and_resume,
+    weights,
+)
 
 N_VALIDATION = 21  # odd: fills no batch of any size used here
-STEPS = ["--max_train_steps", 6, "--checkpointing_steps", 3, "--eval_steps", 3, "--logging_steps", 2, "--mixed_precision", "no"]
+STEPS = [
+    "--max_train_steps",
+    6,
+    "--checkpointing_steps",
+    3,
+    "--eval_steps",
+    3,
+    "--logging_steps",
+    2,
+    "--mixed_precision",
+    "no",
+]
 
 
 def pairs(n, seed):
@@ -35,17 +53,30 @@ def pairs(n, seed):
     for _ in range(n):
         word = rng.choice(WORDS)
         context = " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 19)))
-        out.append({"prompt": f"define {word} {context}\n",
-                    "response": f"{word} means " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 38)))})
+        out.append(
+            {
+                "prompt": f"define {word} {context}\n",
+                "response": f"{word} means " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 38))),
+            }
+        )
     return out
 
 
 def conversations(n, seed):
     rng = random.Random(seed)
     say = lambda k: " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, k)))  # noqa: E731
-    return [{"messages": [{"role": "system", "content": say(5)}, {"role": "user", "content": say(8)},
-                          {"role": "assistant", "content": say(12)}, {"role": "user", "content": say(8)},
-                          {"role": "assistant", "content": say(12)}]} for _ in range(n)]
+    return [
+        {
+            "messages": [
+                {"role": "system", "content": say(5)},
+                {"role": "user", "content": say(8)},
+                {"role": "assistant", "content": say(12)},
+                {"role": "user", "content": say(8)},
+                {"role": "assistant", "content": say(12)},
+            ]
+        }
+        for _ in range(n)
+    ]
 
 
 def write_jsonl(path, records):
@@ -57,15 +88,32 @@ def write_jsonl(path, records):
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("sft")
-    return {"gpt2": tiny_causal_lm(root / "gpt2"), "llama": tiny_causal_lm(root / "llama", "llama", chat=True),
-            "train": write_jsonl(root / "train.jsonl", pairs(96, 0)),
-            "validation": write_jsonl(root / "validation.jsonl", pairs(N_VALIDATION, 1)),
-            "chat": write_jsonl(root / "chat.jsonl", conversations(48, 2)), "cache": str(root / "tokens"), "root": root}
+    return {
+        "gpt2": tiny_causal_lm(root / "gpt2"),
+        "llama": tiny_causal_lm(root / "llama", "llama", chat=True),
+        "train": write_jsonl(root / "train.jsonl", pairs(96, 0)),
+        "validation": write_jsonl(root / "validation.jsonl", pairs(N_VALIDATION, 1)),
+        "chat": write_jsonl(root / "chat.jsonl", conversations(48, 2)),
+        "cache": str(root / "tokens"),
+        "root": root,
+    }
 
 
 def args_for(data, *extra, model="gpt2"):
-    return ["--model_name_or_path", data[model], "--train_file", data["train"], "--validation_file", data["validation"],
-            "--cache_dir", data["cache"], "--learning_rate", 3e-3, *STEPS, *extra]
+    return [
+        "--model_name_or_path",
+        data[model],
+        "--train_file",
+        data["train"],
+        "--validation_file",
+        data["validation"],
+        "--cache_dir",
+        data["cache"],
+        "--learning_rate",
+        3e-3,
+        *STEPS,
+        *extra,
+    ]
 
 
 def sft_run(config, data, out, *extra, model="gpt2"):
@@ -117,8 +165,14 @@ def test_the_usual_mean_per_micro_batch_would_take_another_step(data, capsys):
     from train.models.gpt import next_token_loss
 
     tokenizer = AutoTokenizer.from_pretrained(data["gpt2"])
-    rows, _ = encode(tokenizer, prompt_response_segments(_dataset(pairs(8, 0)), "train", "prompt", "response"), 128,
-                     "truncate", "train", chat=False)
+    rows, _ = encode(
+        tokenizer,
+        prompt_response_segments(_dataset(pairs(8, 0)), "train", "prompt", "response"),
+        128,
+        "truncate",
+        "train",
+        chat=False,
+    )
     collate, total = CausalBatch(tokenizer.eos_token_id), sum(rows["targets"])
 
     def step(groups, weighted):
@@ -127,14 +181,19 @@ def test_the_usual_mean_per_micro_batch_would_take_another_step(data, capsys):
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for group in groups:
             batch = collate({k: [rows[k][i] for i in group] for k in ("input_ids", "labels")})
-            nats = next_token_loss(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
-                                   batch["labels"], reduction="sum")
+            nats = next_token_loss(
+                model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                batch["labels"],
+                reduction="sum",
+            )
             (nats / total if weighted else nats / (batch["labels"] != -100).sum() / len(groups)).backward()
         optimizer.step()
         return model.state_dict()
 
     one = step([range(8)], True)
-    ours, mean = (largest_difference(one, step([[0, 1], [2, 3], [4, 5], [6, 7]], weighted)) for weighted in (True, False))
+    ours, mean = (
+        largest_difference(one, step([[0, 1], [2, 3], [4, 5], [6, 7]], weighted)) for weighted in (True, False)
+    )
     with capsys.disabled():
         print(f"\none batch vs 4 micro-batches: token-weighted {ours:.1e}, mean per micro-batch {mean:.1e}")
     assert ours < 1e-5 < 1e-4 < mean
@@ -154,10 +213,12 @@ def test_the_output_folder_loads_with_from_pretrained_and_generates(data, accumu
     assert {"config.json", "model.safetensors", "tokenizer.json", "all_results.json"} <= set(os.listdir(folder))
     model, tokenizer = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
     ids = tokenizer("define water\n", return_tensors="pt")["input_ids"]
-    expected = tokenizer.decode(model.generate(ids, max_new_tokens=5, do_sample=False)[0, ids.shape[1]:],
-                                skip_special_tokens=True).strip()
-    proc = run_as_script(capsys, "sft", "--output_dir", folder, "--prompt", "define water\\n", "define stone\\n",
-                         "--max_new_tokens", 5)
+    expected = tokenizer.decode(
+        model.generate(ids, max_new_tokens=5, do_sample=False)[0, ids.shape[1] :], skip_special_tokens=True
+    ).strip()
+    proc = run_as_script(
+        capsys, "sft", "--output_dir", folder, "--prompt", "define water\\n", "define stone\\n", "--max_new_tokens", 5
+    )
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0 and len(lines) == 2 and lines[0] == f"define water\t{expected}", output_of(proc)
 
@@ -166,8 +227,9 @@ def test_sigkill_then_resume_is_bit_identical_with_lora(data, tmp_path):
     """LoRA on the Llama, with adapter dropout: its draws must come back too. The full fine-tuning's
     resume: after SIGTERM, below."""
     extra = ["--per_device_train_batch_size", 4, "--lora_r", 4, "--lora_dropout", 0.1]
-    proc, crashed = crash_during_save_and_resume("cpu_2proc", "sft", 6, tmp_path,
-                                                 *args_for(data, *extra, model="llama"))
+    proc, crashed = crash_during_save_and_resume(
+        "cpu_2proc", "sft", 6, tmp_path, *args_for(data, *extra, model="llama")
+    )
     assert f"resumed from {crashed}/checkpoints/step_00000003" in proc.stdout
     # checkpoints hold the adapters only; the folder holds the merged model and the adapter
     saved = weights(crashed / "checkpoints" / "step_00000006")
@@ -195,8 +257,15 @@ def test_fsdp2_takes_the_same_steps_and_its_checkpoint_resumes_in_one_process(da
     assert results[1]["eval_tokens"] == results[0]["eval_tokens"]
     assert abs(results[1]["eval_loss"] - results[0]["eval_loss"]) < 1e-5
     resumed = resume_copy(out, 3, str(tmp_path / "one"))
-    proc = run_as_script(capsys, "sft", *args_for(data, "--per_device_train_batch_size", 8, "--checkpoint_format",
-                                                  "sharded"), "--output_dir", resumed, "--resume_from_checkpoint", "latest")
+    proc = run_as_script(
+        capsys,
+        "sft",
+        *args_for(data, "--per_device_train_batch_size", 8, "--checkpoint_format", "sharded"),
+        "--output_dir",
+        resumed,
+        "--resume_from_checkpoint",
+        "latest",
+    )
     assert proc.returncode == 0 and "saved with 2 processes" in proc.stdout, output_of(proc)
     assert largest_difference(weights(resumed), weights(out)) < 2e-5
 
@@ -210,13 +279,20 @@ def test_sigterm_saves_at_one_step_on_every_rank_and_the_resume_is_bit_identical
 
 # ------------------------------------------------------------------------------------ packing, chat, Llama
 
+
 def test_packed_rows_score_each_example_as_alone(data):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(data["llama"])
     model = AutoModelForCausalLM.from_pretrained(data["llama"]).eval()
-    rows, _ = encode(tokenizer, prompt_response_segments(_dataset(pairs(12, 3)), "train", "prompt", "response"),
-                     64, "truncate", "train", chat=False)
+    rows, _ = encode(
+        tokenizer,
+        prompt_response_segments(_dataset(pairs(12, 3)), "train", "prompt", "response"),
+        64,
+        "truncate",
+        "train",
+        chat=False,
+    )
     packed = pack(rows, 64)
     assert len(packed["length"]) < 12 and sum(packed["targets"]) == sum(rows["targets"])
     assert max(packed["length"]) <= 64 and sorted(sum(packed["input_ids"], [])) == sorted(sum(rows["input_ids"], []))
@@ -243,8 +319,21 @@ def test_llama_trains_packed_and_on_chat_turns(data, tmp_path, capsys):
     proc = run_as_script(capsys, "sft", *args_for(data, "--packing", model="llama"), "--output_dir", out)
     assert proc.returncode == 0 and "packed into" in proc.stdout, output_of(proc)
     chat = tmp_path / "chat"
-    proc = run_as_script(capsys, "sft", "--model_name_or_path", data["llama"], "--train_file", data["chat"],
-                         "--messages_column", "messages", "--cache_dir", data["cache"], *STEPS, "--output_dir", chat)
+    proc = run_as_script(
+        capsys,
+        "sft",
+        "--model_name_or_path",
+        data["llama"],
+        "--train_file",
+        data["chat"],
+        "--messages_column",
+        "messages",
+        "--cache_dir",
+        data["cache"],
+        *STEPS,
+        "--output_dir",
+        chat,
+    )
     assert proc.returncode == 0, output_of(proc)
     proc = run_as_script(capsys, "sft", "--output_dir", chat, "--prompt", "quick animal", "--max_new_tokens", 3)
     assert proc.returncode == 0 and proc.stdout.startswith("quick animal\t"), output_of(proc)
@@ -255,8 +344,9 @@ def test_only_the_assistant_turns_are_scored(data):
 
     tokenizer = AutoTokenizer.from_pretrained(data["llama"])
     talks = conversations(3, 5)
-    rows, counts = encode(tokenizer, chat_segments(_dataset(talks), "train", "messages", tokenizer), 128, "error",
-                          "train", chat=True)
+    rows, counts = encode(
+        tokenizer, chat_segments(_dataset(talks), "train", "messages", tokenizer), 128, "error", "train", chat=True
+    )
     for talk, ids, labels in zip(talks, rows["input_ids"], rows["labels"]):
         whole = tokenizer.apply_chat_template(talk["messages"], tokenize=False)
         assert tokenizer.decode(ids + [labels[-1]]) == whole  # the rendering, shifted by one
@@ -270,8 +360,13 @@ def boundary_pairs(n, seed):
     rng = random.Random(seed)
     say = lambda k: " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, k)))  # noqa: E731
     ends = ["\n", ": ", "? ", " "]
-    return [{"prompt": f"Define: {say(6)}{rng.choice(ends)}",
-             "response": (say(10).capitalize() if rng.random() < 0.5 else say(10)) + "."} for _ in range(n)]
+    return [
+        {
+            "prompt": f"Define: {say(6)}{rng.choice(ends)}",
+            "response": (say(10).capitalize() if rng.random() < 0.5 else say(10)) + ".",
+        }
+        for _ in range(n)
+    ]
 
 
 @pytest.mark.parametrize("kind", ["sentencepiece", "byte_level", "wordpiece"])
@@ -283,22 +378,35 @@ def test_an_example_is_tokenized_whole_and_only_its_response_is_scored(kind, tmp
 
     from hf_models import metaspace_tokenizer, minilm_folder, tiny_tokenizer
 
-    tokenizer = {"sentencepiece": lambda: metaspace_tokenizer(tmp_path), "byte_level": lambda: tiny_tokenizer(tmp_path),
-                 "wordpiece": lambda: AutoTokenizer.from_pretrained(minilm_folder())}[kind]()
+    tokenizer = {
+        "sentencepiece": lambda: metaspace_tokenizer(tmp_path),
+        "byte_level": lambda: tiny_tokenizer(tmp_path),
+        "wordpiece": lambda: AutoTokenizer.from_pretrained(minilm_folder()),
+    }[kind]()
     examples = boundary_pairs(200, 7)
-    rows, _ = encode(tokenizer, prompt_response_segments(_dataset(examples), "train", "prompt", "response"), 512,
-                     "error", "train", chat=False)
+    rows, _ = encode(
+        tokenizer,
+        prompt_response_segments(_dataset(examples), "train", "prompt", "response"),
+        512,
+        "error",
+        "train",
+        chat=False,
+    )
     apart = 0
     for example, ids, labels in zip(examples, rows["input_ids"], rows["labels"]):
         whole = tokenizer(example["prompt"] + example["response"])["input_ids"]
         ending = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []  # BERT's [SEP] ends it
         assert ids + labels[-1:] == whole + ending
         scored = tokenizer.decode([t for t in labels if t != -100], skip_special_tokens=True)
-        assert scored.strip() == tokenizer.decode(tokenizer(example["response"])["input_ids"],
-                                                  skip_special_tokens=True).strip()
+        assert (
+            scored.strip()
+            == tokenizer.decode(tokenizer(example["response"])["input_ids"], skip_special_tokens=True).strip()
+        )
         pieces = [tokenizer(example[k], add_special_tokens=False)["input_ids"] for k in ("prompt", "response")]
-        apart += pieces[0] + pieces[1] != tokenizer(example["prompt"] + example["response"],
-                                                    add_special_tokens=False)["input_ids"]
+        apart += (
+            pieces[0] + pieces[1]
+            != tokenizer(example["prompt"] + example["response"], add_special_tokens=False)["input_ids"]
+        )
     print(f"{kind}: tokenized apart, {apart} of {len(examples)} examples get other tokens")
     assert apart > 0 if kind != "wordpiece" else apart == 0  # WordPiece cuts at spaces and punctuation anyway
 
@@ -326,8 +434,10 @@ def test_long_examples_are_cut_dropped_or_refused(data):
 def test_each_batch_knows_its_steps_response_tokens(world_size, accumulation):
     rng = random.Random(world_size * 10 + accumulation)
     targets = [rng.randint(1, 50) for _ in range(203)]
-    plans = [BatchPlan([203], 4 * world_size, world_size, rank, seed=1, lengths=targets,
-                       accumulation_steps=accumulation) for rank in range(world_size)]
+    plans = [
+        BatchPlan([203], 4 * world_size, world_size, rank, seed=1, lengths=targets, accumulation_steps=accumulation)
+        for rank in range(world_size)
+    ]
     totals = plans[0].step_totals(0, np.asarray(targets))
     batches = [list(plan.rank_batches(0)) for plan in plans]
     steps = {}
@@ -338,11 +448,13 @@ def test_each_batch_knows_its_steps_response_tokens(world_size, accumulation):
         assert totals[index] == sum(targets[i] for i in steps[index // accumulation])
     # the rows of a step do not depend on how it is split into processes and accumulation steps
     one = BatchPlan([203], 4 * world_size * accumulation, 1, 0, seed=1, lengths=targets)
-    assert [sorted(ids.tolist()) for _, ids, _ in one.rank_batches(0)] == \
-        [sorted(rows) for _, rows in sorted(steps.items())][:len(list(one.rank_batches(0)))]
+    assert [sorted(ids.tolist()) for _, ids, _ in one.rank_batches(0)] == [
+        sorted(rows) for _, rows in sorted(steps.items())
+    ][: len(list(one.rank_batches(0)))]
 
 
 # ------------------------------------------------------------------------------------ bad input, one line each
+
 
 def bad(capsys, *args):
     proc = run_as_script(capsys, "sft", *args)
@@ -363,17 +475,42 @@ def test_bad_input_is_one_line_and_writes_no_run(data, tmp_path, capsys):
     assert "no column 'answer'" in line and "(columns: prompt, response)" in line, line
     line = bad(capsys, *gpt2, "--messages_column", "messages", *common)
     assert "no column 'messages'" in line, line
-    line = bad(capsys, "--model_name_or_path", data["gpt2"], "--train_file", data["chat"], "--messages_column",
-               "messages", *common)
+    line = bad(
+        capsys,
+        "--model_name_or_path",
+        data["gpt2"],
+        "--train_file",
+        data["chat"],
+        "--messages_column",
+        "messages",
+        *common,
+    )
     assert "has no chat template" in line, line
     assert "its prompt alone is" in bad(capsys, *gpt2, "--max_seq_length", 3, *common)
     empty = write_jsonl(tmp_path / "empty.jsonl", pairs(10, 7) + [{"prompt": "define tree\n", "response": " "}])
-    line = bad(capsys, "--model_name_or_path", data["gpt2"], "--train_file", empty, "--validation_file",
-               data["validation"], *common)
+    line = bad(
+        capsys,
+        "--model_name_or_path",
+        data["gpt2"],
+        "--train_file",
+        empty,
+        "--validation_file",
+        data["validation"],
+        *common,
+    )
     assert "1 row(s) with an empty 'response' (the first: 'define tree')" in line, line
     opt = tmp_path / "opt"
-    OPTForCausalLM(OPTConfig(vocab_size=400, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, ffn_dim=32,
-                             word_embed_proj_dim=16, max_position_embeddings=128)).save_pretrained(opt)
+    OPTForCausalLM(
+        OPTConfig(
+            vocab_size=400,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            ffn_dim=32,
+            word_embed_proj_dim=16,
+            max_position_embeddings=128,
+        )
+    ).save_pretrained(opt)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (opt / name).write_bytes(open(os.path.join(data["gpt2"], name), "rb").read())
     line = bad(capsys, "--model_name_or_path", opt, "--train_file", data["train"], "--packing", *common)
@@ -381,8 +518,9 @@ def test_bad_input_is_one_line_and_writes_no_run(data, tmp_path, capsys):
     assert "is more than" in bad(capsys, *gpt2, "--max_seq_length", 1000, *common)
     line = bad(capsys, *gpt2, "--packing", "--per_device_train_batch_size", 64, *common)
     assert "row(s) once packed, fewer than one batch of 64" in line, line
-    assert "--train_file nope.jsonl: no such file or folder" in bad(capsys, "--model_name_or_path", data["gpt2"],
-                                                                    "--train_file", "nope.jsonl", *common)
+    assert "--train_file nope.jsonl: no such file or folder" in bad(
+        capsys, "--model_name_or_path", data["gpt2"], "--train_file", "nope.jsonl", *common
+    )
     assert not out.exists() or not (out / "all_results.json").exists()
 
 

@@ -1,5 +1,6 @@
 """The sharded iterable path under a real 2-process `accelerate launch`: exact coverage across ranks,
 uneven shards without a hang, a step at the end of the loader, and the position in save_state."""
+
 import json
 import math
 import os
@@ -45,14 +46,28 @@ def launched(uneven_shards, saved_dataset, tmp_path_factory):
     """Every case in one launch of the probe (one after the other, each with its own Accelerator), then
     tests/prepare_misuse_probe.py's, whose last step stops the run: the launch fails, with its error."""
     root = tmp_path_factory.mktemp("probe")
-    cases = [{"folder": saved_dataset if data == "datasets" else uneven_shards, "workers": workers,
-              "stream": data == "stream", "out": str(root / f"{data}-{workers}" / "report.json")}
-             for data, workers in CASES]
+    cases = [
+        {
+            "folder": saved_dataset if data == "datasets" else uneven_shards,
+            "workers": workers,
+            "stream": data == "stream",
+            "out": str(root / f"{data}-{workers}" / "report.json"),
+        }
+        for data, workers in CASES
+    ]
     for case in cases:
         os.makedirs(os.path.dirname(case["out"]))
     (root / "cases.json").write_text(json.dumps(cases))
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, "cpu_2proc.yaml"),
-           os.path.join("tests", "sharded_probe.py"), str(root / "cases.json"), str(root / "misuse.json")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        os.path.join(CONFIGS, "cpu_2proc.yaml"),
+        os.path.join("tests", "sharded_probe.py"),
+        str(root / "cases.json"),
+        str(root / "misuse.json"),
+    ]
     # the timeout is the failure mode of a hang on uneven batch counts
     proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
     return proc, {(data, workers): case["out"] for (data, workers), case in zip(CASES, cases)}, root / "misuse.json"
@@ -78,7 +93,7 @@ def test_two_ranks_cover_every_epoch_exactly_once(reports, data, workers):
     assert report["batches_per_rank"] == [[batches, batches]] * 2
     # 4-step accumulation over 21 batches: 5 full steps, and a 6th only if the loader flags its last batch
     assert batches % 4 and report["optimizer_steps"] == [[math.ceil(batches / 4)] * 2] * 2
-    seen = report["epochs"][1][:5 * 8]  # 5 global batches of 2 x 4 before the save
+    seen = report["epochs"][1][: 5 * 8]  # 5 global batches of 2 x 4 before the save
     assert sorted(seen + report["resumed_rest"]) == list(range(N)) and not set(seen) & set(report["resumed_rest"])
 
 

@@ -1,5 +1,6 @@
 """Properties of data/sharding.py over a grid of world sizes W, workers K and dataset sizes N, in one
 process (ranks are constructor arguments, workers are emulated or real DataLoader workers)."""
+
 import itertools
 from collections import Counter
 from unittest import mock
@@ -29,8 +30,10 @@ def worker_outputs(dataset, num_workers):
     per_worker = []
     for k in range(max(num_workers, 1)):
         info = mock.Mock(id=k, num_workers=num_workers, dataset=dataset) if num_workers else None
-        with mock.patch("data.sharding.get_worker_info", return_value=info), \
-                mock.patch(f"{__name__}.get_worker_info", return_value=info):  # for the controls below
+        with (
+            mock.patch("data.sharding.get_worker_info", return_value=info),
+            mock.patch(f"{__name__}.get_worker_info", return_value=info),
+        ):  # for the controls below
             per_worker.append(list(dataset))
     merged, cursors = [], [iter(w) for w in per_worker]
     while cursors:
@@ -72,8 +75,11 @@ def assert_exactly_once(ranks, n, g, policy):
     assert all(0 <= i < n for i in ids)
 
 
-GRID = [(n, w, k, b, p) for n, w, k, b, p in itertools.product(SIZES, WORLD_SIZES, WORKERS, PER_RANK_BATCH, ["drop", "pad"])
-        if not (p == "drop" and 0 < n < w * b)]
+GRID = [
+    (n, w, k, b, p)
+    for n, w, k, b, p in itertools.product(SIZES, WORLD_SIZES, WORKERS, PER_RANK_BATCH, ["drop", "pad"])
+    if not (p == "drop" and 0 < n < w * b)
+]
 
 
 @pytest.mark.parametrize("n,world,workers,per_rank,policy", GRID)
@@ -119,10 +125,17 @@ def test_each_epoch_shuffles_differently_and_identically_on_every_rank():
     assert not all(torch.equal(a, b) for a, b in zip(e1, other_seed))
 
 
-@pytest.mark.parametrize("n,world,per_rank,policy,new_world", [
-    (100, 2, 5, "pad", 2), (100, 2, 5, "drop", 1), (201, 4, 4, "pad", 8), (201, 4, 4, "drop", 2), (7, 1, 2, "pad", 2),
-    (37, 3, 2, "pad", 6),
-])  # 201 rows: a partial last global batch of 16, as 1001 had, in 13 cut points instead of 63
+@pytest.mark.parametrize(
+    "n,world,per_rank,policy,new_world",
+    [
+        (100, 2, 5, "pad", 2),
+        (100, 2, 5, "drop", 1),
+        (201, 4, 4, "pad", 8),
+        (201, 4, 4, "drop", 2),
+        (7, 1, 2, "pad", 2),
+        (37, 3, 2, "pad", 6),
+    ],
+)  # 201 rows: a partial last global batch of 16, as 1001 had, in 13 cut points instead of 63
 def test_resume_at_every_cut_point_also_with_another_world_size(n, world, per_rank, policy, new_world):
     g = world * per_rank
     full = run_ranks(n, world, 0, per_rank, policy, seed=9, epoch=3)
@@ -167,12 +180,18 @@ def test_batches_carry_the_right_rows():
 
 # ------------------------------------------------------------------------------- parquet, read amplification
 
+
 @pytest.fixture(scope="module")
 def parquet_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("shards")
     n = 1000
-    write_shards({"x": torch.arange(n), "img": torch.arange(n * 4, dtype=torch.int32).reshape(n, 2, 2)},
-                 str(folder), "train", num_shards=5, rows_per_group=8)
+    write_shards(
+        {"x": torch.arange(n), "img": torch.arange(n * 4, dtype=torch.int32).reshape(n, 2, 2)},
+        str(folder),
+        "train",
+        num_shards=5,
+        rows_per_group=8,
+    )
     return str(folder)
 
 
@@ -199,8 +218,13 @@ def test_each_rank_reads_only_its_share_of_rows(parquet_dir, world):
 def test_uneven_shards_and_a_misaligned_batch_still_cover_exactly_once(tmp_path):
     paths = []
     for i, n in enumerate([37, 5, 100]):  # shards of very different sizes, short row groups
-        paths += write_shards({"x": torch.arange(sum([37, 5, 100][:i]), sum([37, 5, 100][:i + 1]))},
-                              str(tmp_path), f"part{i}", 1, rows_per_group=8)
+        paths += write_shards(
+            {"x": torch.arange(sum([37, 5, 100][:i]), sum([37, 5, 100][: i + 1]))},
+            str(tmp_path),
+            f"part{i}",
+            1,
+            rows_per_group=8,
+        )
     ranks = []
     for r in range(3):
         ds = ShardedIterableDataset(ParquetSource(paths), 15, r, 3, seed=2, policy="pad")
@@ -210,6 +234,7 @@ def test_uneven_shards_and_a_misaligned_batch_still_cover_exactly_once(tmp_path)
 
 
 # ------------------------------------------------------------------------------- errors
+
 
 def test_global_batch_not_divisible_by_world_size():
     with pytest.raises(PlanError, match="not divisible by world size 3"):
@@ -240,6 +265,7 @@ def test_state_from_another_dataset_is_refused():
 
 # ------------------------------------------------------------------------------- negative controls
 
+
 class SeedFilter(IterableDataset):
     """The seed notes' hand-written sharding: one counter, `count % W == rank and count % K == worker`."""
 
@@ -251,7 +277,7 @@ class SeedFilter(IterableDataset):
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         ids = [i for i in range(self.n) if i % self.world == self.rank and i % workers == worker]
         for s in range(0, len(ids), self.batch):
-            chunk = torch.tensor(ids[s:s + self.batch])
+            chunk = torch.tensor(ids[s : s + self.batch])
             yield {"index": chunk, "valid": torch.ones(len(chunk), dtype=torch.bool)}
 
 
@@ -263,7 +289,7 @@ class SeedVariant(SeedFilter):
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         ids = [i for i in range(self.n) if i % (self.world * workers) == self.rank + worker]
         for s in range(0, len(ids), self.batch):
-            chunk = torch.tensor(ids[s:s + self.batch])
+            chunk = torch.tensor(ids[s : s + self.batch])
             yield {"index": chunk, "valid": torch.ones(len(chunk), dtype=torch.bool)}
 
 
@@ -298,16 +324,25 @@ def test_negative_control_double_sharding_by_prepare_fails_coverage():
 
 # ------------------------------------------------------------------------------- empty shards
 
+
 # shards of 3 to 4 row groups of 16 with short tails beside tiny ones (500 and 480 rows read 10x longer)
-@pytest.mark.parametrize("sizes", [[3, 0, 50, 17, 1, 48], [0, 3, 50, 17, 1, 48], [3, 50, 17, 1, 48, 0],
-                                   [0, 0, 40, 0, 7, 0]], ids=["middle", "start", "end", "many"])
+@pytest.mark.parametrize(
+    "sizes",
+    [[3, 0, 50, 17, 1, 48], [0, 3, 50, 17, 1, 48], [3, 50, 17, 1, 48, 0], [0, 0, 40, 0, 7, 0]],
+    ids=["middle", "start", "end", "many"],
+)
 def test_empty_shards_anywhere_keep_exactly_once(tmp_path, sizes):
     """A 0-row shard (a filter's leftover, a tiny tail file) once gave a phantom sample: one row
     delivered twice per epoch and another never."""
     paths, start = [], 0
     for i, n in enumerate(sizes):
-        paths += write_shards({"x": torch.arange(start, start + n), "img": torch.zeros(n, 3, dtype=torch.uint8)},
-                              str(tmp_path), f"part{i}", 1, rows_per_group=16)
+        paths += write_shards(
+            {"x": torch.arange(start, start + n), "img": torch.zeros(n, 3, dtype=torch.uint8)},
+            str(tmp_path),
+            f"part{i}",
+            1,
+            rows_per_group=16,
+        )
         start += n
     total = sum(sizes)
     assert ParquetSource(paths).num_rows == total
@@ -348,7 +383,6 @@ def test_string_column_names_itself_and_the_fix(tmp_path):
         list(ds)
 
 
-
 def test_a_loader_without_workers_hands_out_what_a_dataloader_would():
     # without workers ShardedLoader reads the dataset itself, not through a DataLoader: the batches must
     # be the same, numpy arrays from a source or transform made tensors as torch's default_convert does
@@ -368,7 +402,9 @@ def test_a_loader_without_workers_hands_out_what_a_dataloader_would():
         assert mine.keys() == other.keys() and isinstance(mine["x"], torch.Tensor)
         assert all(torch.equal(mine[k], other[k]) if k != "words" else mine[k] == other[k] for k in mine)
 
+
 # ------------------------------------------------------------------------------- Hugging Face datasets
+
 
 def hf_dataset(n):
     import datasets
@@ -426,11 +462,13 @@ def test_local_files_through_datasets_are_sharded_exactly_once(tmp_path, kind):
         data = datasets.load_from_disk(str(tmp_path / "saved"))  # memory-mapped, not in memory
     elif kind == "parquet":
         hf_dataset(n).to_parquet(str(tmp_path / "d.parquet"))
-        data = datasets.load_dataset("parquet", data_files=str(tmp_path / "d.parquet"), split="train",
-                                     cache_dir=str(tmp_path / "cache"))
+        data = datasets.load_dataset(
+            "parquet", data_files=str(tmp_path / "d.parquet"), split="train", cache_dir=str(tmp_path / "cache")
+        )
     else:
-        data = datasets.load_dataset(kind, data_files=str(next(tmp_path.glob("d.*"))), split="train",
-                                     cache_dir=str(tmp_path / "cache"))
+        data = datasets.load_dataset(
+            kind, data_files=str(next(tmp_path.glob("d.*"))), split="train", cache_dir=str(tmp_path / "cache")
+        )
     if kind == "text":  # one column, "text": the row number is in it
         data = data.map(lambda row: {"x": int(row["text"].split()[1])}, cache_file_name=str(tmp_path / "m.arrow"))
     for world, workers in ((1, 0), (3, 2)):
@@ -451,11 +489,15 @@ def test_a_streaming_datasets_iterable_over_parquet_is_sharded_by_row_group(tmp_
     for i, size in enumerate(sizes):
         rows = range(start, start + size)
         files.append(str(tmp_path / f"p{i}.parquet"))
-        pq.write_table(pa.table({"x": pa.array(rows, pa.int64()), "text": pa.array([f"row {j}" for j in rows])}),
-                       files[-1], row_group_size=4)
+        pq.write_table(
+            pa.table({"x": pa.array(rows, pa.int64()), "text": pa.array([f"row {j}" for j in rows])}),
+            files[-1],
+            row_group_size=4,
+        )
         start += size
-    stream = datasets.load_dataset("parquet", data_files=files, split="train", streaming=True,
-                                   cache_dir=str(tmp_path / "cache"))
+    stream = datasets.load_dataset(
+        "parquet", data_files=files, split="train", streaming=True, cache_dir=str(tmp_path / "cache")
+    )
     for workers, policy in itertools.product(range(0, 4), ["drop", "pad"]):
         ranks = hf_ranks(stream, world, workers, 4, policy)
         assert len({len(r) for r in ranks}) == 1
@@ -487,6 +529,7 @@ def test_a_streaming_iterable_that_is_not_plain_parquet_is_refused_with_what_to_
 
 # ------------------------------------------------------------------------------- prepare() on sharded data
 
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_reading_through_accelerates_rank_splitting_is_refused(workers):
     """What accelerator.prepare makes of a DataLoader over our dataset, built by hand in one process:
@@ -515,8 +558,14 @@ def test_a_datasets_dataset_gives_bytes_whole_and_fixed_length_lists_as_tensors(
     """datasets' own "torch" format turns b"ab\x00\x00" into b"ab"; image bytes end in zeros."""
     import datasets
 
-    data = datasets.Dataset.from_dict({"b": [b"ab\x00\x00", b"\x00\x00cd", b""], "v": [[1.5, 2.0], [3.0, 4.0], [0.0, 1.0]],
-                                       "ragged": [[1], [2, 3], []], "y": [0, 1, 2]})
+    data = datasets.Dataset.from_dict(
+        {
+            "b": [b"ab\x00\x00", b"\x00\x00cd", b""],
+            "v": [[1.5, 2.0], [3.0, 4.0], [0.0, 1.0]],
+            "ragged": [[1], [2, 3], []],
+            "y": [0, 1, 2],
+        }
+    )
     batch = DatasetsSource(data).read(torch.tensor([2, 0, 1]))
     assert batch["b"] == [b"", b"ab\x00\x00", b"\x00\x00cd"]
     assert torch.equal(batch["v"], torch.tensor([[0.0, 1.0], [1.5, 2.0], [3.0, 4.0]], dtype=torch.float64))

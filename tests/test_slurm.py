@@ -1,6 +1,7 @@
 """accelerate_configs/slurm/launch_node.sh: the launch command each node of a SLURM job derives from
 SLURM's variables (DRY_RUN=1, `scontrol show hostnames` played by a stand-in). The commands forming
 one job, the time limit, requeue and lost nodes run on a real cluster: tests/test_cluster.py."""
+
 import os
 import shlex
 import subprocess
@@ -22,17 +23,30 @@ def fake_slurm_bin(tmp_path):
     (bin_dir / "scontrol").write_text(
         '#!/bin/bash\n[ "$1 $2" = "show hostnames" ] || exit 2\n'
         'case "$3" in "node[01-02]") printf "node01\\nnode02\\n";; "big[1-20000]") seq -f "big%g" 20000;;\n'
-        '  *) echo "$3";; esac\n')
+        '  *) echo "$3";; esac\n'
+    )
     (bin_dir / "scontrol").chmod(0o755)
     return f"{bin_dir}:{os.path.dirname(sys.executable)}:{os.environ['PATH']}"
 
 
 def derive(path_env, node_id, **extra):
-    slurm = {"SLURM_JOB_NODELIST": "node[01-02]", "SLURM_NNODES": "2", "SLURM_NODEID": str(node_id),
-             "SLURM_JOB_ID": "123456", "SLURM_GPUS_ON_NODE": "8", "GPUS_PER_NODE": "", **extra}
+    slurm = {
+        "SLURM_JOB_NODELIST": "node[01-02]",
+        "SLURM_NNODES": "2",
+        "SLURM_NODEID": str(node_id),
+        "SLURM_JOB_ID": "123456",
+        "SLURM_GPUS_ON_NODE": "8",
+        "GPUS_PER_NODE": "",
+        **extra,
+    }
     env = clean_env(PATH=path_env, DRY_RUN="1", **slurm)
-    proc = subprocess.run(["bash", LAUNCHER, "train/mnist.py", "--num_train_epochs", "5"], cwd=REPO, env=env,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["bash", LAUNCHER, "train/mnist.py", "--num_train_epochs", "5"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     return proc, shlex.split(proc.stdout)
 
 
@@ -40,15 +54,31 @@ def derive(path_env, node_id, **extra):
 def test_two_nodes_by_eight_gpus(fake_slurm_bin, node_id):
     proc, cmd = derive(fake_slurm_bin, node_id)
     assert proc.returncode == 0, proc.stderr
-    assert cmd == ["accelerate", "launch", "--config_file", "accelerate_configs/2node_8gpu.yaml",
-                   "--num_machines", "2", "--num_processes", "16", "--machine_rank", str(node_id),
-                   "--main_process_ip", "node01", "--main_process_port", str(20000 + 123456 % 20000),
-                   "train/mnist.py", "--num_train_epochs", "5"]
+    assert cmd == [
+        "accelerate",
+        "launch",
+        "--config_file",
+        "accelerate_configs/2node_8gpu.yaml",
+        "--num_machines",
+        "2",
+        "--num_processes",
+        "16",
+        "--machine_rank",
+        str(node_id),
+        "--main_process_ip",
+        "node01",
+        "--main_process_port",
+        str(20000 + 123456 % 20000),
+        "train/mnist.py",
+        "--num_train_epochs",
+        "5",
+    ]
 
 
 def test_gpu_count_with_repeat_suffix_and_config_choice(fake_slurm_bin):
-    proc, cmd = derive(fake_slurm_bin, 1, SLURM_GPUS_ON_NODE="4(x2)",
-                       ACCELERATE_CONFIG="accelerate_configs/2node_8gpu_c10d.yaml")
+    proc, cmd = derive(
+        fake_slurm_bin, 1, SLURM_GPUS_ON_NODE="4(x2)", ACCELERATE_CONFIG="accelerate_configs/2node_8gpu_c10d.yaml"
+    )
     assert proc.returncode == 0, proc.stderr
     assert cmd[cmd.index("--num_processes") + 1] == "8" and "accelerate_configs/2node_8gpu_c10d.yaml" in cmd
 
@@ -71,18 +101,26 @@ def fake_nvidia_smi(path_env, tmp_path, script):
 
 def test_gpu_count_from_nvidia_smi(fake_slurm_bin, tmp_path):
     # Four GPUs, the first split into MIG slices, which nvidia-smi -L lists as indented lines.
-    path_env = fake_nvidia_smi(fake_slurm_bin, tmp_path,
-                               'for i in 0 1 2 3; do echo "GPU $i: NVIDIA H100 (UUID: GPU-$i)"; done\n'
-                               'echo "  MIG 3g.40gb     Device  0: (UUID: MIG-a)"\n'
-                               'echo "  MIG 3g.40gb     Device  1: (UUID: MIG-b)"\n')
+    path_env = fake_nvidia_smi(
+        fake_slurm_bin,
+        tmp_path,
+        'for i in 0 1 2 3; do echo "GPU $i: NVIDIA H100 (UUID: GPU-$i)"; done\n'
+        'echo "  MIG 3g.40gb     Device  0: (UUID: MIG-a)"\n'
+        'echo "  MIG 3g.40gb     Device  1: (UUID: MIG-b)"\n',
+    )
     proc, cmd = derive(path_env, 0, SLURM_GPUS_ON_NODE="")
     assert proc.returncode == 0, proc.stderr
     assert cmd[cmd.index("--num_processes") + 1] == "8"
 
 
-@pytest.mark.parametrize("smi", ['echo "No devices were found"; exit 6\n',
-                                 'echo "NVIDIA-SMI has failed because it couldn\'t communicate with the driver"; exit 9\n'],
-                         ids=["no_devices", "no_driver"])
+@pytest.mark.parametrize(
+    "smi",
+    [
+        'echo "No devices were found"; exit 6\n',
+        'echo "NVIDIA-SMI has failed because it couldn\'t communicate with the driver"; exit 9\n',
+    ],
+    ids=["no_devices", "no_driver"],
+)
 def test_no_gpus_is_a_clear_error(fake_slurm_bin, tmp_path, smi):
     path_env = fake_nvidia_smi(fake_slurm_bin, tmp_path, smi)
     proc, cmd = derive(path_env, 0, SLURM_GPUS_ON_NODE="")
@@ -107,6 +145,23 @@ def test_cpu_processes_per_node(fake_slurm_bin):
 def test_elastic_nodes_use_torchrun_with_a_node_range(fake_slurm_bin):
     proc, cmd = derive(fake_slurm_bin, 1, MIN_NODES="1", MAX_RESTARTS="2")
     assert proc.returncode == 0, proc.stderr
-    assert cmd == ["python", "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc_per_node", "8",
-                   "--rdzv_backend", "c10d", "--rdzv_endpoint", f"node01:{20000 + 123456 % 20000}",
-                   "--rdzv_id", "123456", "--max_restarts", "2", "train/mnist.py", "--num_train_epochs", "5"]
+    assert cmd == [
+        "python",
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1:2",
+        "--nproc_per_node",
+        "8",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        f"node01:{20000 + 123456 % 20000}",
+        "--rdzv_id",
+        "123456",
+        "--max_restarts",
+        "2",
+        "train/mnist.py",
+        "--num_train_epochs",
+        "5",
+    ]

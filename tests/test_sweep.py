@@ -1,6 +1,7 @@
 """Sweeps (train/sweep.py): an Optuna study whose trials are real `accelerate launch` runs, pruned
 from their evaluations, resumed after a SIGKILL or a Ctrl-C without running any trial twice, shared by two
 sweep processes, and bad sweep files refused in one line before any trial runs."""
+
 import json
 import os
 import re
@@ -22,16 +23,32 @@ def sweep_file(tmp_path, n_trials, space=None, **extra):
     import yaml
 
     path = tmp_path / "sweep.yaml"
-    path.write_text(yaml.safe_dump({"script": "train/regression.py", "accelerate_config": "accelerate_configs/cpu.yaml",
-                                    "args": ARGS, "n_trials": n_trials, "seed": 0,
-                                    "space": space or {"learning_rate": {"low": 0.001, "high": 0.3, "log": True}},
-                                    **extra}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "script": "train/regression.py",
+                "accelerate_config": "accelerate_configs/cpu.yaml",
+                "args": ARGS,
+                "n_trials": n_trials,
+                "seed": 0,
+                "space": space or {"learning_rate": {"low": 0.001, "high": 0.3, "log": True}},
+                **extra,
+            }
+        )
+    )
     return path
 
 
 def start(path, out, **kwargs):
-    return subprocess.Popen([sys.executable, "train/sweep.py", str(path), "--output_dir", str(out)], cwd=REPO,
-                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "train/sweep.py", str(path), "--output_dir", str(out)],
+        cwd=REPO,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        **kwargs,
+    )
 
 
 def sweep_here(path, out):
@@ -65,8 +82,9 @@ def enqueue(out, trials):
     from optuna.storages.journal import JournalFileBackend, JournalStorage
 
     out.mkdir(parents=True, exist_ok=True)
-    study = optuna.create_study(study_name="sweep", direction="minimize",
-                                storage=JournalStorage(JournalFileBackend(str(out / "study.log"))))
+    study = optuna.create_study(
+        study_name="sweep", direction="minimize", storage=JournalStorage(JournalFileBackend(str(out / "study.log")))
+    )
     for params in trials:
         study.enqueue_trial(params)
 
@@ -76,8 +94,10 @@ def hold_at_checkpoint(sweep, out, trial, after=0):
     checkpoint past step `after`: a trial of a few seconds is then still training whenever the test
     signals the sweep. Returns them, for release()."""
     checkpoints, deadline = out / "trials" / f"trial_{trial:04d}" / "checkpoints", time.monotonic() + 300
-    while not (checkpoints.is_dir() and any(p.name.startswith("step_") and int(p.name[5:]) > after
-                                            for p in checkpoints.iterdir())):
+    while not (
+        checkpoints.is_dir()
+        and any(p.name.startswith("step_") and int(p.name[5:]) > after for p in checkpoints.iterdir())
+    ):
         assert sweep.poll() is None and time.monotonic() < deadline, finish(sweep)[1]
         time.sleep(0.01)
     held = descendants(sweep.pid)
@@ -134,8 +154,13 @@ def test_a_sweep_sigkilled_then_stopped_with_ctrl_c_goes_on_with_every_trial_run
     enqueue(out, [{"learning_rate": lr} for lr in (0.003, 0.03, 0.0002)])
     # 6 epochs of 128 steps, a checkpoint at each: from either hold's checkpoint (128, 256) at least 512 steps
     # are left, which the test's 10 ms poll beats with a wide margin on any machine
-    path = sweep_file(tmp_path, 3, {"learning_rate": {"low": 0.0001, "high": 0.3, "log": True}},
-                      pruner={"name": "median", "n_startup_trials": 1}, args={**ARGS, "num_train_epochs": 6})
+    path = sweep_file(
+        tmp_path,
+        3,
+        {"learning_rate": {"low": 0.0001, "high": 0.3, "log": True}},
+        pruner={"name": "median", "n_startup_trials": 1},
+        args={**ARGS, "num_train_epochs": 6},
+    )
 
     first = start(path, out, start_new_session=True)
     held = hold_at_checkpoint(first, out, 1)
@@ -165,8 +190,9 @@ def test_a_sweep_sigkilled_then_stopped_with_ctrl_c_goes_on_with_every_trial_run
     study = study_of(out)
     states = {t.number: t.state.name for t in study.get_trials()}
     assert [n for n, state in states.items() if state == "FAIL"] == [1, 3]  # the interrupted attempts alone
-    assert sorted(t.user_attrs.get("folder", t.number) for t in study.get_trials() if t.state.name != "FAIL") == \
-        list(range(3))
+    assert sorted(t.user_attrs.get("folder", t.number) for t in study.get_trials() if t.state.name != "FAIL") == list(
+        range(3)
+    )
     assert states[2] == "PRUNED", text
     for trial in range(3):  # each started from step 0 once; trial 1 twice more, from its checkpoints
         assert launches(out, trial) == ((1, 2) if trial == 1 else (1, 0)), trial
@@ -189,8 +215,10 @@ def test_two_sweep_processes_share_one_study_and_count_a_failing_trial(tmp_path)
     path = sweep_file(tmp_path, 2, space, pruner="none", args={"num_train_epochs": 1, "num_train_samples": 512})
     results = [finish(p) for p in [start(path, out), start(path, out)]]
     assert all(code == 0 for code, _ in results), results
-    ran = [[line.split(":")[0] for line in text.splitlines() if line.endswith((": complete", ": failed"))]
-           for _, text in results]
+    ran = [
+        [line.split(":")[0] for line in text.splitlines() if line.endswith((": complete", ": failed"))]
+        for _, text in results
+    ]
     assert sorted(ran[0] + ran[1]) == ["trial 0", "trial 1"], results  # each trial by one process
     for n in range(2):
         assert (out / "logs" / f"trial_{n:04d}.log").read_text().count("accelerate.commands.launch") == 1
@@ -204,15 +232,27 @@ def test_three_failures_in_a_row_stop_the_sweep_with_the_last_error(tmp_path, mo
 
     # the sweep's counting, in this process; each trial a process that fails as a real one does, its
     # error the last line of its log (a real failing launch: the test of two sweep processes above)
-    monkeypatch.setattr(sweep, "trial_command", lambda *_: [
-        sys.executable, "-c", "print('error: the training set is smaller than one global batch'); raise SystemExit(1)"])
-    path = sweep_file(tmp_path, 5, {"per_device_train_batch_size": [100000, 200000]},
-                      args={"num_train_epochs": 1, "num_train_samples": 512})
+    monkeypatch.setattr(
+        sweep,
+        "trial_command",
+        lambda *_: [
+            sys.executable,
+            "-c",
+            "print('error: the training set is smaller than one global batch'); raise SystemExit(1)",
+        ],
+    )
+    path = sweep_file(
+        tmp_path,
+        5,
+        {"per_device_train_batch_size": [100000, 200000]},
+        args={"num_train_epochs": 1, "num_train_samples": 512},
+    )
     with pytest.raises(UserError) as raised:
         sweep_here(path, tmp_path / "sweep")
     assert capsys.readouterr().out.count(": failed") == 3
-    assert str(raised.value).startswith("3 trials in a row failed, the last with: error: the training set is smaller "
-                                        "than one global batch"), raised.value
+    assert str(raised.value).startswith(
+        "3 trials in a row failed, the last with: error: the training set is smaller than one global batch"
+    ), raised.value
 
 
 def test_a_sweep_folder_belongs_to_one_study(tmp_path):
@@ -257,8 +297,9 @@ def test_sweep_commands_started_together_all_claim_the_folder(tmp_path):
     context = multiprocessing.get_context("fork")
     claimers, rounds = 8, 50
     barrier, results = context.Barrier(claimers), context.Queue()
-    processes = [context.Process(target=claim_in_rounds, args=(barrier, str(tmp_path), rounds, results))
-                 for _ in range(claimers)]
+    processes = [
+        context.Process(target=claim_in_rounds, args=(barrier, str(tmp_path), rounds, results)) for _ in range(claimers)
+    ]
     for p in processes:
         p.start()
     outcomes = [results.get(timeout=120) for _ in range(claimers * rounds)]
@@ -266,30 +307,47 @@ def test_sweep_commands_started_together_all_claim_the_folder(tmp_path):
         p.join(timeout=60)
     refused = [o for o in outcomes if o != "claimed"]
     assert not refused, f"{len(refused)} of {len(outcomes)} claims refused, e.g. {refused[0]}"
-    assert all(json.loads((tmp_path / f"round_{n}" / "sweep.json").read_text())["study_name"] == "sweep"
-               for n in range(rounds))
+    assert all(
+        json.loads((tmp_path / f"round_{n}" / "sweep.json").read_text())["study_name"] == "sweep" for n in range(rounds)
+    )
 
 
-@pytest.mark.parametrize("change, expected", [
-    ({"space": {"learnin_rate": {"low": 0.1, "high": 0.2}}}, "unknown key 'learnin_rate' (did you mean --learning_rate?)"),
-    ({"space": {"learning_rate": {"low": 0.2, "high": 0.1}}}, "space.learning_rate is an empty range"),
-    ({"space": {"learning_rate": {"low": 0, "high": 0.1, "log": True}}}, "log: true, so low must be above 0"),
-    ({"space": {"learning_rate": []}}, "space.learning_rate is an empty list of choices"),
-    ({"space": {"learning_rate": {"low": -1.0, "high": 0.1}}}, "learning_rate: must be a positive number, got -1.0"),
-    ({"space": {"output_dir": ["a", "b"]}}, "output_dir is set by the sweep for each trial"),
-    ({"trials": 3}, "unknown key(s) trials"),
-    ({"space": {"model": ["linear"]}}, "train/regression.py refuses the sweep file's space.model = 'linear': unknown key "
-                                       "'model'; regression.py --help lists the flags"),
-    ({"pruner": "percentile"}, "pruner 'percentile' is not one of median, hyperband, none"),
-    ({"pruner": {"name": "median", "n_warmup": 3}}, "pruner median: "),
-    ({"metric": "eval_acc"}, "metric eval_acc: train/regression.py evaluates eval_mse"),
-    ({"script": "train/nope.py"}, "script train/nope.py does not exist"),
-])
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (
+            {"space": {"learnin_rate": {"low": 0.1, "high": 0.2}}},
+            "unknown key 'learnin_rate' (did you mean --learning_rate?)",
+        ),
+        ({"space": {"learning_rate": {"low": 0.2, "high": 0.1}}}, "space.learning_rate is an empty range"),
+        ({"space": {"learning_rate": {"low": 0, "high": 0.1, "log": True}}}, "log: true, so low must be above 0"),
+        ({"space": {"learning_rate": []}}, "space.learning_rate is an empty list of choices"),
+        (
+            {"space": {"learning_rate": {"low": -1.0, "high": 0.1}}},
+            "learning_rate: must be a positive number, got -1.0",
+        ),
+        ({"space": {"output_dir": ["a", "b"]}}, "output_dir is set by the sweep for each trial"),
+        ({"trials": 3}, "unknown key(s) trials"),
+        (
+            {"space": {"model": ["linear"]}},
+            "train/regression.py refuses the sweep file's space.model = 'linear': unknown key "
+            "'model'; regression.py --help lists the flags",
+        ),
+        ({"pruner": "percentile"}, "pruner 'percentile' is not one of median, hyperband, none"),
+        ({"pruner": {"name": "median", "n_warmup": 3}}, "pruner median: "),
+        ({"metric": "eval_acc"}, "metric eval_acc: train/regression.py evaluates eval_mse"),
+        ({"script": "train/nope.py"}, "script train/nope.py does not exist"),
+    ],
+)
 def test_a_bad_sweep_file_is_one_line_before_any_trial(tmp_path, change, expected):
     from train import sweep
 
-    path = sweep_file(tmp_path, 2, **{k: v for k, v in change.items() if k != "space"},
-                      **({"space": change["space"]} if "space" in change else {}))
+    path = sweep_file(
+        tmp_path,
+        2,
+        **{k: v for k, v in change.items() if k != "space"},
+        **({"space": change["space"]} if "space" in change else {}),
+    )
     with pytest.raises(UserError) as e:
         sweep.main(sweep.parse_args([str(path), "--output_dir", str(tmp_path / "out")]))
     assert expected in str(e.value), str(e.value)
@@ -362,8 +420,13 @@ def study_with(trials):
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(direction="minimize")
     for i in range(trials):
-        study.add_trial(optuna.trial.create_trial(params={"learning_rate": 0.01 * (i + 1)}, value=1.0 / (i + 1),
-                                                  distributions={"learning_rate": FloatDistribution(1e-4, 1)}))
+        study.add_trial(
+            optuna.trial.create_trial(
+                params={"learning_rate": 0.01 * (i + 1)},
+                value=1.0 / (i + 1),
+                distributions={"learning_rate": FloatDistribution(1e-4, 1)},
+            )
+        )
     return study
 
 
@@ -399,8 +462,11 @@ def test_two_sweeps_ending_together_each_write_a_whole_results_md(tmp_path, monk
         report.report(study_with(trials), "round_0", REPORTED)
         alone[trials] = open("round_0/results.md").read()
     capsys.readouterr()
-    mixed = [n for n in range(rounds) if (tmp_path / f"round_{n}" / "results.md").read_text().replace(
-        f"round_{n}/", "round_0/") not in alone.values()]
+    mixed = [
+        n
+        for n in range(rounds)
+        if (tmp_path / f"round_{n}" / "results.md").read_text().replace(f"round_{n}/", "round_0/") not in alone.values()
+    ]
     assert not mixed, f"{len(mixed)} of {rounds} rounds left a results.md that neither sweep wrote"
 
 

@@ -1,5 +1,6 @@
 """data/text.py and `python -m data.prepare --tokenizer`: the GCIDE reader, the tokenizers, and token
 shards that give back exactly the documents they were made from."""
+
 import gzip
 import json
 import os
@@ -10,10 +11,22 @@ import pytest
 from data.prepare import main as prepare_main
 from data.shards import shards_in
 from data.sources import ParquetSource
-from data.text import (ByteTokenizer, _dictd_number, decode_windows, encode_documents, gcide_documents,
-                       load_tokenizer, token_dtype, windows)
+from data.text import (
+    ByteTokenizer,
+    _dictd_number,
+    decode_windows,
+    encode_documents,
+    gcide_documents,
+    load_tokenizer,
+    token_dtype,
+    windows,
+)
 
-DOCS = ["Abacus\n  A counting frame.", "Zebra (Z\u0113\u2032bra), n. A striped animal.", "caf\u00e9 \u2014 a small restaurant"]
+DOCS = [
+    "Abacus\n  A counting frame.",
+    "Zebra (Z\u0113\u2032bra), n. A striped animal.",
+    "caf\u00e9 \u2014 a small restaurant",
+]
 
 
 def dictd(n):
@@ -88,11 +101,11 @@ def test_windows_score_every_token_after_the_first_exactly_once(length, block):
     for keep_tail in (False, True):
         rows, targets = windows(tokens, block, keep_tail)
         assert rows.shape[1] == block + 1 and (rows[1:, 0] == rows[:-1, -1]).all()
-        scored = np.concatenate([row[1:1 + t] for row, t in zip(rows, targets)]) if len(rows) else []
+        scored = np.concatenate([row[1 : 1 + t] for row, t in zip(rows, targets)]) if len(rows) else []
         if keep_tail:
             assert list(scored) == list(tokens[1:])
         else:
-            assert (targets == block).all() and list(scored) == list(tokens[1:1 + (length - 1) // block * block])
+            assert (targets == block).all() and list(scored) == list(tokens[1 : 1 + (length - 1) // block * block])
 
 
 def test_token_ids_take_the_smallest_type_that_fits():
@@ -105,13 +118,32 @@ def test_bpe_is_trained_offline_saved_and_reused_with_identical_shards(tmp_path)
     corpus = [f"The {w} of the {v} is a {w}ish {v}." for w in ("cat", "dog", "bird") for v in ("house", "garden")] * 20
     (tmp_path / "d.txt").write_text("\n".join(corpus + ["caf\u00e9 \u2014 na\u00efve"]) + "\n", encoding="utf-8")
     out = str(tmp_path / "bpe")
-    prepare_main(["--train_file", str(tmp_path / "d.txt"), "--validation_split_percentage", "10", "--tokenizer", "bpe",
-                  "--vocab_size", "300", "--output_dir", out, "--num_shards", "2", "--rows_per_group", "4",
-                  "--block_size", "4"])
+    prepare_main(
+        [
+            "--train_file",
+            str(tmp_path / "d.txt"),
+            "--validation_split_percentage",
+            "10",
+            "--tokenizer",
+            "bpe",
+            "--vocab_size",
+            "300",
+            "--output_dir",
+            out,
+            "--num_shards",
+            "2",
+            "--rows_per_group",
+            "4",
+            "--block_size",
+            "4",
+        ]
+    )
     manifest = json.load(open(os.path.join(out, "manifest.json")))
     tokenizer = load_tokenizer(os.path.join(out, "tokenizer.json"))
-    assert tokenizer.vocab_size == manifest["vocab_size"] == 300 and tokenizer.decode(tokenizer.encode_batch(
-        ["na\u00efve caf\u00e9"])[0]) == "na\u00efve caf\u00e9"
+    assert (
+        tokenizer.vocab_size == manifest["vocab_size"] == 300
+        and tokenizer.decode(tokenizer.encode_batch(["na\u00efve caf\u00e9"])[0]) == "na\u00efve caf\u00e9"
+    )
     for split in ("train", "validation"):  # train drops at most B - 1 tokens of the stream's tail; validation none
         counts = manifest["text"][split]
         got = stream(out, split)
@@ -120,16 +152,44 @@ def test_bpe_is_trained_offline_saved_and_reused_with_identical_shards(tmp_path)
     validation = documents_of(stream(out, "validation"), tokenizer)
     assert 0 < len(validation) and set(validation) <= set(corpus + ["caf\u00e9 \u2014 na\u00efve"])
     again = str(tmp_path / "again")  # the saved tokenizer.json as --tokenizer: the same token ids
-    prepare_main(["--train_file", str(tmp_path / "d.txt"), "--validation_split_percentage", "10", "--tokenizer",
-                  os.path.join(out, "tokenizer.json"), "--output_dir", again, "--num_shards", "2", "--block_size", "4"])
+    prepare_main(
+        [
+            "--train_file",
+            str(tmp_path / "d.txt"),
+            "--validation_split_percentage",
+            "10",
+            "--tokenizer",
+            os.path.join(out, "tokenizer.json"),
+            "--output_dir",
+            again,
+            "--num_shards",
+            "2",
+            "--block_size",
+            "4",
+        ]
+    )
     assert np.array_equal(stream(out, "train"), stream(again, "train"))
 
 
 def test_text_from_json_lines_with_a_text_column(tmp_path):
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"id": i, "body": d}) + "\n" for i, d in enumerate(DOCS)))
     out = str(tmp_path / "out")
-    prepare_main(["--train_file", str(tmp_path / "d.jsonl"), "--validation_file", str(tmp_path / "d.jsonl"),
-                  "--text_column", "body", "--tokenizer", "bytes", "--output_dir", out, "--block_size", "16"])
+    prepare_main(
+        [
+            "--train_file",
+            str(tmp_path / "d.jsonl"),
+            "--validation_file",
+            str(tmp_path / "d.jsonl"),
+            "--text_column",
+            "body",
+            "--tokenizer",
+            "bytes",
+            "--output_dir",
+            out,
+            "--block_size",
+            "16",
+        ]
+    )
     assert documents_of(stream(out, "validation"), ByteTokenizer()) == DOCS
     assert not os.path.exists(os.path.join(out, "tokenizer.json"))  # bytes: nothing to save
 
@@ -148,14 +208,44 @@ def test_bad_text_input_is_one_line_and_nothing_is_written(tmp_path, capsys):
     (tmp_path / "blank.txt").write_text("\n\n")
     (tmp_path / "fake.json").write_text("{}")
     base = ["--output_dir", out, "--tokenizer", "bytes"]
-    fails(capsys, ["--train_file", str(tmp_path / "d.jsonl")] + base, "no column 'text' in the train data (columns: body, n)")
+    fails(
+        capsys,
+        ["--train_file", str(tmp_path / "d.jsonl")] + base,
+        "no column 'text' in the train data (columns: body, n)",
+    )
     fails(capsys, ["--train_file", str(tmp_path / "d.jsonl"), "--text_column", "n"] + base, "not text")
     fails(capsys, ["--train_file", str(tmp_path / "latin1.txt")] + base, "could not read")
     fails(capsys, ["--train_file", str(tmp_path / "blank.txt")] + base, "has no text")
-    fails(capsys, ["--train_file", str(tmp_path / "d.jsonl"), "--text_column", "body", "--output_dir", out,
-                   "--tokenizer", str(tmp_path / "fake.json")], "is not a tokenizer.json")
-    fails(capsys, ["--train_file", str(tmp_path / "d.jsonl"), "--text_column", "body", "--output_dir", out,
-                   "--tokenizer", "bpe", "--vocab_size", "200"], "leaves no room for merges")
+    fails(
+        capsys,
+        [
+            "--train_file",
+            str(tmp_path / "d.jsonl"),
+            "--text_column",
+            "body",
+            "--output_dir",
+            out,
+            "--tokenizer",
+            str(tmp_path / "fake.json"),
+        ],
+        "is not a tokenizer.json",
+    )
+    fails(
+        capsys,
+        [
+            "--train_file",
+            str(tmp_path / "d.jsonl"),
+            "--text_column",
+            "body",
+            "--output_dir",
+            out,
+            "--tokenizer",
+            "bpe",
+            "--vocab_size",
+            "200",
+        ],
+        "leaves no room for merges",
+    )
     fails(capsys, ["--dataset", "gcide", "--data_dir", str(tmp_path)] + base, "apt-get install dict-gcide")
     fails(capsys, ["--dataset", "gcide", "--output_dir", out], "pass --tokenizer", code=2)
     assert not os.path.exists(out)

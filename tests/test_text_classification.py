@@ -5,6 +5,7 @@ that scores what the run said; SIGKILL (LoRA) and SIGTERM (full) then resume are
 FSDP2 (LoRA) shards the BERT layers, takes DDP's steps and its sharded checkpoint resumes in 1
 process; bad input is one line. The data side (tokenized once, padding, grouping by length) is
 tested in one process."""
+
 import json
 import os
 import random
@@ -18,12 +19,22 @@ from data.labelled_text import TokenBatch, label_names, prepare_labelled_text
 from data.sharding import BatchPlan
 from data.splits import DataInputs
 from hf_models import tiny_bert
-from test_checkpointing import (crash_during_save_and_resume, identical, largest_difference, resume_copy,
-                                sigterm_at_step_one_and_resume, weights)
+from test_checkpointing import (
+    crash_during_save_and_resume,
+    identical,
+    largest_difference,
+    resume_copy,
+    sigterm_at_step_one_and_resume,
+    weights,
+)
 from train.core.confusion import confusion_metrics
 
-TOPICS = {"sport": "goal match team ball score coach league", "food": "bread soup cheese apple sugar bake dish",
-          "music": "song guitar drum melody choir piano band", "space": "planet orbit star rocket comet moon galaxy"}
+TOPICS = {
+    "sport": "goal match team ball score coach league",
+    "food": "bread soup cheese apple sugar bake dish",
+    "music": "song guitar drum melody choir piano band",
+    "space": "planet orbit star rocket comet moon galaxy",
+}
 FILLER = "the a of and to in is was for on with as by that it at from this".split()
 N_VALIDATION = 101  # odd: fills no batch of any size used here
 
@@ -34,8 +45,10 @@ def rows(n, seed):
     out = []
     for _ in range(n):
         label = rng.choice(sorted(TOPICS))
-        words = [rng.choice(TOPICS[label].split()) if rng.random() < 0.3 else rng.choice(FILLER)
-                 for _ in range(rng.randint(3, 60))]
+        words = [
+            rng.choice(TOPICS[label].split()) if rng.random() < 0.3 else rng.choice(FILLER)
+            for _ in range(rng.randint(3, 60))
+        ]
         words[rng.randrange(len(words))] = rng.choice(TOPICS[label].split())
         out.append({"text": " ".join(words), "label": label})
     return out
@@ -55,15 +68,32 @@ def write_csv(path, records, text="text", label="label"):
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("text")
     # with dropout: the LoRA resume test checks the dropout draws come back too
-    return {"model": tiny_bert(root / "bert"), "dropout_model": tiny_bert(root / "bert_dropout", dropout=0.1),
-            "train": write_csv(root / "train.csv", rows(384, 0)),
-            "validation": write_csv(root / "validation.csv", rows(N_VALIDATION, 1)), "cache": str(root / "tokens"),
-            "root": root}
+    return {
+        "model": tiny_bert(root / "bert"),
+        "dropout_model": tiny_bert(root / "bert_dropout", dropout=0.1),
+        "train": write_csv(root / "train.csv", rows(384, 0)),
+        "validation": write_csv(root / "validation.csv", rows(N_VALIDATION, 1)),
+        "cache": str(root / "tokens"),
+        "root": root,
+    }
 
 
 def args_for(data, *extra):
-    return ["--model_name_or_path", data["model"], "--train_file", data["train"], "--validation_file",
-            data["validation"], "--cache_dir", data["cache"], "--learning_rate", 5e-3, "--logging_steps", 4, *extra]
+    return [
+        "--model_name_or_path",
+        data["model"],
+        "--train_file",
+        data["train"],
+        "--validation_file",
+        data["validation"],
+        "--cache_dir",
+        data["cache"],
+        "--learning_rate",
+        5e-3,
+        "--logging_steps",
+        4,
+        *extra,
+    ]
 
 
 def text_run(config, data, out, *extra):
@@ -92,8 +122,12 @@ def two(two_launch):
 def test_two_processes_count_every_validation_row_once_in_each_evaluation(two_launch):
     proc, out = two_launch
     assert "world_size=2 " in proc.stdout
-    assert proc.stdout.count(f"384 train, {N_VALIDATION} validation rows (--validation_file), 4 labels (food, music, space, "
-                             "sport)") == 1
+    assert (
+        proc.stdout.count(
+            f"384 train, {N_VALIDATION} validation rows (--validation_file), 4 labels (food, music, space, sport)"
+        )
+        == 1
+    )
     results = json.load(open(out / "all_results.json"))
     assert [(h["step"], h["eval_samples"]) for h in results["history"]] == [(4, N_VALIDATION), (8, N_VALIDATION)]
     assert "best_model" not in results and results["eval_accuracy"] == results["history"][-1]["eval_accuracy"]
@@ -105,19 +139,38 @@ def test_two_processes_count_every_validation_row_once_in_each_evaluation(two_la
 
 def test_one_process_takes_the_steps_two_take(data, two, capsys):
     one = data["root"] / "one"
-    proc = run_as_script(capsys, "text_classification", *args_for(data, *SHORT, "--per_device_train_batch_size", 16),
-                         "--output_dir", one)
+    proc = run_as_script(
+        capsys, "text_classification", *args_for(data, *SHORT, "--per_device_train_batch_size", 16), "--output_dir", one
+    )
     assert proc.returncode == 0, output_of(proc)
-    assert largest_difference(weights(one), weights(two)) < 1e-5  # each rank pads its own rows: the same to float rounding
+    assert (
+        largest_difference(weights(one), weights(two)) < 1e-5
+    )  # each rank pads its own rows: the same to float rounding
 
 
 @pytest.fixture(scope="module")
 def trained(data):
     """The steps of 2 processes x 16 as drawn (1 x 32: the same steps, above), 4 epochs, in this process."""
     out = data["root"] / "trained"
-    run_main("text_classification", *args_for(data, "--num_train_epochs", 4, "--per_device_train_batch_size", 32,
-                                              "--group_by_length", "false", "--metric_for_best_model", "f1",
-                                              "--checkpointing_steps", "epoch", "--output_dir", out), through_run=True)
+    run_main(
+        "text_classification",
+        *args_for(
+            data,
+            "--num_train_epochs",
+            4,
+            "--per_device_train_batch_size",
+            32,
+            "--group_by_length",
+            "false",
+            "--metric_for_best_model",
+            "f1",
+            "--checkpointing_steps",
+            "epoch",
+            "--output_dir",
+            out,
+        ),
+        through_run=True,
+    )
     return out
 
 
@@ -162,8 +215,18 @@ def test_the_output_is_a_hugging_face_folder_that_scores_what_the_run_said(run, 
 
 def lora_args(data):
     """LoRA on the BERT with dropout: its draws (the body's and the adapters') must come back too."""
-    return ["--per_device_train_batch_size", 8, "--model_name_or_path", data["dropout_model"], "--lora_r", 4,
-            "--lora_dropout", 0.1, "--lora_target_modules", "query,key,value,dense"]
+    return [
+        "--per_device_train_batch_size",
+        8,
+        "--model_name_or_path",
+        data["dropout_model"],
+        "--lora_r",
+        4,
+        "--lora_dropout",
+        0.1,
+        "--lora_target_modules",
+        "query,key,value,dense",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +234,9 @@ def lora(data, tmp_path_factory):
     """LoRA under 2 processes, SIGKILLed as it publishes checkpoint 6 and resumed from 3 (the reference of
     LoRA under FSDP2, below)."""
     folder = tmp_path_factory.mktemp("lora")
-    proc, crashed = crash_during_save_and_resume("cpu_2proc", "text_classification", 6, folder,
-                                                 *args_for(data, *SHORT, *lora_args(data)))
+    proc, crashed = crash_during_save_and_resume(
+        "cpu_2proc", "text_classification", 6, folder, *args_for(data, *SHORT, *lora_args(data))
+    )
     return proc, crashed
 
 
@@ -192,13 +256,22 @@ def test_sigkill_then_resume_is_bit_identical_with_lora(data, lora, tmp_path, ca
     assert isinstance(PeftModel.from_pretrained(base, crashed / "adapter"), PeftModel)
     # the frozen body comes from --model_name_or_path: another model there is refused, not trained on
     other = resume_copy(crashed, 3, str(tmp_path / "other_base"))
-    line = bad(capsys, *args_for(data, *SHORT, *extra), "--model_name_or_path", tiny_bert(tmp_path / "other", seed=1),
-               "--output_dir", other, "--resume_from_checkpoint", "latest")
+    line = bad(
+        capsys,
+        *args_for(data, *SHORT, *extra),
+        "--model_name_or_path",
+        tiny_bert(tmp_path / "other", seed=1),
+        "--output_dir",
+        other,
+        "--resume_from_checkpoint",
+        "latest",
+    )
     assert "was saved fine-tuning another pretrained model" in line, line
 
 
-def test_fsdp2_with_lora_shards_the_bert_layers_takes_ddps_steps_and_resumes_in_one_process(data, lora, tmp_path,
-                                                                                              capsys):
+def test_fsdp2_with_lora_shards_the_bert_layers_takes_ddps_steps_and_resumes_in_one_process(
+    data, lora, tmp_path, capsys
+):
     """LoRA's frozen body and its adapters in the same FSDP2 units, with dropout: the steps of the LoRA
     run above (its merged weights). Full fine-tuning under FSDP2: tests/test_sft.py (a GPT-2). 1 process
     draws other dropout masks than 2: its resume from the sharded checkpoint 6 is compared with its
@@ -213,9 +286,19 @@ def test_fsdp2_with_lora_shards_the_bert_layers_takes_ddps_steps_and_resumes_in_
     resumed = []
     for run, checkpoint_format in ((out, "sharded"), (lora[1], "full")):
         one = resume_copy(run, 6, str(tmp_path / f"one_{checkpoint_format}"))
-        proc = run_as_script(capsys, "text_classification", *args_for(data, *SHORT, *lora_args(data)),
-                             "--per_device_train_batch_size", 16, "--checkpoint_format", checkpoint_format,
-                             "--output_dir", one, "--resume_from_checkpoint", "latest")
+        proc = run_as_script(
+            capsys,
+            "text_classification",
+            *args_for(data, *SHORT, *lora_args(data)),
+            "--per_device_train_batch_size",
+            16,
+            "--checkpoint_format",
+            checkpoint_format,
+            "--output_dir",
+            one,
+            "--resume_from_checkpoint",
+            "latest",
+        )
         assert proc.returncode == 0 and "saved with 2 processes" in proc.stdout, output_of(proc)
         assert f"resumed from {one}/checkpoints/step_00000006" in proc.stdout, output_of(proc)
         resumed.append(weights(one))
@@ -225,14 +308,16 @@ def test_fsdp2_with_lora_shards_the_bert_layers_takes_ddps_steps_and_resumes_in_
 def test_sigterm_saves_at_one_step_on_every_rank_and_the_resume_is_bit_identical(data, two, tmp_path):
     """Stopped and saved at step 1 on every rank, restarted, it ends where the module's
     uninterrupted 2 x 8 run ended."""
-    _, out = sigterm_at_step_one_and_resume("cpu_2proc", "text_classification", 8, tmp_path,
-                                            *args_for(data, *SHORT, "--per_device_train_batch_size", 8))
+    _, out = sigterm_at_step_one_and_resume(
+        "cpu_2proc", "text_classification", 8, tmp_path, *args_for(data, *SHORT, "--per_device_train_batch_size", 8)
+    )
     assert identical(weights(out), weights(two))
     finished = [json.load(open(folder / "all_results.json")) for folder in (out, two)]
     assert finished[0]["confusion_matrix"] == finished[1]["confusion_matrix"] and (out / "confusion.png").exists()
 
 
 # ------------------------------------------------------------------------------------ bad input, one line each
+
 
 def bad(capsys, *args):
     proc = run_as_script(capsys, "text_classification", *args)
@@ -255,21 +340,27 @@ def test_bad_input_is_one_line_and_writes_no_run(data, tmp_path, capsys):
     no_tokenizer = tiny_bert(tmp_path / "no_tokenizer")
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         os.remove(os.path.join(no_tokenizer, name))
-    assert "has no tokenizer (none of tokenizer.json" in bad(capsys, "--model_name_or_path", no_tokenizer, "--train_file", train, *common)
+    assert "has no tokenizer (none of tokenizer.json" in bad(
+        capsys, "--model_name_or_path", no_tokenizer, "--train_file", train, *common
+    )
     model = ["--model_name_or_path", data["model"]]
     line = bad(capsys, *model, "--train_file", train, "--text_column", "sentence", *common)
     assert "no text column 'sentence'" in line and "(columns: text, label)" in line
-    assert "no label column 'category'" in bad(capsys, *model, "--train_file", train, "--label_column", "category",
-                                                *common)
+    assert "no label column 'category'" in bad(
+        capsys, *model, "--train_file", train, "--label_column", "category", *common
+    )
     unseen = write_csv(tmp_path / "unseen.csv", rows(10, 2) + [{"text": "a new kind", "label": "weather"}])
-    assert "never seen in training: weather" in bad(capsys, *model, "--train_file", train, "--validation_file", unseen,
-                                                    *common)
+    assert "never seen in training: weather" in bad(
+        capsys, *model, "--train_file", train, "--validation_file", unseen, *common
+    )
     (tmp_path / "empty.csv").write_text("")
     assert "is empty" in bad(capsys, *model, "--train_file", tmp_path / "empty.csv", *common)
     line = bad(capsys, *model, "--train_file", train, "--lora_r", 4, "--lora_target_modules", "q_proj,v_proj", *common)
     assert "peft cannot adapt" in line and "query" in line
     assert "is more than" in bad(capsys, *model, "--train_file", train, "--max_seq_length", 1000, *common)
-    scores = write_csv(tmp_path / "scores.csv", [{"text": r["text"], "label": i / 3} for i, r in enumerate(rows(20, 4))])
+    scores = write_csv(
+        tmp_path / "scores.csv", [{"text": r["text"], "label": i / 3} for i, r in enumerate(rows(20, 4))]
+    )
     assert "numbers with decimals" in bad(capsys, *model, "--train_file", scores, *common)
     assert not out.exists() or not (out / "all_results.json").exists()
 
@@ -277,13 +368,27 @@ def test_bad_input_is_one_line_and_writes_no_run(data, tmp_path, capsys):
 def test_a_checkpoint_with_another_number_of_labels_is_one_line(data, two, tmp_path, capsys):
     three = [r for r in rows(400, 3) if r["label"] != "space"]
     crashed = resume_copy(two, 3, str(tmp_path / "other_labels"))
-    line = bad(capsys, "--model_name_or_path", data["model"], "--train_file", write_csv(tmp_path / "three.csv", three),
-               "--cache_dir", data["cache"], *SHORT, "--per_device_train_batch_size", 16, "--output_dir", crashed,
-               "--resume_from_checkpoint", "latest")
+    line = bad(
+        capsys,
+        "--model_name_or_path",
+        data["model"],
+        "--train_file",
+        write_csv(tmp_path / "three.csv", three),
+        "--cache_dir",
+        data["cache"],
+        *SHORT,
+        "--per_device_train_batch_size",
+        16,
+        "--output_dir",
+        crashed,
+        "--resume_from_checkpoint",
+        "latest",
+    )
     assert "does not fit this model" in line, line
 
 
 # ------------------------------------------------------------------------------------ the data side, one process
+
 
 def test_tokenized_once_then_found_again(data, tmp_path):
     from transformers import AutoTokenizer
@@ -297,7 +402,9 @@ def test_tokenized_once_then_found_again(data, tmp_path):
 
     counting.model_input_names = tokenizer.model_input_names
     files = DataInputs([data["train"]], [data["validation"]])
-    made = [prepare_labelled_text(files, data["model"], counting, ["text"], "label", 128, str(tmp_path)) for _ in range(2)]
+    made = [
+        prepare_labelled_text(files, data["model"], counting, ["text"], "label", 128, str(tmp_path)) for _ in range(2)
+    ]
     assert made[0] == made[1] and calls == [384, N_VALIDATION]  # the second found the first's folder
     folder, info = made[0]
     assert info["labels"] == ["food", "music", "space", "sport"] and info["splits"]["train"]["rows"] == 384
@@ -353,7 +460,8 @@ def test_two_hosts_writing_the_same_tokens_at_once_both_get_a_whole_folder(tmp_p
         published = [name for name in os.listdir(root) if ".tmp-" not in name]
         assert len(published) == 1 and all(
             os.path.getsize(os.path.join(root, published[0], split, "data.arrow")) == 200_000
-            for split in ("train", "validation")), os.listdir(root)
+            for split in ("train", "validation")
+        ), os.listdir(root)
     assert outcomes == ["ok"] * 80, [o for o in outcomes if o != "ok"][:3]
 
 
@@ -362,12 +470,28 @@ def test_sentence_pairs_and_a_saved_datasets_folder(data, tmp_path):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(data["model"])
-    pairs = datasets.DatasetDict({split: datasets.Dataset.from_dict(
-        {"question": [f"is it {i}" for i in range(n)], "passage": [f"it is {i % 3}" for i in range(n)],
-         "answer": [i % 3 == i % 5 for i in range(n)]}) for split, n in (("train", 40), ("validation", 11))})
+    pairs = datasets.DatasetDict(
+        {
+            split: datasets.Dataset.from_dict(
+                {
+                    "question": [f"is it {i}" for i in range(n)],
+                    "passage": [f"it is {i % 3}" for i in range(n)],
+                    "answer": [i % 3 == i % 5 for i in range(n)],
+                }
+            )
+            for split, n in (("train", 40), ("validation", 11))
+        }
+    )
     pairs.save_to_disk(tmp_path / "pairs")
-    folder, info = prepare_labelled_text(DataInputs([str(tmp_path / "pairs")]), data["model"], tokenizer,
-                                         ["question", "passage"], "answer", 64, str(tmp_path / "tokens"))
+    folder, info = prepare_labelled_text(
+        DataInputs([str(tmp_path / "pairs")]),
+        data["model"],
+        tokenizer,
+        ["question", "passage"],
+        "answer",
+        64,
+        str(tmp_path / "tokens"),
+    )
     assert info["labels"] == ["False", "True"] and info["splits"]["validation"]["rows"] == 11
     train = datasets.load_from_disk(os.path.join(folder, "train"))
     assert 1 in train[0]["token_type_ids"] and train[0]["input_ids"].count(tokenizer.sep_token_id) == 2
@@ -387,8 +511,9 @@ def test_labels_as_integers_keep_their_order():
 
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_token_batch_pads_each_batch_to_its_longest_row(side):
-    batch = TokenBatch(0, side)({"input_ids": [[5, 6, 7], [8]], "token_type_ids": [[0, 1, 1], [0]],
-                                 "label": torch.tensor([1, 0])})
+    batch = TokenBatch(0, side)(
+        {"input_ids": [[5, 6, 7], [8]], "token_type_ids": [[0, 1, 1], [0]], "label": torch.tensor([1, 0])}
+    )
     assert batch["input_ids"].shape == (2, 3) and batch["labels"].tolist() == [1, 0]
     expected = [[1, 1, 1], [1, 0, 0]] if side == "right" else [[1, 1, 1], [0, 0, 1]]
     assert batch["attention_mask"].tolist() == expected
@@ -404,10 +529,24 @@ def test_grouping_by_length_keeps_every_promise_and_pads_less(shuffle):
     policy = "drop" if shuffle else "pad"
 
     def global_batches(world_size, grouped=True):
-        per_rank = [list(BatchPlan([1] * 1037, 32, world_size, r, seed=3, shuffle=shuffle, policy=policy,
-                                   lengths=lengths if grouped else None).rank_batches(2)) for r in range(world_size)]
-        return [torch.cat([per_rank[r][b][1] for r in range(world_size)]) for b in range(len(per_rank[0]))], \
-            [torch.cat([per_rank[r][b][2] for r in range(world_size)]) for b in range(len(per_rank[0]))]
+        per_rank = [
+            list(
+                BatchPlan(
+                    [1] * 1037,
+                    32,
+                    world_size,
+                    r,
+                    seed=3,
+                    shuffle=shuffle,
+                    policy=policy,
+                    lengths=lengths if grouped else None,
+                ).rank_batches(2)
+            )
+            for r in range(world_size)
+        ]
+        return [torch.cat([per_rank[r][b][1] for r in range(world_size)]) for b in range(len(per_rank[0]))], [
+            torch.cat([per_rank[r][b][2] for r in range(world_size)]) for b in range(len(per_rank[0]))
+        ]
 
     batches, valid = global_batches(1)
     for world_size in (2, 4):  # the same global batches for any process count

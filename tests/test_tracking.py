@@ -1,5 +1,6 @@
 """What users see while training: header, metrics.jsonl, tensorboard events, curves.png, summary line;
 after a resume, one history in both logs."""
+
 import json
 import os
 import shutil
@@ -11,8 +12,18 @@ from conftest import launch, output_of
 from train import mnist
 
 LOGGING_STEPS = 4
-RUN = ["--max_train_samples", 1280, "--max_eval_samples", 301, "--num_train_epochs", 2,
-       "--per_device_train_batch_size", 32, "--logging_steps", LOGGING_STEPS]
+RUN = [
+    "--max_train_samples",
+    1280,
+    "--max_eval_samples",
+    301,
+    "--num_train_epochs",
+    2,
+    "--per_device_train_batch_size",
+    32,
+    "--logging_steps",
+    LOGGING_STEPS,
+]
 
 
 def in_process_run(samples):
@@ -56,8 +67,11 @@ def tensorboard_history(folder, tag):
                     shown = [(step, value) for step, value in shown if step < event.step]
                 for value in event.summary.value:
                     if value.tag == tag:
-                        number = value.simple_value if value.WhichOneof("value") == "simple_value" else \
-                            float(make_ndarray(value.tensor))
+                        number = (
+                            value.simple_value
+                            if value.WhichOneof("value") == "simple_value"
+                            else float(make_ndarray(value.tensor))
+                        )
                         shown.append((event.step, number))
         history += shown
     return history
@@ -157,16 +171,26 @@ def test_curves_any_data_gives_a_png_of_the_asked_size(tmp_path):
     from train.core.tracking import draw_chart
 
     nan, inf = float("nan"), float("inf")
-    cases = {"empty": [], "one": [(5, 0.25)], "constant": [(1, 3.0), (2, 3.0)],
-             "not_finite": [(1, 2.0), (2, nan), (3, inf), (4, 1.5)], "huge": [(0, 1e7), (10, 3e7)],
-             "tiny": [(0, 1e-7), (10, 3e-7)], "overflowing": [(0, -1e308), (1, 1e308), (2, 1.75e308)],
-             "denormal": [(0, 5e-324)], "not_numbers": [(0, None), (1, "x"), (2, 10 ** 400), (3, 1.0)],
-             "near_a_large_value": [(0, 1e6), (1, 1e6 + 1e-9)]}
+    cases = {
+        "empty": [],
+        "one": [(5, 0.25)],
+        "constant": [(1, 3.0), (2, 3.0)],
+        "not_finite": [(1, 2.0), (2, nan), (3, inf), (4, 1.5)],
+        "huge": [(0, 1e7), (10, 3e7)],
+        "tiny": [(0, 1e-7), (10, 3e-7)],
+        "overflowing": [(0, -1e308), (1, 1e308), (2, 1.75e308)],
+        "denormal": [(0, 5e-324)],
+        "not_numbers": [(0, None), (1, "x"), (2, 10**400), (3, 1.0)],
+        "near_a_large_value": [(0, 1e6), (1, 1e6 + 1e-9)],
+    }
     for name, points in cases.items():
         lines = [(f"line {i}", points, i % 2 == 1) for i in range(5)]
-        path = draw_chart(tmp_path / f"{name}.png", [{"title": name, "ylabel": "y", "lines": lines},
-                                                     {"title": "other", "ylabel": "z", "lines": lines[:1]}],
-                          xlabel="step", size=(700, 300))
+        path = draw_chart(
+            tmp_path / f"{name}.png",
+            [{"title": name, "ylabel": "y", "lines": lines}, {"title": "other", "ylabel": "z", "lines": lines[:1]}],
+            xlabel="step",
+            size=(700, 300),
+        )
         with Image.open(path) as image:
             image.verify()
         with Image.open(path) as image:
@@ -178,9 +202,13 @@ def test_curves_from_a_log_with_null_losses(tmp_path):
     evaluation): the chart leaves those points out."""
     from train.core.tracking import plot_metrics
 
-    records = [{"step": 10, "train_loss": None}, {"step": 20, "train_loss": 0.5},
-               {"step": 20, "eval_loss": None, "eval_accuracy": 0.5}, {"step": 30, "train_loss": 0.4},
-               {"step": 40, "eval_loss": 0.3, "eval_accuracy": None}]
+    records = [
+        {"step": 10, "train_loss": None},
+        {"step": 20, "train_loss": 0.5},
+        {"step": 20, "eval_loss": None, "eval_accuracy": 0.5},
+        {"step": 30, "train_loss": 0.4},
+        {"step": 40, "eval_loss": 0.3, "eval_accuracy": None},
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     with Image.open(plot_metrics(str(tmp_path))) as image:
         assert image.format == "PNG" and image.size == (1000, 400)

@@ -1,5 +1,6 @@
 """data/wordnet.py on a fake WordNet folder in the real file format: which rows and labels it reads,
 a split that depends only on the synsets, files written whole and not again, and the one-line refusal."""
+
 import csv
 import hashlib
 import os
@@ -8,8 +9,10 @@ import pytest
 
 from data import wordnet
 
-HEADER = ["  1 This software and database is being provided to you, the LICENSEE, by  \n",
-          "  2 Princeton University under the following license.  By obtaining, using  \n"]
+HEADER = [
+    "  1 This software and database is being provided to you, the LICENSEE, by  \n",
+    "  2 Princeton University under the following license.  By obtaining, using  \n",
+]
 LEXNAMES = "03\tnoun.Tops\t1\n04\tnoun.act\t1\n05\tnoun.animal\t1\n13\tnoun.food\t1\n20\tnoun.plant\t1\n"
 
 
@@ -17,7 +20,7 @@ def synset(offset, lex_filenum, words, gloss):
     """One data.noun line as wndb(5WN) lays it out: offset, lex_filenum, ss_type, hex word count, words with
     lex_id, pointer count, pointers, then the gloss after ' | ' (and WordNet's two trailing spaces)."""
     word_part = " ".join(f"{w} 0" for w in words)
-    return (f"{offset:08d} {lex_filenum} n {len(words):02x} {word_part} 001 @ 00001740 n 0000 | {gloss}  \n")
+    return f"{offset:08d} {lex_filenum} n {len(words):02x} {word_part} 001 @ 00001740 n 0000 | {gloss}  \n"
 
 
 def fake_wordnet(folder, lines, lexnames=LEXNAMES):
@@ -40,19 +43,24 @@ def many(n_per_class):
 
 
 def test_definitions_labels_and_what_is_left_out(tmp_path):
-    folder = fake_wordnet(tmp_path / "wn", [
-        synset(1740, "03", ["entity"], "that which is perceived or known"),  # noun.Tops: not a class
-        synset(15388, "05", ["animal", "beast"], 'a living organism; "animals move"; "a beast of burden"'),
-        synset(7555, "13", ["food"], "any substance that can be metabolized; used for energy"),
-        synset(17222, "20", ["plant"], "(botany) a living organism lacking the power of locomotion"),
-        synset(36762, "04", ["act"], "something that people do"),  # noun.act: not a class
-        synset(50001, "05", ["genus_a"], "a genus of bacteria"),
-        synset(50002, "20", ["genus_b"], "a genus of bacteria"),  # shared by two synsets: both left out
-    ])
+    folder = fake_wordnet(
+        tmp_path / "wn",
+        [
+            synset(1740, "03", ["entity"], "that which is perceived or known"),  # noun.Tops: not a class
+            synset(15388, "05", ["animal", "beast"], 'a living organism; "animals move"; "a beast of burden"'),
+            synset(7555, "13", ["food"], "any substance that can be metabolized; used for energy"),
+            synset(17222, "20", ["plant"], "(botany) a living organism lacking the power of locomotion"),
+            synset(36762, "04", ["act"], "something that people do"),  # noun.act: not a class
+            synset(50001, "05", ["genus_a"], "a genus of bacteria"),
+            synset(50002, "20", ["genus_b"], "a genus of bacteria"),  # shared by two synsets: both left out
+        ],
+    )
     rows = wordnet.definitions(folder)
-    assert rows[:3] == [("00015388", "animal", "a living organism"),  # the quoted examples dropped
-                        ("00007555", "food", "any substance that can be metabolized; used for energy"),
-                        ("00017222", "plant", "(botany) a living organism lacking the power of locomotion")]
+    assert rows[:3] == [
+        ("00015388", "animal", "a living organism"),  # the quoted examples dropped
+        ("00007555", "food", "any substance that can be metabolized; used for energy"),
+        ("00017222", "plant", "(botany) a living organism lacking the power of locomotion"),
+    ]
     train, validation = wordnet.split_rows(rows, 5, 5)
     assert sorted(train + validation) == sorted((text, label) for _, label, text in rows[:3])
 

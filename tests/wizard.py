@@ -1,5 +1,6 @@
 """Drive `accelerate config` as a person would at a terminal: its menus need a real tty, so it runs
 in a pseudo-terminal and each question is answered when its text appears."""
+
 import os
 import pty
 import re
@@ -15,9 +16,14 @@ def run_wizard(config_file, answers, timeout=90):
     """answers: (regex, keys) pairs, in the order the questions come; a question matching none gets
     Enter (the default). Returns (exit code, the screen text)."""
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "accelerate.commands.accelerate_cli", "config", "--config_file",
-                             str(config_file)], stdin=slave, stdout=slave, stderr=slave, close_fds=True,
-                            env={**os.environ, "TERM": "dumb"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "accelerate.commands.accelerate_cli", "config", "--config_file", str(config_file)],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        close_fds=True,
+        env={**os.environ, "TERM": "dumb"},
+    )
     os.close(slave)
     pending, screen, unanswered, quiet = list(answers), [], "", 0
     deadline = time.time() + timeout

@@ -7,6 +7,7 @@ parent, process group and whether it ignores SIGTERM, and the parent's.
     python tests/worker_start_probe.py EPOCHS [--unpicklable]    (or python -m tests.worker_start_probe ...)
     python tests/worker_start_probe.py --sigkill_midway     # prints the first worker's sample, then SIGKILLs itself
 """
+
 import ctypes
 import json
 import os
@@ -40,9 +41,16 @@ class WhoAmI(Dataset):
 
     def __getitem__(self, i):
         pid, parent = os.getpid(), os.getppid()
-        return {"pid": pid, "parent": parent, "group": os.getpgid(0), "ignores_sigterm": ignores_sigterm(pid),
-                "parent_ignores_sigterm": ignores_sigterm(parent), "body_ran_in": BODY_RAN_IN, "argv": sys.argv[1:],
-                "own_init_ran": os.environ.get("PROBE_INIT") == str(pid)}
+        return {
+            "pid": pid,
+            "parent": parent,
+            "group": os.getpgid(0),
+            "ignores_sigterm": ignores_sigterm(pid),
+            "parent_ignores_sigterm": ignores_sigterm(parent),
+            "body_ran_in": BODY_RAN_IN,
+            "argv": sys.argv[1:],
+            "own_init_ran": os.environ.get("PROBE_INIT") == str(pid),
+        }
 
 
 def own_init(worker_id):
@@ -96,5 +104,6 @@ if __name__ == "__main__":
     workers = [sample for _ in range(epochs) for sample in loader]
     stop.set()
     context = kwargs["multiprocessing_context"]
-    print(json.dumps({"method": context.get_start_method() if context else None, "pid": os.getpid(),
-                      "workers": workers}))
+    print(
+        json.dumps({"method": context.get_start_method() if context else None, "pid": os.getpid(), "workers": workers})
+    )

@@ -28,6 +28,7 @@ and 2 with 2 x 2 accumulation steps take the same step. Evaluation reports TRL's
 the validation pairs for any process count: rewards/chosen, rewards/rejected, rewards/accuracies (the
 share of pairs whose chosen reward is the higher), rewards/margins, logps/chosen, logps/rejected, loss.
 """
+
 import hashlib
 import json
 import os
@@ -48,22 +49,53 @@ from data.preferences import LONG_EXAMPLES, SIDES, PairBatch, prepare_preference
 from data.sources import DatasetsSource
 from data.splits import check_inputs
 from train.core.accelerator import gather_patiently, main_process_first
-from train.core.cli import (add_data_files_args, add_generation_args, add_optimizer_args, add_tokenized_data_args,
-                            data_inputs, fraction, make_parser, positive_float, reading_workers)
+from train.core.cli import (
+    add_data_files_args,
+    add_generation_args,
+    add_optimizer_args,
+    add_tokenized_data_args,
+    data_inputs,
+    fraction,
+    make_parser,
+    positive_float,
+    reading_workers,
+)
 from train.core.evaluation import evaluate_rows
 from train.core.loop import TrainingLoop
 from train.core.run import run, start_run
 from train.core.tracking import readable_by_others
 from train.models.gpt import next_token_loss
-from train.models.hf import (adamw, add_lora_args, add_pretrained_args, causal_lm_tokenizer, check_causal_lm,
-                             describe_dtypes, describe_trainable, generate, hub_kwargs, load_pretrained, lora_model,
-                             model_fingerprint, quiet_transformers, resolve_model, save_model_folder,
-                             set_training_dtype, torch_dtype)
+from train.models.hf import (
+    adamw,
+    add_lora_args,
+    add_pretrained_args,
+    causal_lm_tokenizer,
+    check_causal_lm,
+    describe_dtypes,
+    describe_trainable,
+    generate,
+    hub_kwargs,
+    load_pretrained,
+    lora_model,
+    model_fingerprint,
+    quiet_transformers,
+    resolve_model,
+    save_model_folder,
+    set_training_dtype,
+    torch_dtype,
+)
 
 TASK = "dpo"  # the run's name in its checkpoints: another task's checkpoint is refused
 # its evaluation's metrics (TRL's names), the headline first
-METRICS = ["eval_loss", "eval_rewards/accuracies", "eval_rewards/margins", "eval_rewards/chosen",
-           "eval_rewards/rejected", "eval_logps/chosen", "eval_logps/rejected"]
+METRICS = [
+    "eval_loss",
+    "eval_rewards/accuracies",
+    "eval_rewards/margins",
+    "eval_rewards/chosen",
+    "eval_rewards/rejected",
+    "eval_logps/chosen",
+    "eval_logps/rejected",
+]
 LOSS_TYPES = ("sigmoid", "robust", "ipo", "hinge")
 MAX_LENGTH = 1024  # the default --max_seq_length's cap
 
@@ -71,28 +103,50 @@ MAX_LENGTH = 1024  # the default --max_seq_length's cap
 def parse_args(argv=None):
     parser = make_parser(__doc__)
     data, model = parser.groups["data"], parser.groups["model"]
-    add_data_files_args(parser, "Preference pairs: jsonl, json, csv or parquet, or a datasets folder written by "
-                        "save_to_disk.", split_percentage=10, dataset_name=True)
-    data.add_argument("--prompt_column", default="prompt", help="The prompt: text, or conversation turns (without "
-                      "it, conversations' shared first turns are the prompt).")
+    add_data_files_args(
+        parser,
+        "Preference pairs: jsonl, json, csv or parquet, or a datasets folder written by save_to_disk.",
+        split_percentage=10,
+        dataset_name=True,
+    )
+    data.add_argument(
+        "--prompt_column",
+        default="prompt",
+        help="The prompt: text, or conversation turns (without it, conversations' shared first turns are the prompt).",
+    )
     data.add_argument("--chosen_column", default="chosen", help="The preferred response: text, or assistant turns.")
     data.add_argument("--rejected_column", default="rejected", help="The other response: text, or assistant turns.")
     add_tokenized_data_args(parser, "side of a pair", MAX_LENGTH, LONG_EXAMPLES)
     add_pretrained_args(parser, "A Hugging Face causal language model (train/sft.py's output, say)")
-    model.add_argument("--eval_on_start", action="store_true", help="Evaluate the model before the first step too "
-                       "(a fresh run): the log-probabilities tuning starts from.")
-    model.add_argument("--loss_type", choices=LOSS_TYPES, default="sigmoid", help="The preference loss (the module "
-                       "docstring has each formula).")
-    model.add_argument("--beta", type=positive_float, default=0.1,
-                       help="How far from the reference the rewards may pull (ipo: its regularization tau).")
-    model.add_argument("--label_smoothing", type=fraction, default=0.0,
-                       help="The share of pairs taken as flipped: conservative DPO (sigmoid) or robust DPO (robust, "
-                            "below 0.5).")
+    model.add_argument(
+        "--eval_on_start",
+        action="store_true",
+        help="Evaluate the model before the first step too (a fresh run): the log-probabilities tuning starts from.",
+    )
+    model.add_argument(
+        "--loss_type",
+        choices=LOSS_TYPES,
+        default="sigmoid",
+        help="The preference loss (the module docstring has each formula).",
+    )
+    model.add_argument(
+        "--beta",
+        type=positive_float,
+        default=0.1,
+        help="How far from the reference the rewards may pull (ipo: its regularization tau).",
+    )
+    model.add_argument(
+        "--label_smoothing",
+        type=fraction,
+        default=0.0,
+        help="The share of pairs taken as flipped: conservative DPO (sigmoid) or robust DPO (robust, below 0.5).",
+    )
     add_generation_args(parser)
     add_lora_args(parser)
     add_optimizer_args(parser, learning_rate=None, train_batch_size=8, eval_batch_size=8, weight_decay=0.0)
-    parser.groups["optimization"].add_argument("--max_grad_norm", type=float, default=1.0,
-                                               help="Clip the gradient norm (0: no clipping).")
+    parser.groups["optimization"].add_argument(
+        "--max_grad_norm", type=float, default=1.0, help="Clip the gradient norm (0: no clipping)."
+    )
     parser.set_defaults(output_dir="runs/dpo")
     # derived in main() and recorded in args.json, which reruns a run
     parser.recorded.update(("model_fingerprint", "conversational"))
@@ -108,6 +162,7 @@ def parse_args(argv=None):
 
 
 # ---------------------------------------------------------------------------------------------- the loss
+
 
 def sequence_logps(logits, labels):
     """Per row: the sum of the log-probabilities of its scored tokens (labels not -100), in float32."""
@@ -138,12 +193,19 @@ def pair_metrics(logps, ref_logps, targets, loss_type, beta, label_smoothing):
     """Per pair, TRL's metrics (and the loss), for evaluate_rows' exact means."""
     losses, chosen, rejected = preference_loss(logps, ref_logps, targets, loss_type, beta, label_smoothing)
     chosen_logps, rejected_logps = logps.detach().chunk(2)
-    return {"loss": losses, "rewards/chosen": chosen, "rewards/rejected": rejected,
-            "rewards/accuracies": chosen > rejected, "rewards/margins": chosen - rejected,
-            "logps/chosen": chosen_logps, "logps/rejected": rejected_logps}
+    return {
+        "loss": losses,
+        "rewards/chosen": chosen,
+        "rewards/rejected": rejected,
+        "rewards/accuracies": chosen > rejected,
+        "rewards/margins": chosen - rejected,
+        "logps/chosen": chosen_logps,
+        "logps/rejected": rejected_logps,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- the reference
+
 
 def with_reference(accelerator, model, splits, folder, key, batch_size):
     """`splits` with the columns ref_chosen and ref_rejected: the model's log-probabilities of each side
@@ -170,10 +232,13 @@ def with_reference(accelerator, model, splits, folder, key, batch_size):
                 order = sorted(range(len(ds)), key=lambda i: lengths[i])  # similar lengths pad little
                 values, collate = {}, PairBatch(0)
                 for start in range(rank * batch_size, len(order), world * batch_size):
-                    rows = order[start:start + batch_size]
+                    rows = order[start : start + batch_size]
                     batch = collate(ds[rows])
-                    logits = model(input_ids=batch["input_ids"].to(accelerator.device),
-                                   attention_mask=batch["attention_mask"].to(accelerator.device), use_cache=False).logits
+                    logits = model(
+                        input_ids=batch["input_ids"].to(accelerator.device),
+                        attention_mask=batch["attention_mask"].to(accelerator.device),
+                        use_cache=False,
+                    ).logits
                     chosen, rejected = sequence_logps(logits, batch["labels"].to(accelerator.device)).cpu().chunk(2)
                     values.update({i: (c, r) for i, c, r in zip(rows, chosen.tolist(), rejected.tolist())})
                 merged = {i: v for part in gather_patiently(accelerator, values) for i, v in part.items()}
@@ -189,13 +254,20 @@ def with_reference(accelerator, model, splits, folder, key, batch_size):
                 os.fsync(f.fileno())
             readable_by_others(tmp)  # mkstemp's file is its owner's alone
             os.replace(tmp, path)
-        accelerator.print(f"reference: log-probabilities of {', '.join(f'{len(ds):,} {s}' for s, ds in splits.items())} "
-                          f"pairs computed once (eval mode, no autocast) -> {path}")
-    return {split: ds.add_column("ref_chosen", stored[f"{split}_chosen"].tolist())
-                     .add_column("ref_rejected", stored[f"{split}_rejected"].tolist()) for split, ds in splits.items()}
+        accelerator.print(
+            f"reference: log-probabilities of {', '.join(f'{len(ds):,} {s}' for s, ds in splits.items())} "
+            f"pairs computed once (eval mode, no autocast) -> {path}"
+        )
+    return {
+        split: ds.add_column("ref_chosen", stored[f"{split}_chosen"].tolist()).add_column(
+            "ref_rejected", stored[f"{split}_rejected"].tolist()
+        )
+        for split, ds in splits.items()
+    }
 
 
 # ---------------------------------------------------------------------------------------------- the run
+
 
 def main(args):
     check_inputs(data_inputs(args))  # before any process waits on another
@@ -210,21 +282,34 @@ def main(args):
     # ---------------------------------------------------------------- data: tokenized once, then sharded
     tokenizer = causal_lm_tokenizer(args, config, MAX_LENGTH)  # and args.max_seq_length, within the model's
     columns = {"prompt": args.prompt_column, "chosen": args.chosen_column, "rejected": args.rejected_column}
-    tokens, info = main_process_first(accelerator, lambda: prepare_preferences(
-        data_inputs(args), folder, tokenizer, columns, args.max_seq_length, args.long_examples, args.cache_dir),
-        share=True)
+    tokens, info = main_process_first(
+        accelerator,
+        lambda: prepare_preferences(
+            data_inputs(args), folder, tokenizer, columns, args.max_seq_length, args.long_examples, args.cache_dir
+        ),
+        share=True,
+    )
     args.conversational = info["conversational"]  # --prompt then sends a user turn
     counts = info["splits"]
     one_batch = args.per_device_train_batch_size * accelerator.num_processes
     if counts["train"]["rows"] < one_batch:  # the same on every rank: every one stops here
-        fail(f"the training data makes {counts['train']['rows']} pair(s), fewer than one batch of {one_batch} "
-             f"(--per_device_train_batch_size x {accelerator.num_processes} processes); pass a smaller "
-             "--per_device_train_batch_size")
-    accelerator.print(f"data: {tokens}: " + "; ".join(
-        f"{s if s == 'train' else 'validation (' + info['validation'] + ')'} {c['rows']:,} pairs, {c['tokens']:,} "
-        "tokens" + (f", {c['cut']:,} cut" if c["cut"] else "") + (f", {c['dropped']:,} dropped" if c["dropped"] else "")
-        + (f", {c['same']:,} with chosen = rejected" if c["same"] else "") for s, c in counts.items())
-        + f"; max_seq_length {args.max_seq_length}")
+        fail(
+            f"the training data makes {counts['train']['rows']} pair(s), fewer than one batch of {one_batch} "
+            f"(--per_device_train_batch_size x {accelerator.num_processes} processes); pass a smaller "
+            "--per_device_train_batch_size"
+        )
+    accelerator.print(
+        f"data: {tokens}: "
+        + "; ".join(
+            f"{s if s == 'train' else 'validation (' + info['validation'] + ')'} {c['rows']:,} pairs, {c['tokens']:,} "
+            "tokens"
+            + (f", {c['cut']:,} cut" if c["cut"] else "")
+            + (f", {c['dropped']:,} dropped" if c["dropped"] else "")
+            + (f", {c['same']:,} with chosen = rejected" if c["same"] else "")
+            for s, c in counts.items()
+        )
+        + f"; max_seq_length {args.max_seq_length}"
+    )
 
     # ---------------------------------------------------------------- model, and the reference
     model = load_pretrained(AutoModelForCausalLM, args, "a causal LM")
@@ -236,23 +321,42 @@ def main(args):
     set_training_dtype(model, args.pure_low_precision, accelerator.mixed_precision)  # float32 master weights
     splits = {split: datasets.load_from_disk(os.path.join(tokens, split)) for split in ("train", "validation")}
     if not args.lora_r:  # the reference is the model as it starts: once, before any step
-        splits = with_reference(accelerator, model, splits, tokens, {
-            "model": args.model_fingerprint, "dtype": str(next(model.parameters()).dtype),
-            "batch_size": args.per_device_eval_batch_size}, args.per_device_eval_batch_size)
+        splits = with_reference(
+            accelerator,
+            model,
+            splits,
+            tokens,
+            {
+                "model": args.model_fingerprint,
+                "dtype": str(next(model.parameters()).dtype),
+                "batch_size": args.per_device_eval_batch_size,
+            },
+            args.per_device_eval_batch_size,
+        )
     trainable, total = describe_trainable(model)
-    accelerator.print(f"model: {type(model).__name__} from {args.model_name_or_path}, {total:,} parameters, "
-                      f"{trainable:,} training ({trainable / total:.2%}{f', LoRA r={args.lora_r}' if args.lora_r else ''}"
-                      f"); {describe_dtypes(model)}; {args.loss_type} loss, beta {args.beta}"
-                      + (f", label smoothing {args.label_smoothing}" if args.label_smoothing else ""))
-    loaders = {split: sharded_loader(
-        DatasetsSource(ds, transform=PairBatch(tokenizer.pad_token_id)), args.per_device_train_batch_size
-        if split == "train" else args.per_device_eval_batch_size, rank=accelerator.process_index,
-        world_size=accelerator.num_processes, device=accelerator.device, seed=args.seed, train=split == "train",
-        num_workers=args.dataloader_num_workers,
-        lengths=list(ds["length"]) if split == "validation" or args.group_by_length else None,
-        # each batch carries its optimizer step's count of pairs over every rank and micro-batch
-        weights=[1] * len(ds) if split == "train" else None,
-        accumulation_steps=args.gradient_accumulation_steps) for split, ds in splits.items()}
+    accelerator.print(
+        f"model: {type(model).__name__} from {args.model_name_or_path}, {total:,} parameters, "
+        f"{trainable:,} training ({trainable / total:.2%}{f', LoRA r={args.lora_r}' if args.lora_r else ''}"
+        f"); {describe_dtypes(model)}; {args.loss_type} loss, beta {args.beta}"
+        + (f", label smoothing {args.label_smoothing}" if args.label_smoothing else "")
+    )
+    loaders = {
+        split: sharded_loader(
+            DatasetsSource(ds, transform=PairBatch(tokenizer.pad_token_id)),
+            args.per_device_train_batch_size if split == "train" else args.per_device_eval_batch_size,
+            rank=accelerator.process_index,
+            world_size=accelerator.num_processes,
+            device=accelerator.device,
+            seed=args.seed,
+            train=split == "train",
+            num_workers=args.dataloader_num_workers,
+            lengths=list(ds["length"]) if split == "validation" or args.group_by_length else None,
+            # each batch carries its optimizer step's count of pairs over every rank and micro-batch
+            weights=[1] * len(ds) if split == "train" else None,
+            accumulation_steps=args.gradient_accumulation_steps,
+        )
+        for split, ds in splits.items()
+    }
     optimizer = adamw(model, args.learning_rate, args.weight_decay)  # decay on weight matrices only
     model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
 
@@ -272,26 +376,37 @@ def main(args):
         return ref
 
     def per_pair(batch):
-        return pair_metrics(logps_of(batch), reference(batch), batch["targets"], args.loss_type, args.beta,
-                            args.label_smoothing)
+        return pair_metrics(
+            logps_of(batch), reference(batch), batch["targets"], args.loss_type, args.beta, args.label_smoothing
+        )
 
     # accelerate divides each micro-batch's loss by the accumulation steps and DDP averages over processes:
     # this factor undoes both, so the step's gradient is that of (sum of pair losses) / (step's pairs)
     scale = accelerator.num_processes * args.gradient_accumulation_steps
-    loop = TrainingLoop(accelerator, args, TASK, model, optimizer, loaders["train"], headline=METRICS[0],
-                        metrics=METRICS, evaluate=lambda: evaluate_rows(accelerator, model, loaders["validation"],
-                                                                        per_pair))
+    loop = TrainingLoop(
+        accelerator,
+        args,
+        TASK,
+        model,
+        optimizer,
+        loaders["train"],
+        headline=METRICS[0],
+        metrics=METRICS,
+        evaluate=lambda: evaluate_rows(accelerator, model, loaders["validation"], per_pair),
+    )
     before = {}
     if args.eval_on_start and loop.step == 0:
         before = evaluate_rows(accelerator, model, loaders["validation"], per_pair)
         if accelerator.is_main_process:  # above the progress bar, as the loop's own evaluation lines
-            loop.progress.write("before tuning: " + " ".join(f"{k}={v:.4f}" for k, v in before.items()
-                                                             if isinstance(v, float)))
+            loop.progress.write(
+                "before tuning: " + " ".join(f"{k}={v:.4f}" for k, v in before.items() if isinstance(v, float))
+            )
     for batch in loop.batches():
         with accelerator.accumulate(model):
             ref = reference(batch)
-            losses, _, _ = preference_loss(logps_of(batch), ref, batch["targets"], args.loss_type, args.beta,
-                                           args.label_smoothing)
+            losses, _, _ = preference_loss(
+                logps_of(batch), ref, batch["targets"], args.loss_type, args.beta, args.label_smoothing
+            )
             loss = losses.sum() * (scale / batch["step_weight"]).float()
             accelerator.backward(loss)
             if accelerator.sync_gradients and args.max_grad_norm > 0:
@@ -306,11 +421,16 @@ def main(args):
         pretrained = load_pretrained(AutoModelForCausalLM, args, "a causal LM", save_dtype)
         return lora_model(pretrained, args, "CAUSAL_LM") if args.lora_r else pretrained
 
-    return loop.finish({"trainable_parameters": trainable, "parameters": total, "train_pairs": counts["train"]["rows"],
-                        "train_pairs_per_second": loop.samples_per_second(),
-                        **{f"{k}_before": v for k, v in before.items() if k != "eval_samples"}},
-                       save_model=lambda weights, out: save_model_folder(weights, out, build, tokenizer, args.lora_r,
-                                                                         save_dtype))
+    return loop.finish(
+        {
+            "trainable_parameters": trainable,
+            "parameters": total,
+            "train_pairs": counts["train"]["rows"],
+            "train_pairs_per_second": loop.samples_per_second(),
+            **{f"{k}_before": v for k, v in before.items() if k != "eval_samples"},
+        },
+        save_model=lambda weights, out: save_model_folder(weights, out, build, tokenizer, args.lora_r, save_dtype),
+    )
 
 
 if __name__ == "__main__":

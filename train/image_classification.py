@@ -6,6 +6,7 @@
 
 Folders hold one subfolder of images per class (docs/images.md); labels.json keeps the class names.
 """
+
 import math
 import os
 import sys
@@ -45,30 +46,55 @@ def parse_args(argv=None):
     data, model = parser.groups["data"], parser.groups["model"]
     data.add_argument("--train_dir", type=str, help="Training images, one subfolder per class.")
     data.add_argument("--validation_dir", type=str, help="Validation images, same class folders (a subset is fine).")
-    data.add_argument("--train_val_split", type=positive_float, default=0.15,
-                      help="Without --validation_dir: the fraction of each class held out for validation.")
-    data.add_argument("--image_size", type=positive_int, default=None,
-                      help="Square side the images are cropped to. Default: for convnet, the median image's short "
-                           "side rounded to a multiple of 8, within 32..64 (8x8 digits train at 32, photos at 64: "
-                           "pixels beyond an image's own add cost, not detail); 224 for torchvision models.")
+    data.add_argument(
+        "--train_val_split",
+        type=positive_float,
+        default=0.15,
+        help="Without --validation_dir: the fraction of each class held out for validation.",
+    )
+    data.add_argument(
+        "--image_size",
+        type=positive_int,
+        default=None,
+        help="Square side the images are cropped to. Default: for convnet, the median image's short "
+        "side rounded to a multiple of 8, within 32..64 (8x8 digits train at 32, photos at 64: "
+        "pixels beyond an image's own add cost, not detail); 224 for torchvision models.",
+    )
     data.add_argument("--max_train_samples", type=positive_int, help="Train on a random N images only.")
     data.add_argument("--max_eval_samples", type=positive_int, help="Validate on a random N images only.")
-    data.add_argument("--streaming", action="store_true",
-                      help="Read through the exactly-once sharded iterable path (resumes with any process count).")
-    data.add_argument("--dataloader_num_workers", type=int, default=None,
-                      help="Processes decoding images per rank (default 4 on a GPU, 0 on a CPU: in the training "
-                           "process, fastest there).")
-    model.add_argument("--model", type=str, default="convnet",
-                       help="convnet (built in, small) or a torchvision classification model: resnet18, ...")
-    model.add_argument("--pretrained_weights", type=str, help="A local state dict to start from (what does not fit "
-                       "starts fresh).")
-    model.add_argument("--predict", type=str, help="Instead of training: classify an image or folder with --output_dir.")
-    add_optimizer_args(parser, learning_rate=2e-3, train_batch_size=32, eval_batch_size=64, weight_decay=0.05,
-                       label_smoothing=0.1)
+    data.add_argument(
+        "--streaming",
+        action="store_true",
+        help="Read through the exactly-once sharded iterable path (resumes with any process count).",
+    )
+    data.add_argument(
+        "--dataloader_num_workers",
+        type=int,
+        default=None,
+        help="Processes decoding images per rank (default 4 on a GPU, 0 on a CPU: in the training "
+        "process, fastest there).",
+    )
+    model.add_argument(
+        "--model",
+        type=str,
+        default="convnet",
+        help="convnet (built in, small) or a torchvision classification model: resnet18, ...",
+    )
+    model.add_argument(
+        "--pretrained_weights", type=str, help="A local state dict to start from (what does not fit starts fresh)."
+    )
+    model.add_argument(
+        "--predict", type=str, help="Instead of training: classify an image or folder with --output_dir."
+    )
+    add_optimizer_args(
+        parser, learning_rate=2e-3, train_batch_size=32, eval_batch_size=64, weight_decay=0.05, label_smoothing=0.1
+    )
     # None: picked in main() from the training set's size, then recorded (args.json, checkpoints) as picked
     parser.set_defaults(output_dir="runs/image_classification", num_train_epochs=None)
-    parser.epilog = (f"Without --num_train_epochs: enough epochs for {MIN_OPTIMIZER_STEPS} optimizer steps, within "
-                     f"{EPOCHS_RANGE[0]}..{EPOCHS_RANGE[1]} (--max_train_steps still decides when passed).")
+    parser.epilog = (
+        f"Without --num_train_epochs: enough epochs for {MIN_OPTIMIZER_STEPS} optimizer steps, within "
+        f"{EPOCHS_RANGE[0]}..{EPOCHS_RANGE[1]} (--max_train_steps still decides when passed)."
+    )
     args = parser.parse_args(argv)
     if not (args.train_dir or args.predict):
         parser.error("--train_dir is required (or --predict IMAGE_OR_FOLDER with a trained --output_dir)")
@@ -112,8 +138,10 @@ def main(args):
 
     train_files, eval_files = main_process_first(accelerator, scan, share=True)
     accelerator.print(f"train: {train_files.summary()}; validation: {eval_files.summary()}")
-    train_files, eval_files = train_files.subset(args.max_train_samples, args.seed), \
-        eval_files.subset(args.max_eval_samples, args.seed)
+    train_files, eval_files = (
+        train_files.subset(args.max_train_samples, args.seed),
+        eval_files.subset(args.max_eval_samples, args.seed),
+    )
     picked = []  # the defaults taken from the data, said in one line once the epochs are known too
     if args.image_size is None:
         args.image_size, why = pick_image_size(args.model, train_files.median_size)
@@ -121,27 +149,56 @@ def main(args):
     # each process keeps the images it decodes when all of them fit its share of the memory; else decodes anew
     needed = train_files.decoded_bytes() + eval_files.decoded_bytes(square=args.image_size)
     keep = needed <= keep_budget(accelerator.num_processes, args.dataloader_num_workers)
-    accelerator.print(f"images: {needed / 2 ** 20:,.0f} MB decoded, " + (
-        "kept by each process as it decodes them" if keep else "decoded again each time (" + (
-            "DataLoader workers" if args.dataloader_num_workers else "over a quarter of the free memory") + ")"))
+    accelerator.print(
+        f"images: {needed / 2**20:,.0f} MB decoded, "
+        + (
+            "kept by each process as it decodes them"
+            if keep
+            else "decoded again each time ("
+            + ("DataLoader workers" if args.dataloader_num_workers else "over a quarter of the free memory")
+            + ")"
+        )
+    )
     train_set = ImageFolderDataset(train_files, args.image_size, train=True, seed=args.seed, cache=keep)
     eval_set = ImageFolderDataset(eval_files, args.image_size, cache=keep)
     if args.streaming:
-        train_loader = sharded_loader(ImageFileSource(train_set), args.per_device_train_batch_size,
-                                      rank=accelerator.process_index, world_size=accelerator.num_processes,
-                                      device=accelerator.device, seed=args.seed, train=True,
-                                      num_workers=args.dataloader_num_workers)
-        eval_loader = sharded_loader(ImageFileSource(eval_set), args.per_device_eval_batch_size,
-                                     rank=accelerator.process_index, world_size=accelerator.num_processes,
-                                     device=accelerator.device, seed=args.seed, train=False,
-                                     num_workers=args.dataloader_num_workers)
+        train_loader = sharded_loader(
+            ImageFileSource(train_set),
+            args.per_device_train_batch_size,
+            rank=accelerator.process_index,
+            world_size=accelerator.num_processes,
+            device=accelerator.device,
+            seed=args.seed,
+            train=True,
+            num_workers=args.dataloader_num_workers,
+        )
+        eval_loader = sharded_loader(
+            ImageFileSource(eval_set),
+            args.per_device_eval_batch_size,
+            rank=accelerator.process_index,
+            world_size=accelerator.num_processes,
+            device=accelerator.device,
+            seed=args.seed,
+            train=False,
+            num_workers=args.dataloader_num_workers,
+        )
     else:
         pin = pinned(accelerator.device)
         # loader_workers: workers not forked from this process, and a SIGTERM that reaches the rank alone
-        train_loader = DataLoader(train_set, args.per_device_train_batch_size, shuffle=True, drop_last=True,
-                                  pin_memory=pin, **loader_workers(args.dataloader_num_workers, train_set))
-        eval_loader = DataLoader(eval_set, args.per_device_eval_batch_size, pin_memory=pin,
-                                 **loader_workers(args.dataloader_num_workers, eval_set))
+        train_loader = DataLoader(
+            train_set,
+            args.per_device_train_batch_size,
+            shuffle=True,
+            drop_last=True,
+            pin_memory=pin,
+            **loader_workers(args.dataloader_num_workers, train_set),
+        )
+        eval_loader = DataLoader(
+            eval_set,
+            args.per_device_eval_batch_size,
+            pin_memory=pin,
+            **loader_workers(args.dataloader_num_workers, eval_set),
+        )
 
     # ---------------------------------------------------------------- model, optimizer, schedule
     model = build_classifier(args.model, len(train_files.classes), args.image_size)
@@ -172,13 +229,22 @@ def main(args):
         accelerator.print(" ".join(picked))
 
     # ---------------------------------------------------------------- train
-    loop = TrainingLoop(accelerator, args, TASK, model, optimizer, train_loader,
-                        evaluate=lambda: evaluate_classifier(accelerator, model, eval_loader, to_inputs),
-                        headline=METRICS[0], metrics=METRICS)
+    loop = TrainingLoop(
+        accelerator,
+        args,
+        TASK,
+        model,
+        optimizer,
+        train_loader,
+        evaluate=lambda: evaluate_classifier(accelerator, model, eval_loader, to_inputs),
+        headline=METRICS[0],
+        metrics=METRICS,
+    )
     for batch in loop.batches():
         with accelerator.accumulate(model):
-            loss = F.cross_entropy(model(to_inputs(batch["image"])), batch["label"],
-                                   label_smoothing=args.label_smoothing)
+            loss = F.cross_entropy(
+                model(to_inputs(batch["image"])), batch["label"], label_smoothing=args.label_smoothing
+            )
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -192,7 +258,7 @@ def predict(args):
     files, transform = list_images(args.predict), image_transforms(image_size, train=False)
     with torch.inference_mode():
         for start in range(0, len(files), 64):
-            chunk, images, warnings = decode_for_prediction(files[start:start + 64], transform)
+            chunk, images, warnings = decode_for_prediction(files[start : start + 64], transform)
             sys.stderr.write(warnings)
             probabilities = model(normalize(images.to(next(model.parameters()).device))).softmax(-1) if chunk else []
             for path, p in zip(chunk, probabilities):

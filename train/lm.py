@@ -12,6 +12,7 @@ validation token is scored once for any process count: eval_loss (nats per token
 folder (config.json, model.safetensors, tokenizer.json): AutoModelForCausalLM.from_pretrained(OUTPUT_DIR)
 and AutoTokenizer.from_pretrained(OUTPUT_DIR) load it (docs/lm.md).
 """
+
 import json
 import math
 import os
@@ -44,16 +45,27 @@ METRICS = ["eval_bpb", "eval_loss", "eval_perplexity"]  # its evaluation's metri
 def parse_args(argv=None):
     parser = make_parser(__doc__)
     data, model = parser.groups["data"], parser.groups["model"]
-    add_data_files_args(parser, "Text: .txt, or .json/.jsonl/.csv/.parquet with --text_column (default: the GCIDE "
-                        "dictionary).", split_percentage=5)
+    add_data_files_args(
+        parser,
+        "Text: .txt, or .json/.jsonl/.csv/.parquet with --text_column (default: the GCIDE dictionary).",
+        split_percentage=5,
+    )
     data.add_argument("--text_column", default="text", help="The column holding the text.")
-    data.add_argument("--tokenizer", default="bytes", help="bytes, bpe (trained on the training text), or a "
-                      "tokenizer.json.")
+    data.add_argument(
+        "--tokenizer", default="bytes", help="bytes, bpe (trained on the training text), or a tokenizer.json."
+    )
     data.add_argument("--vocab_size", type=positive_int, default=8192, help="--tokenizer bpe: vocabulary size.")
-    data.add_argument("--dataset_dir", help="Prepared window shards (python -m data.prepare --tokenizer ...); "
-                      "the cache for --train_file (default: runs/tokens/NAME-TOKENIZER-bBLOCK, e.g. gcide-bpe8192-b256).")
-    data.add_argument("--dataloader_num_workers", type=int, default=None,
-                      help="Processes reading shards per rank (default 2 on a GPU, 0 on a CPU).")
+    data.add_argument(
+        "--dataset_dir",
+        help="Prepared window shards (python -m data.prepare --tokenizer ...); "
+        "the cache for --train_file (default: runs/tokens/NAME-TOKENIZER-bBLOCK, e.g. gcide-bpe8192-b256).",
+    )
+    data.add_argument(
+        "--dataloader_num_workers",
+        type=int,
+        default=None,
+        help="Processes reading shards per rank (default 2 on a GPU, 0 on a CPU).",
+    )
     model.add_argument("--block_size", type=positive_int, default=256, help="Tokens of context.")
     model.add_argument("--n_layer", type=positive_int, default=4)
     model.add_argument("--n_head", type=positive_int, default=4)
@@ -91,27 +103,43 @@ def parse_args(argv=None):
 def prepare_data(args):
     """The window shards' manifest, written first if --dataset_dir has none (main process only)."""
     if args.train_file:
-        prepare_text(args.train_file, args.dataset_dir, args.tokenizer, args.block_size, args.validation_file,
-                     None if args.validation_file else (args.validation_split_percentage or 5), args.text_column,
-                     args.vocab_size, seed=args.seed)
+        prepare_text(
+            args.train_file,
+            args.dataset_dir,
+            args.tokenizer,
+            args.block_size,
+            args.validation_file,
+            None if args.validation_file else (args.validation_split_percentage or 5),
+            args.text_column,
+            args.vocab_size,
+            seed=args.seed,
+        )
     elif args.gcide:
         prepare_gcide(args.dataset_dir, args.tokenizer, args.block_size, args.vocab_size)
     manifest = read_manifest(args.dataset_dir)
     if manifest is None or "block_size" not in manifest:
-        raise DataError(f"--dataset_dir {args.dataset_dir} holds no token shards; write them with python -m "
-                        "data.prepare --tokenizer ... or pass --train_file")
+        raise DataError(
+            f"--dataset_dir {args.dataset_dir} holds no token shards; write them with python -m "
+            "data.prepare --tokenizer ... or pass --train_file"
+        )
     if manifest["block_size"] != args.block_size:
-        raise DataError(f"--dataset_dir {args.dataset_dir} holds windows of {manifest['block_size']} tokens, not "
-                        f"--block_size {args.block_size}; pass --block_size {manifest['block_size']} or prepare again")
+        raise DataError(
+            f"--dataset_dir {args.dataset_dir} holds windows of {manifest['block_size']} tokens, not "
+            f"--block_size {args.block_size}; pass --block_size {manifest['block_size']} or prepare again"
+        )
     tokenizer = lm_tokenizer(args.dataset_dir, manifest)
     if tokenizer.vocab_size != manifest["vocab_size"]:
-        raise DataError(f"the tokenizer in {args.dataset_dir} has {tokenizer.vocab_size} tokens but its shards were "
-                        f"written with {manifest['vocab_size']}; prepare the shards again")
+        raise DataError(
+            f"the tokenizer in {args.dataset_dir} has {tokenizer.vocab_size} tokens but its shards were "
+            f"written with {manifest['vocab_size']}; prepare the shards again"
+        )
     return manifest
 
 
 def lm_tokenizer(folder, manifest):
-    return ByteTokenizer() if manifest["tokenizer"] == "bytes" else load_tokenizer(os.path.join(folder, "tokenizer.json"))
+    return (
+        ByteTokenizer() if manifest["tokenizer"] == "bytes" else load_tokenizer(os.path.join(folder, "tokenizer.json"))
+    )
 
 
 def main(args):
@@ -123,42 +151,69 @@ def main(args):
     # ---------------------------------------------------------------- data: tokenized once, then streamed
     manifest = main_process_first(accelerator, lambda: prepare_data(args), share=True)
     decode = decode_windows(manifest["token_dtype"])
-    train_loader = sharded_loader(ParquetSource(shards_in(args.dataset_dir, "train"), decode=decode),
-                                  args.per_device_train_batch_size, rank=accelerator.process_index,
-                                  world_size=accelerator.num_processes, device=accelerator.device, seed=args.seed,
-                                  train=True, num_workers=args.dataloader_num_workers)
-    eval_loader = sharded_loader(ParquetSource(shards_in(args.dataset_dir, "validation"), decode=decode),
-                                 args.per_device_eval_batch_size, rank=accelerator.process_index,
-                                 world_size=accelerator.num_processes, device=accelerator.device, seed=args.seed,
-                                 train=False, num_workers=args.dataloader_num_workers)
-    accelerator.print(f"data: {args.dataset_dir} ({manifest['tokenizer']}, vocab {manifest['vocab_size']}): "
-                      f"{manifest['text']['train']['windows']} train windows, {manifest['text']['validation']['scored_tokens']}"
-                      f" validation tokens")
+    train_loader = sharded_loader(
+        ParquetSource(shards_in(args.dataset_dir, "train"), decode=decode),
+        args.per_device_train_batch_size,
+        rank=accelerator.process_index,
+        world_size=accelerator.num_processes,
+        device=accelerator.device,
+        seed=args.seed,
+        train=True,
+        num_workers=args.dataloader_num_workers,
+    )
+    eval_loader = sharded_loader(
+        ParquetSource(shards_in(args.dataset_dir, "validation"), decode=decode),
+        args.per_device_eval_batch_size,
+        rank=accelerator.process_index,
+        world_size=accelerator.num_processes,
+        device=accelerator.device,
+        seed=args.seed,
+        train=False,
+        num_workers=args.dataloader_num_workers,
+    )
+    accelerator.print(
+        f"data: {args.dataset_dir} ({manifest['tokenizer']}, vocab {manifest['vocab_size']}): "
+        f"{manifest['text']['train']['windows']} train windows, {manifest['text']['validation']['scored_tokens']}"
+        f" validation tokens"
+    )
 
     # ---------------------------------------------------------------- model, optimizer, schedule
     config = GPTConfig(manifest["vocab_size"], args.block_size, args.n_layer, args.n_head, args.n_embd, args.dropout)
     model = GPT(config)
     model.gradient_checkpointing = args.gradient_checkpointing
     # what a user comparing runs needs first; parameters() yields the tied embedding once
-    accelerator.print(f"model: GPT, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
-                      f"{config.n_layer} layers, {config.n_head} heads, width {config.n_embd}, context "
-                      f"{config.block_size}, vocab {config.vocab_size}, {model.flops_per_token() / 1e6:.1f} MFLOPs "
-                      "per token (training)")
+    accelerator.print(
+        f"model: GPT, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+        f"{config.n_layer} layers, {config.n_head} heads, width {config.n_embd}, context "
+        f"{config.block_size}, vocab {config.vocab_size}, {model.flops_per_token() / 1e6:.1f} MFLOPs "
+        "per token (training)"
+    )
     # fused: one kernel for all parameters, 5% of a step at nanoGPT's CPU shapes against the per-tensor loop (docs/lm.md)
-    optimizer = torch.optim.AdamW(model.param_groups(args.weight_decay), lr=args.learning_rate, betas=(0.9, 0.95),
-                                  fused=True)
+    optimizer = torch.optim.AdamW(
+        model.param_groups(args.weight_decay), lr=args.learning_rate, betas=(0.9, 0.95), fused=True
+    )
     model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
 
     steps = math.ceil(len(train_loader) / args.gradient_accumulation_steps) * args.num_train_epochs
     if steps < FEW_STEPS and args.max_train_steps is None:  # a short text in the default single epoch
-        accelerator.print(f"note: {manifest['text']['train']['windows']:,} training windows make {steps} optimizer "
-                          f"steps in {args.num_train_epochs} epoch(s), too few for the model to learn much; try "
-                          f"--max_train_steps {FEW_STEPS * 5} (repeating the text), or a smaller --block_size")
+        accelerator.print(
+            f"note: {manifest['text']['train']['windows']:,} training windows make {steps} optimizer "
+            f"steps in {args.num_train_epochs} epoch(s), too few for the model to learn much; try "
+            f"--max_train_steps {FEW_STEPS * 5} (repeating the text), or a smaller --block_size"
+        )
 
     # ---------------------------------------------------------------- train
-    loop = TrainingLoop(accelerator, args, TASK, model, optimizer, train_loader, headline=METRICS[0],
-                        metrics=METRICS, evaluate=lambda: evaluate_language_model(accelerator, model, eval_loader,
-                                                                 manifest["text"]["validation"]))
+    loop = TrainingLoop(
+        accelerator,
+        args,
+        TASK,
+        model,
+        optimizer,
+        train_loader,
+        headline=METRICS[0],
+        metrics=METRICS,
+        evaluate=lambda: evaluate_language_model(accelerator, model, eval_loader, manifest["text"]["validation"]),
+    )
     for batch in loop.batches():
         with accelerator.accumulate(model):
             loss = next_token_loss(model(batch["input_ids"]), batch["labels"])
@@ -171,16 +226,25 @@ def main(args):
     tokens_per_second = loop.samples_per_second() * args.block_size  # a sample is one window of block_size targets
     peak = matmul_peak(accelerator)
     # the final folder is a Hugging Face GPT-2 model (train/models/gpt_hf.py); checkpoints keep our names
-    results = loop.finish({
-        "model_config": vars(config), "dataset_dir": args.dataset_dir, "tokenizer": manifest["tokenizer"],
-        "parameters": sum(p.numel() for p in accelerator.unwrap_model(model).parameters()),
-        "train_tokens_per_second": tokens_per_second, "matmul_peak_flops": peak,
-        "mfu": tokens_per_second * accelerator.unwrap_model(model).flops_per_token() / peak,
-        "peak_memory_mb": peak_memory_mb(accelerator)},
-        save_model=lambda weights, out: save_gpt2_folder(weights, out, config,
-                                                         lm_tokenizer(args.dataset_dir, manifest)))
-    accelerator.print(f"train_tokens_per_second={tokens_per_second:.0f} mfu={results['mfu']:.1%} "
-                      f"peak_memory_mb={results['peak_memory_mb']:.0f}")
+    results = loop.finish(
+        {
+            "model_config": vars(config),
+            "dataset_dir": args.dataset_dir,
+            "tokenizer": manifest["tokenizer"],
+            "parameters": sum(p.numel() for p in accelerator.unwrap_model(model).parameters()),
+            "train_tokens_per_second": tokens_per_second,
+            "matmul_peak_flops": peak,
+            "mfu": tokens_per_second * accelerator.unwrap_model(model).flops_per_token() / peak,
+            "peak_memory_mb": peak_memory_mb(accelerator),
+        },
+        save_model=lambda weights, out: save_gpt2_folder(
+            weights, out, config, lm_tokenizer(args.dataset_dir, manifest)
+        ),
+    )
+    accelerator.print(
+        f"train_tokens_per_second={tokens_per_second:.0f} mfu={results['mfu']:.1%} "
+        f"peak_memory_mb={results['peak_memory_mb']:.0f}"
+    )
     return results
 
 
@@ -203,8 +267,10 @@ def trained_model(output_dir):
                 trained = json.load(f)
             config, dataset_dir = GPTConfig(**trained["model_config"]), trained["dataset_dir"]
     except (OSError, ValueError, KeyError, TypeError, SafetensorError) as e:
-        fail(f"--output_dir {output_dir} holds no finished train/lm.py run ({' '.join(str(e).split())[:120]}); "
-             "train one there first")
+        fail(
+            f"--output_dir {output_dir} holds no finished train/lm.py run ({' '.join(str(e).split())[:120]}); "
+            "train one there first"
+        )
     if os.path.isfile(os.path.join(output_dir, "tokenizer.json")):  # the folder's own: no token shards needed
         return config, weights, load_tokenizer(os.path.join(output_dir, "tokenizer.json"))
     if dataset_dir is None:
@@ -226,8 +292,10 @@ def sample(args):
     if unexpected or set(missing) - {"lm_head.weight"}:  # older runs hold the tied layer once, as wte
         fail(f"model.safetensors in {args.output_dir} does not fit its config; train the run again")
     if tokenizer.vocab_size != config.vocab_size:
-        fail(f"the tokenizer in {args.output_dir} has {tokenizer.vocab_size} tokens, its model {config.vocab_size}; "
-             "train the run again")
+        fail(
+            f"the tokenizer in {args.output_dir} has {tokenizer.vocab_size} tokens, its model {config.vocab_size}; "
+            "train the run again"
+        )
     torch.manual_seed(args.seed)
     ids = torch.tensor([tokenizer.encode_batch([args.prompt])[0] or [tokenizer.eot_id]])
     out = model.eval().generate(ids, args.max_new_tokens, args.temperature, args.top_k)[0].tolist()

@@ -8,6 +8,7 @@ accelerate config alone:
 
 Writes model.safetensors, all_results.json (final metrics) and args.json to --output_dir.
 """
+
 import os
 import sys
 
@@ -20,8 +21,7 @@ import torch.nn.functional as F
 from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
 
-from data import (DATASETS, augment_images, check_data_dir, identity_collate, load_mnist, mnist_on_disk,
-                  normalize_images)
+from data import DATASETS, augment_images, check_data_dir, identity_collate, load_mnist, mnist_on_disk, normalize_images
 from data.loader import pinned, sharded_loader
 from data.workers import loader_workers
 from data.mnist import prepare_mnist_shards
@@ -36,38 +36,65 @@ from train.core.run import run, start_run
 
 TASK = "mnist"  # the run's name in its checkpoints: another task's checkpoint is refused
 METRICS = ["eval_accuracy", "eval_loss"]  # its evaluation's metrics, the headline first
-MODELS = {"convnet": {"channels": (16, 32), "kernel_sizes": (5, 5)},  # the seed notes' model: 2.8 M multiply-adds
-          "convnet_fast": {"channels": (16, 32), "kernel_sizes": (5, 3), "norm_after_pool": True},  # 1.2 M: the old recipe
-          # 1.1 M: the recipe; with a hidden layer and a narrower second convolution 4 epochs end at 92.0%, not 91.3%
-          "convnet_mlp": {"channels": (16, 24), "kernel_sizes": (5, 3), "norm_after_pool": True, "hidden": 128},
-          "convnet_wide": {"channels": (32, 64), "kernel_sizes": (3, 3)}}  # 3.9 M: 92% in 6 epochs
+MODELS = {
+    "convnet": {"channels": (16, 32), "kernel_sizes": (5, 5)},  # the seed notes' model: 2.8 M multiply-adds
+    "convnet_fast": {"channels": (16, 32), "kernel_sizes": (5, 3), "norm_after_pool": True},  # 1.2 M: the old recipe
+    # 1.1 M: the recipe; with a hidden layer and a narrower second convolution 4 epochs end at 92.0%, not 91.3%
+    "convnet_mlp": {"channels": (16, 24), "kernel_sizes": (5, 3), "norm_after_pool": True, "hidden": 128},
+    "convnet_wide": {"channels": (32, 64), "kernel_sizes": (3, 3)},
+}  # 3.9 M: 92% in 6 epochs
 
 
 def parse_args(argv=None):
     parser = make_parser(__doc__)
     data, model = parser.groups["data"], parser.groups["model"]
     data.add_argument("--dataset", choices=sorted(DATASETS), default="fashion_mnist", help="Which dataset.")
-    data.add_argument("--data_dir", type=str, default=None,
-                      help="Folder with the four idx files (raw or .gz); default: system copy, then download.")
-    data.add_argument("--max_train_samples", type=positive_int, default=None,
-                      help="Train on the first N training samples only (quick runs, tests).")
-    data.add_argument("--max_eval_samples", type=positive_int, default=None,
-                      help="Evaluate on the first N test samples only.")
-    data.add_argument("--streaming", action="store_true",
-                      help="Read parquet shards through the rank x worker sharded iterable path instead of "
-                           "in-memory tensors; writes the shards first if --parquet_dir has none.")
-    data.add_argument("--parquet_dir", type=str, default=None,
-                      help="Parquet shards for --streaming (default: runs/parquet/DATASET).")
-    data.add_argument("--dataloader_num_workers", type=int, default=0,
-                      help="DataLoader workers; 0 is fastest for in-memory tensors.")
-    data.add_argument("--augment", action="store_true",
-                      help="Random 2-pixel shifts and horizontal flips, applied to each batch as tensors.")
-    model.add_argument("--model", choices=sorted(MODELS), default="convnet",
-                       help="convnet: the seed's 5x5 16/32-channel ConvNet; convnet_fast: 5x5 then 3x3, BatchNorm "
-                            "after pooling (2.3x fewer multiply-adds); convnet_mlp: convnet_fast with 16/24 channels "
-                            "and a 128-unit hidden layer before the output (the recipe); convnet_wide: 3x3, 32/64.")
-    model.add_argument("--no_channels_last", dest="channels_last", action="store_false",
-                       help="Keep the NCHW layout (NHWC convolutions are ~1.2x faster on CPUs: docs/speed.md).")
+    data.add_argument(
+        "--data_dir",
+        type=str,
+        default=None,
+        help="Folder with the four idx files (raw or .gz); default: system copy, then download.",
+    )
+    data.add_argument(
+        "--max_train_samples",
+        type=positive_int,
+        default=None,
+        help="Train on the first N training samples only (quick runs, tests).",
+    )
+    data.add_argument(
+        "--max_eval_samples", type=positive_int, default=None, help="Evaluate on the first N test samples only."
+    )
+    data.add_argument(
+        "--streaming",
+        action="store_true",
+        help="Read parquet shards through the rank x worker sharded iterable path instead of "
+        "in-memory tensors; writes the shards first if --parquet_dir has none.",
+    )
+    data.add_argument(
+        "--parquet_dir", type=str, default=None, help="Parquet shards for --streaming (default: runs/parquet/DATASET)."
+    )
+    data.add_argument(
+        "--dataloader_num_workers", type=int, default=0, help="DataLoader workers; 0 is fastest for in-memory tensors."
+    )
+    data.add_argument(
+        "--augment",
+        action="store_true",
+        help="Random 2-pixel shifts and horizontal flips, applied to each batch as tensors.",
+    )
+    model.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="convnet",
+        help="convnet: the seed's 5x5 16/32-channel ConvNet; convnet_fast: 5x5 then 3x3, BatchNorm "
+        "after pooling (2.3x fewer multiply-adds); convnet_mlp: convnet_fast with 16/24 channels "
+        "and a 128-unit hidden layer before the output (the recipe); convnet_wide: 3x3, 32/64.",
+    )
+    model.add_argument(
+        "--no_channels_last",
+        dest="channels_last",
+        action="store_false",
+        help="Keep the NCHW layout (NHWC convolutions are ~1.2x faster on CPUs: docs/speed.md).",
+    )
     add_optimizer_args(parser, learning_rate=2e-3, train_batch_size=64, eval_batch_size=500, label_smoothing=0.0)
     parser.set_defaults(output_dir="runs/mnist")
     return parser.parse_args(argv)
@@ -96,8 +123,11 @@ class ConvNet(nn.Module):
 
         self.features = nn.Sequential(*block(1, c1, k1), *block(c1, c2, k2))
         features = 7 * 7 * c2
-        self.classifier = nn.Linear(features, num_classes) if hidden is None else \
-            nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, num_classes))
+        self.classifier = (
+            nn.Linear(features, num_classes)
+            if hidden is None
+            else nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, num_classes))
+        )
 
     def forward(self, x):
         return self.classifier(self.features(x).flatten(1))
@@ -128,14 +158,26 @@ def main(args):
     loaded = load() if on_disk else main_process_first(accelerator, load)
     if args.streaming:
         source = f"{parquet_dir} (parquet shards, sharded iterable)"
-        train_loader = sharded_loader(ParquetSource(shards_in(parquet_dir, "train"), max_rows=args.max_train_samples),
-                                      args.per_device_train_batch_size, rank=accelerator.process_index,
-                                      world_size=accelerator.num_processes, device=accelerator.device, seed=args.seed,
-                                      train=True, num_workers=args.dataloader_num_workers)
-        eval_loader = sharded_loader(ParquetSource(shards_in(parquet_dir, "test"), max_rows=args.max_eval_samples),
-                                     args.per_device_eval_batch_size, rank=accelerator.process_index,
-                                     world_size=accelerator.num_processes, device=accelerator.device, seed=args.seed,
-                                     train=False, num_workers=args.dataloader_num_workers)
+        train_loader = sharded_loader(
+            ParquetSource(shards_in(parquet_dir, "train"), max_rows=args.max_train_samples),
+            args.per_device_train_batch_size,
+            rank=accelerator.process_index,
+            world_size=accelerator.num_processes,
+            device=accelerator.device,
+            seed=args.seed,
+            train=True,
+            num_workers=args.dataloader_num_workers,
+        )
+        eval_loader = sharded_loader(
+            ParquetSource(shards_in(parquet_dir, "test"), max_rows=args.max_eval_samples),
+            args.per_device_eval_batch_size,
+            rank=accelerator.process_index,
+            world_size=accelerator.num_processes,
+            device=accelerator.device,
+            seed=args.seed,
+            train=False,
+            num_workers=args.dataloader_num_workers,
+        )
         num_train, num_eval = train_loader.dataset.plan.num_samples, eval_loader.dataset.plan.num_samples
     else:
         train_set, eval_set, source = loaded
@@ -144,11 +186,22 @@ def main(args):
         # drop_last: every optimizer step sees one full global batch; the dropped tail differs each epoch.
         pin = pinned(accelerator.device)
         # loader_workers: workers not forked from this process, and a SIGTERM that reaches the rank alone
-        train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, shuffle=True,
-                                  drop_last=True, collate_fn=identity_collate, pin_memory=pin,
-                                  **loader_workers(args.dataloader_num_workers, train_set, identity_collate))
-        eval_loader = DataLoader(eval_set, batch_size=args.per_device_eval_batch_size, collate_fn=identity_collate,
-                                 pin_memory=pin, **loader_workers(args.dataloader_num_workers, eval_set, identity_collate))
+        train_loader = DataLoader(
+            train_set,
+            batch_size=args.per_device_train_batch_size,
+            shuffle=True,
+            drop_last=True,
+            collate_fn=identity_collate,
+            pin_memory=pin,
+            **loader_workers(args.dataloader_num_workers, train_set, identity_collate),
+        )
+        eval_loader = DataLoader(
+            eval_set,
+            batch_size=args.per_device_eval_batch_size,
+            collate_fn=identity_collate,
+            pin_memory=pin,
+            **loader_workers(args.dataloader_num_workers, eval_set, identity_collate),
+        )
     accelerator.print(f"dataset={args.dataset} train={num_train} test={num_eval} source={source}")
 
     # ---------------------------------------------------------------- model, optimizer, schedule
@@ -160,23 +213,31 @@ def main(args):
         return normalize_images(images, mean, std).contiguous(memory_format=memory_format)
 
     # fused: one kernel for all parameters instead of a loop of small ops per parameter
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay,
-                                  fused=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay, fused=True)
     if args.streaming:  # already sharded: prepare() would shard again or dispatch from rank 0
         model, optimizer = accelerator.prepare(model, optimizer)
     else:
         model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
 
     # ---------------------------------------------------------------- train
-    loop = TrainingLoop(accelerator, args, TASK, model, optimizer, train_loader,
-                        evaluate=lambda: evaluate_classifier(accelerator, model, eval_loader, to_inputs),
-                        headline=METRICS[0], metrics=METRICS)
+    loop = TrainingLoop(
+        accelerator,
+        args,
+        TASK,
+        model,
+        optimizer,
+        train_loader,
+        evaluate=lambda: evaluate_classifier(accelerator, model, eval_loader, to_inputs),
+        headline=METRICS[0],
+        metrics=METRICS,
+    )
     for batch in loop.batches():
         with accelerator.accumulate(model):
             images = batch["image"]
             if args.augment:  # seeded by the data position, so a resumed run draws the same shifts and flips
-                images = augment_images(images, hash((args.seed, loop.epoch, loop.batches_done,
-                                                      accelerator.process_index)))
+                images = augment_images(
+                    images, hash((args.seed, loop.epoch, loop.batches_done, accelerator.process_index))
+                )
             loss = F.cross_entropy(model(to_inputs(images)), batch["label"], label_smoothing=args.label_smoothing)
             accelerator.backward(loss)
             optimizer.step()

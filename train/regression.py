@@ -10,6 +10,7 @@ rounding whatever the process count:
 
 Writes model.safetensors, all_results.json and args.json to --output_dir.
 """
+
 import os
 import sys
 
@@ -35,10 +36,12 @@ def parse_args(argv=None):
     data, optimization = parser.groups["data"], parser.groups["optimization"]
     data.add_argument("--num_train_samples", type=positive_int, default=1024, help="Synthetic training samples.")
     data.add_argument("--num_eval_samples", type=positive_int, default=257, help="Synthetic held-out samples.")
-    optimization.add_argument("--per_device_train_batch_size", type=positive_int, default=16,
-                              help="Batch size per process.")
-    optimization.add_argument("--per_device_eval_batch_size", type=positive_int, default=64,
-                              help="Eval batch per process.")
+    optimization.add_argument(
+        "--per_device_train_batch_size", type=positive_int, default=16, help="Batch size per process."
+    )
+    optimization.add_argument(
+        "--per_device_eval_batch_size", type=positive_int, default=64, help="Eval batch per process."
+    )
     optimization.add_argument("--learning_rate", type=positive_float, default=0.05, help="SGD learning rate.")
     parser.set_defaults(num_train_epochs=2, logging_steps=8, output_dir="runs/regression")
     return parser.parse_args(argv)
@@ -84,8 +87,17 @@ def main(args):
     model, optimizer, train_loader, eval_loader = accelerator.prepare(model, optimizer, train_loader, eval_loader)
 
     # ---------------------------------------------------------------- train
-    loop = TrainingLoop(accelerator, args, TASK, model, optimizer, train_loader, schedule=False,
-                        evaluate=lambda: evaluate(accelerator, model, eval_loader), headline=METRICS[0])
+    loop = TrainingLoop(
+        accelerator,
+        args,
+        TASK,
+        model,
+        optimizer,
+        train_loader,
+        schedule=False,
+        evaluate=lambda: evaluate(accelerator, model, eval_loader),
+        headline=METRICS[0],
+    )
     for x, y in loop.batches():
         with accelerator.accumulate(model):
             loss = F.mse_loss(model(x), y)  # mean over this process's batch; DDP averages over processes

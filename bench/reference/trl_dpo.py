@@ -8,6 +8,7 @@ processes). TRL is what most users run for DPO; this file only feeds it, every c
 
 Writes OUTPUT_DIR/all_results.json: the final evaluation (eval_rewards/accuracies, ...) and the world size.
 """
+
 import argparse
 import json
 import os
@@ -27,9 +28,12 @@ def main():
     parser.add_argument("--beta", type=float, default=0.1)
     parser.add_argument("--max_length", type=int, default=128)
     parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--precompute_ref_log_probs", action="store_true",
-                        help="TRL's reference log-probabilities once before training (else a reference model's "
-                             "forward pass in every step)")
+    parser.add_argument(
+        "--precompute_ref_log_probs",
+        action="store_true",
+        help="TRL's reference log-probabilities once before training (else a reference model's "
+        "forward pass in every step)",
+    )
     args = parser.parse_args()
 
     import datasets
@@ -40,17 +44,36 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    config = DPOConfig(output_dir=args.output_dir, per_device_train_batch_size=args.per_device_train_batch_size,
-                       per_device_eval_batch_size=args.per_device_eval_batch_size,
-                       num_train_epochs=args.num_train_epochs, learning_rate=args.learning_rate,
-                       lr_scheduler_type="linear", warmup_steps=args.num_warmup_steps, weight_decay=0.0,
-                       max_grad_norm=1.0, beta=args.beta, loss_type=["sigmoid"], max_length=args.max_length,
-                       seed=args.seed, bf16=False, use_cpu=True, report_to=[], save_strategy="no",
-                       eval_strategy="no", logging_steps=50, precompute_ref_log_probs=args.precompute_ref_log_probs,
-                       dataloader_num_workers=0)
-    trainer = DPOTrainer(model=AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype="float32"),
-                         args=config, processing_class=tokenizer, train_dataset=data["train"],
-                         eval_dataset=data["validation"])
+    config = DPOConfig(
+        output_dir=args.output_dir,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        per_device_eval_batch_size=args.per_device_eval_batch_size,
+        num_train_epochs=args.num_train_epochs,
+        learning_rate=args.learning_rate,
+        lr_scheduler_type="linear",
+        warmup_steps=args.num_warmup_steps,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=args.beta,
+        loss_type=["sigmoid"],
+        max_length=args.max_length,
+        seed=args.seed,
+        bf16=False,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        eval_strategy="no",
+        logging_steps=50,
+        precompute_ref_log_probs=args.precompute_ref_log_probs,
+        dataloader_num_workers=0,
+    )
+    trainer = DPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype="float32"),
+        args=config,
+        processing_class=tokenizer,
+        train_dataset=data["train"],
+        eval_dataset=data["validation"],
+    )
     trainer.train()
     results = trainer.evaluate()
     if trainer.accelerator.is_main_process:

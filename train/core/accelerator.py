@@ -1,6 +1,7 @@
 """The accelerator every script builds, and what runs on it before training: the process group
 (with its restart-safe rendezvous), the mixed precision chosen for the hardware, the header that
 shows what is really running, and the main-process-first data load."""
+
 import contextlib
 import functools
 import os
@@ -16,8 +17,15 @@ import yaml
 from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
 
 from data.errors import UserError, fail
-from train.core.fsdp import (cpu_fsdp2_plugin, fsdp_launch, is_sharded, local_share, mixed_precision_policy, shard_model,
-                             swap_optimizer_params)
+from train.core.fsdp import (
+    cpu_fsdp2_plugin,
+    fsdp_launch,
+    is_sharded,
+    local_share,
+    mixed_precision_policy,
+    shard_model,
+    swap_optimizer_params,
+)
 from train.core.process import launcher_argv
 from train.core.tracking import tracking_kwargs
 
@@ -74,7 +82,8 @@ def cpu_has_native_bf16(cpu_flags=None, capability=None, onednn_isa=None):
         return False, f"{capability} without AVX512-BF16/AMX"
     if not capability.startswith("AVX512") or (onednn_isa and "BF16" not in onednn_isa and "AMX" not in onednn_isa):
         return False, f"{native[0]} present but kernels limited to {capability}" + (
-            f", ONEDNN_MAX_CPU_ISA={onednn_isa}" if onednn_isa else "")
+            f", ONEDNN_MAX_CPU_ISA={onednn_isa}" if onednn_isa else ""
+        )
     if onednn_isa and "AMX" not in onednn_isa and "avx512_bf16" in native:  # AMX present, held back
         return True, f"avx512_bf16, {capability}, ONEDNN_MAX_CPU_ISA={onednn_isa}"
     return True, f"{native[0]}, {capability}"
@@ -128,11 +137,17 @@ def choose_mixed_precision(requested, on_cpu):
         return requested, source
     if on_cpu:
         native, what = cpu_has_native_bf16()
-        return ("bf16", f"auto: native bf16 on this CPU, {what}") if native else \
-            ("no", f"auto: no native bf16 on this CPU, {what}")
+        return (
+            ("bf16", f"auto: native bf16 on this CPU, {what}")
+            if native
+            else ("no", f"auto: no native bf16 on this CPU, {what}")
+        )
     if torch.cuda.is_available():
-        return ("bf16", "auto: the GPU supports bf16") if torch.cuda.is_bf16_supported() else \
-            ("no", "auto: the GPU has no bf16; fp16 needs loss scaling, pass --mixed_precision fp16 for it")
+        return (
+            ("bf16", "auto: the GPU supports bf16")
+            if torch.cuda.is_bf16_supported()
+            else ("no", "auto: the GPU has no bf16; fp16 needs loss scaling, pass --mixed_precision fp16 for it")
+        )
     return "no", "auto: bf16 on this accelerator is not checked; pass --mixed_precision bf16 for it"
 
 
@@ -176,8 +191,10 @@ class Accelerator(accelerate.Accelerator):
             units = shard_model(self.cpu_fsdp2, models[0], self.num_processes, mixed_precision_policy(self))
             for optimizer in optimizers:
                 swap_optimizer_params(optimizer, names, models[0])
-            self.print(f"fsdp2: fully_shard over {self.num_processes} CPU processes, units: {units}; each process "
-                       f"holds {local_share(models[0]):.1%} of the parameters (rank 0's share)")
+            self.print(
+                f"fsdp2: fully_shard over {self.num_processes} CPU processes, units: {units}; each process "
+                f"holds {local_share(models[0]):.1%} of the parameters (rank 0's share)"
+            )
         return super().prepare(*args, device_placement=device_placement)
 
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
@@ -224,15 +241,20 @@ def make_accelerator(args, **kwargs):
     check_writable(args.output_dir)
     cpu = args.cpu or not torch.accelerator.is_available()
     if cpu and fsdp_launch() and os.environ.get("FSDP_VERSION", "1") != "2":  # accelerate's FSDP1 plugin needs a GPU
-        fail("the accelerate config asks for FSDP version 1, which runs on GPUs only; for CPU processes set "
-             "fsdp_version: 2 in its fsdp_config, as accelerate_configs/fsdp2_cpu_2proc.yaml does")
+        fail(
+            "the accelerate config asks for FSDP version 1, which runs on GPUs only; for CPU processes set "
+            "fsdp_version: 2 in its fsdp_config, as accelerate_configs/fsdp2_cpu_2proc.yaml does"
+        )
     return Accelerator(
         cpu=cpu,
         mixed_precision=choose_mixed_precision(args.mixed_precision, cpu)[0],
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=args.seed, non_blocking=True),
         step_scheduler_with_optimizer=False,
-        kwargs_handlers=[_process_group_kwargs(args.ddp_timeout), DistributedDataParallelKwargs(broadcast_buffers=False)],
+        kwargs_handlers=[
+            _process_group_kwargs(args.ddp_timeout),
+            DistributedDataParallelKwargs(broadcast_buffers=False),
+        ],
         **{**tracking_kwargs(args.with_tracking, args.report_to, args.output_dir), **kwargs},
     )
 
@@ -283,30 +305,49 @@ def announce(accelerator, per_device_train_batch_size, gradient_accumulation_ste
     """One line per process, then a header from the main process: what is really running, so a
     wrong launch (two independent world-size-1 runs, say) shows at once."""
     # one write() per line, so lines from different processes do not interleave mid-line
-    sys.stdout.write(f"process {accelerator.process_index}/{accelerator.num_processes} pid={os.getpid()} "
-                     f"device={accelerator.device}\n")
+    sys.stdout.write(
+        f"process {accelerator.process_index}/{accelerator.num_processes} pid={os.getpid()} "
+        f"device={accelerator.device}\n"
+    )
     sys.stdout.flush()
     accelerator.wait_for_everyone()
     on_cpu = accelerator.device.type == "cpu"
     global_batch_size = per_device_train_batch_size * accelerator.num_processes * gradient_accumulation_steps
     why = choose_mixed_precision(mixed_precision, on_cpu)[1]
-    accelerator.print(f"world_size={accelerator.num_processes} device={accelerator.device.type} "
-                      f"distributed_type={'FSDP2 on CPU' if getattr(accelerator, 'cpu_fsdp2', None) else accelerator.distributed_type.value} "
-                      f"mixed_precision={accelerator.mixed_precision} ({why}) global_batch_size={global_batch_size} "
-                      f"threads_per_process={torch.get_num_threads()}")
+    accelerator.print(
+        f"world_size={accelerator.num_processes} device={accelerator.device.type} "
+        f"distributed_type={'FSDP2 on CPU' if getattr(accelerator, 'cpu_fsdp2', None) else accelerator.distributed_type.value} "
+        f"mixed_precision={accelerator.mixed_precision} ({why}) global_batch_size={global_batch_size} "
+        f"threads_per_process={torch.get_num_threads()}"
+    )
     if accelerator.mixed_precision == "bf16" and on_cpu and not cpu_has_native_bf16()[0]:
-        accelerator.print(f"warning: bf16 on a CPU without native bf16 ({cpu_has_native_bf16()[1]}) is emulated, "
-                          "7-10x slower than fp32; --mixed_precision auto (the default) picks fp32 here")
-    if fsdp_launch() and accelerator.distributed_type.value != "FSDP" and getattr(accelerator, "cpu_fsdp2", None) is None:
-        accelerator.print(f"warning: the config asks for FSDP, but this run is {accelerator.distributed_type.value} "
-                          f"with {accelerator.num_processes} process(es): nothing is sharded")
+        accelerator.print(
+            f"warning: bf16 on a CPU without native bf16 ({cpu_has_native_bf16()[1]}) is emulated, "
+            "7-10x slower than fp32; --mixed_precision auto (the default) picks fp32 here"
+        )
+    if (
+        fsdp_launch()
+        and accelerator.distributed_type.value != "FSDP"
+        and getattr(accelerator, "cpu_fsdp2", None) is None
+    ):
+        accelerator.print(
+            f"warning: the config asks for FSDP, but this run is {accelerator.distributed_type.value} "
+            f"with {accelerator.num_processes} process(es): nothing is sharded"
+        )
     # accelerate launch exports MASTER_ADDR only when asked for several processes; a MULTI_CPU config
     # or --cpu --num_processes N without an MPI hostfile then starts one plain process, and accelerate
     # exposes nothing else that tells it (no WORLD_SIZE, no requested count)
-    launched_alone = "MASTER_ADDR" in os.environ and "ACCELERATE_MIXED_PRECISION" in os.environ and not any(
-        name in os.environ for name in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"))
+    launched_alone = (
+        "MASTER_ADDR" in os.environ
+        and "ACCELERATE_MIXED_PRECISION" in os.environ
+        and not any(
+            name in os.environ for name in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+        )
+    )
     if accelerator.num_processes == 1 and launched_alone:
-        accelerator.print("warning: the launch asked for several processes but this is ONE (world_size=1): accelerate "
-                          "starts a MULTI_CPU config or --cpu --num_processes N as a single process unless it has an "
-                          "MPI hostfile; use accelerate_configs/cpu_2proc.yaml, or answer multi-GPU in `accelerate "
-                          "config` (our scripts run it as CPU processes when there is no GPU)")
+        accelerator.print(
+            "warning: the launch asked for several processes but this is ONE (world_size=1): accelerate "
+            "starts a MULTI_CPU config or --cpu --num_processes N as a single process unless it has an "
+            "MPI hostfile; use accelerate_configs/cpu_2proc.yaml, or answer multi-GPU in `accelerate "
+            "config` (our scripts run it as CPU processes when there is no GPU)"
+        )

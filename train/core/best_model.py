@@ -13,6 +13,7 @@ checkpoint records the best so far and holds a hard link to its weights (no copy
 working file may already hold a later best of the run that was interrupted; a resume puts the
 checkpoint's back.
 """
+
 import difflib
 import os
 import shutil
@@ -40,12 +41,15 @@ def resolve_metric(name, headline, metrics):
         if candidate in metrics:
             return candidate
     close = difflib.get_close_matches(name, metrics, n=1)
-    fail(f"--metric_for_best_model {name}: the evaluation reports {', '.join(metrics)}"
-         f"{f' (did you mean {close[0]}?)' if close else ''}; or pass none to keep the last step's weights")
+    fail(
+        f"--metric_for_best_model {name}: the evaluation reports {', '.join(metrics)}"
+        f"{f' (did you mean {close[0]}?)' if close else ''}; or pass none to keep the last step's weights"
+    )
 
 
 def link_or_copy(source, target):
     """target as a new name of source's file (atomic; a copy where the file system has no hard links)."""
+
     def write(tmp):
         try:
             os.link(source, tmp)
@@ -100,13 +104,21 @@ class BestModel:
 
     def stop_message(self):
         direction = "higher" if self.greater else "lower"
-        return (f"early stopping: {self.metric} has not improved ({direction} is better) for {self.bad_evaluations} "
-                f"evaluations; best {self.value:.4f} at step {self.step}")
+        return (
+            f"early stopping: {self.metric} has not improved ({direction} is better) for {self.bad_evaluations} "
+            f"evaluations; best {self.value:.4f} at step {self.step}"
+        )
 
     # ------------------------------------------------------------------------------ checkpoints
     def state_dict(self):
-        return {"metric": self.metric, "greater_is_better": self.greater, "step": self.step, "value": self.value,
-                "metrics": self.metrics, "bad_evaluations": self.bad_evaluations}
+        return {
+            "metric": self.metric,
+            "greater_is_better": self.greater,
+            "step": self.step,
+            "value": self.value,
+            "metrics": self.metrics,
+            "bad_evaluations": self.bad_evaluations,
+        }
 
     def save_into(self, folder):
         """On the main process, into a checkpoint being written: the best weights so far."""
@@ -122,8 +134,10 @@ class BestModel:
         if not state or state.get("step") is None or self.metric is None:
             return
         if (state["metric"], state["greater_is_better"]) != (self.metric, self.greater):
-            self.accelerator.print(f"the checkpoint tracked the best {state['metric']}, this run {self.metric}: "
-                                   "the best model is tracked from here on")
+            self.accelerator.print(
+                f"the checkpoint tracked the best {state['metric']}, this run {self.metric}: "
+                "the best model is tracked from here on"
+            )
             return
         if main:
             link_or_copy(os.path.join(checkpoint, BEST_FILE), self.path)
@@ -153,6 +167,12 @@ class BestModel:
     def results(self):
         if self.step is None:
             return {}
-        return {"best_model": {"metric": self.metric, "greater_is_better": self.greater, "step": self.step,
-                               "value": self.value, "metrics": self.metrics}}
-
+        return {
+            "best_model": {
+                "metric": self.metric,
+                "greater_is_better": self.greater,
+                "step": self.step,
+                "value": self.value,
+                "metrics": self.metrics,
+            }
+        }

@@ -8,6 +8,7 @@ script built them. A checkpoint is written under .tmp-step_N and renamed only wh
 written its part, so a folder named step_N is always complete. accelerate's save_state/load_state is
 not used: it loads registered objects with weights_only=False (it would run a planted pickle).
 """
+
 import json
 import os
 import pickle
@@ -54,9 +55,12 @@ def data_position(epoch, batches_done, batches_per_epoch):
 def _rng_state():
     version, state, gauss = random.getstate()
     _, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": [version, list(state), gauss], "torch": torch.get_rng_state(),
-            "numpy": [torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    return {
+        "python": [version, list(state), gauss],
+        "torch": torch.get_rng_state(),
+        "numpy": [torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
 
 
 def _set_rng_state(state):
@@ -86,8 +90,20 @@ def sharded_checkpoints(requested, accelerator):
     return fsdp and os.environ.get("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT") != "FULL_STATE_DICT"
 
 
-def save_checkpoint(accelerator, output_dir, step, model, optimizer, lr_scheduler, meta, keep_last=None,
-                    sharded=False, writer=None, group=None, add_files=None):
+def save_checkpoint(
+    accelerator,
+    output_dir,
+    step,
+    model,
+    optimizer,
+    lr_scheduler,
+    meta,
+    keep_last=None,
+    sharded=False,
+    writer=None,
+    group=None,
+    add_files=None,
+):
     """Write OUTPUT_DIR/checkpoints/step_N atomically, with `meta` (the script, the data position,
     the resolved arguments, ...) as its meta.json; keep the newest `keep_last`. `add_files(folder)`
     puts more files in, on the main process. With a `writer`
@@ -99,8 +115,9 @@ def save_checkpoint(accelerator, output_dir, step, model, optimizer, lr_schedule
     final, tmp = os.path.join(root, f"step_{step:08d}"), os.path.join(root, f".tmp-step_{step:08d}")
     if not sharded:  # collectives under FSDP2: every rank calls them; cpu_offload leaves the full dicts on rank 0
         weights = model_weights(model, trainable_only=True)
-        optimizer_state = get_optimizer_state_dict(model, optimizer.optimizer, options=_full_state_options(
-            cpu_offload=torch.distributed.is_initialized()))
+        optimizer_state = get_optimizer_state_dict(
+            model, optimizer.optimizer, options=_full_state_options(cpu_offload=torch.distributed.is_initialized())
+        )
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash during an earlier save
         os.makedirs(tmp)
@@ -128,9 +145,17 @@ def save_checkpoint(accelerator, output_dir, step, model, optimizer, lr_schedule
                 put("scaler.pt", accelerator.scaler.state_dict())
             if add_files is not None:
                 add_files(tmp)
-            put("meta.json", {"format": CHECKPOINT_FORMAT, "step": step, "world_size": accelerator.num_processes,
-                              "checkpoint_format": "sharded" if sharded else "full", **meta},
-                lambda obj, path: write_json(path, obj))
+            put(
+                "meta.json",
+                {
+                    "format": CHECKPOINT_FORMAT,
+                    "step": step,
+                    "world_size": accelerator.num_processes,
+                    "checkpoint_format": "sharded" if sharded else "full",
+                    **meta,
+                },
+                lambda obj, path: write_json(path, obj),
+            )
         for path in files:  # on disk before the rename publishes them
             fsync_path(path)
         if writer is not None:  # after this rank's own files: the Future completes after all of them
@@ -167,18 +192,33 @@ class CheckpointWriter:
         from concurrent.futures import ThreadPoolExecutor
 
         if background and not sharded:
-            fail("--checkpoint_async writes sharded checkpoints only; add --checkpoint_format sharded (the default "
-                 "under FSDP)")
+            fail(
+                "--checkpoint_async writes sharded checkpoints only; add --checkpoint_format sharded (the default "
+                "under FSDP)"
+            )
         self.accelerator, self.sharded, self.pending = accelerator, sharded, None
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer") if background else None
         # every rank makes the group (a collective), here, at the same point of the run
-        self.group = torch.distributed.new_group(backend="gloo") if background and torch.distributed.is_initialized() \
-            else None
+        self.group = (
+            torch.distributed.new_group(backend="gloo") if background and torch.distributed.is_initialized() else None
+        )
 
     def save(self, output_dir, step, model, optimizer, lr_scheduler, meta, keep_last, add_files=None):
         self.wait()
-        self.pending = save_checkpoint(self.accelerator, output_dir, step, model, optimizer, lr_scheduler, meta,
-                                       keep_last, self.sharded, self.thread, self.group, add_files)
+        self.pending = save_checkpoint(
+            self.accelerator,
+            output_dir,
+            step,
+            model,
+            optimizer,
+            lr_scheduler,
+            meta,
+            keep_last,
+            self.sharded,
+            self.thread,
+            self.group,
+            add_files,
+        )
         return self.pending.path
 
     def wait(self):
@@ -214,8 +254,14 @@ def model_weights(model, trainable_only=False):
     one parameter. (accelerator.save_model instead drops all but one name, with a warning per save.)"""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return _unshared(get_model_state_dict(model, options=_full_state_options(
-        cpu_offload=torch.distributed.is_initialized(), ignore_frozen_params=trainable_only)))
+    return _unshared(
+        get_model_state_dict(
+            model,
+            options=_full_state_options(
+                cpu_offload=torch.distributed.is_initialized(), ignore_frozen_params=trainable_only
+            ),
+        )
+    )
 
 
 def _unshared(state_dict):
@@ -234,11 +280,12 @@ def _load_trusted(path):
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         reason = str(e).splitlines()[0]
-        fail(f"refused to load {path}: it holds pickled objects other than tensors ({reason}); "
-             "it was not written by these scripts; delete that checkpoint")
+        fail(
+            f"refused to load {path}: it holds pickled objects other than tensors ({reason}); "
+            "it was not written by these scripts; delete that checkpoint"
+        )
     except Exception as e:  # a damaged file meets torch.load as any of OSError, EOFError, KeyError, RuntimeError, ...
-        fail(f"{path} is unreadable ({type(e).__name__}); delete that checkpoint and resume "
-             "from an earlier one")
+        fail(f"{path} is unreadable ({type(e).__name__}); delete that checkpoint and resume from an earlier one")
 
 
 def _load_full(path, model, optimizer):
@@ -249,8 +296,10 @@ def _load_full(path, model, optimizer):
     try:
         weights = load_file(os.path.join(path, "model.safetensors"))
     except (SafetensorError, OSError, ValueError) as e:
-        fail(f"{path}/model.safetensors is corrupt or missing ({e}); delete that checkpoint "
-             "and resume from an earlier one")
+        fail(
+            f"{path}/model.safetensors is corrupt or missing ({e}); delete that checkpoint "
+            "and resume from an earlier one"
+        )
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     options = _full_state_options()  # every rank reads the full files; FSDP2 keeps its own shard of them
@@ -258,11 +307,11 @@ def _load_full(path, model, optimizer):
         set_model_state_dict(model, with_frozen(model, weights, options), options=options)
     except (RuntimeError, KeyError, ValueError) as e:
         detail = " ".join(str(e).split())[:200]
-        fail(f"{path} does not fit this model ({detail}); resume with the model arguments "
-             "it was saved with")
+        fail(f"{path} does not fit this model ({detail}); resume with the model arguments it was saved with")
     optimizer_state = _load_trusted(os.path.join(path, "optimizer.pt"))
     if not optimizer_state["state"]:  # plain SGD keeps no tensors; the full-state loader needs one to find the device
         from torch.distributed.checkpoint.state_dict import StateDictOptions
+
         options = StateDictOptions()
     set_optimizer_state_dict(model, optimizer.optimizer, optimizer_state, options=options)
 
@@ -275,8 +324,10 @@ def load_checkpoint(accelerator, path, task, model, optimizer, lr_scheduler):
     except (OSError, ValueError) as e:
         fail(f"{path}/meta.json is unreadable ({e}); resume from another checkpoint")
     if meta.get("script") != task or meta.get("format") != CHECKPOINT_FORMAT:
-        fail(f"{path} was written by train/{meta.get('script')}.py (format {meta.get('format')}), "
-             f"not train/{task}.py (format {CHECKPOINT_FORMAT}); pass a checkpoint of this script")
+        fail(
+            f"{path} was written by train/{meta.get('script')}.py (format {meta.get('format')}), "
+            f"not train/{task}.py (format {CHECKPOINT_FORMAT}); pass a checkpoint of this script"
+        )
     if meta.get("checkpoint_format") == "sharded":
         load_sharded(path, model, optimizer.optimizer)
     else:

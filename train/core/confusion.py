@@ -3,6 +3,7 @@
 Rows are the true classes, columns the predicted ones; each cell shows its count, shaded by the
 share of its row (so a rare class's errors show as plainly as a common one's).
 """
+
 from PIL import Image, ImageDraw, ImageFont
 
 
@@ -49,7 +50,12 @@ def draw_confusion(path, confusion, names, title="confusion matrix (rows: true, 
             shade = int(255 - 200 * share)
             box = (label_width + j * cell, top + i * cell, label_width + (j + 1) * cell, top + (i + 1) * cell)
             draw.rectangle(box, fill=(shade, shade, 255) if i != j else (shade, 255, shade), outline="#bbbbbb")
-            draw.text(((box[0] + box[2]) / 2, (box[1] + box[3]) / 2), str(confusion[i][j]),
-                      fill="white" if share > 0.6 else "black", font=font, anchor="mm")
+            draw.text(
+                ((box[0] + box[2]) / 2, (box[1] + box[3]) / 2),
+                str(confusion[i][j]),
+                fill="white" if share > 0.6 else "black",
+                font=font,
+                anchor="mm",
+            )
     image.save(path, format="PNG")
     return path

@@ -1,4 +1,5 @@
 """Evaluation that counts every held-out sample exactly once, whatever the number of processes."""
+
 import math
 
 import torch
@@ -31,8 +32,11 @@ def evaluate_rows(accelerator, model, loader, per_row):
         for batch in loader:
             rows = {name: value.float() for name, value in per_row(batch).items()}
             some = next(iter(rows.values()))
-            valid = batch.get("valid", torch.ones_like(some, dtype=torch.bool)) if isinstance(batch, dict) else \
-                torch.ones_like(some, dtype=torch.bool)
+            valid = (
+                batch.get("valid", torch.ones_like(some, dtype=torch.bool))
+                if isinstance(batch, dict)
+                else torch.ones_like(some, dtype=torch.bool)
+            )
             rows, valid = accelerator.gather_for_metrics((rows, valid))
             for name, value in rows.items():
                 sums[name] = sums.get(name, 0) + (value * valid).sum()
@@ -44,10 +48,13 @@ def evaluate_rows(accelerator, model, loader, per_row):
 
 def evaluate_classifier(accelerator, model, loader, to_inputs=lambda images: images):
     """Accuracy and mean cross-entropy over exactly the evaluation set (batches of {"image", "label"})."""
+
     def per_row(batch):
         logits = model(to_inputs(batch["image"]))
-        return {"accuracy": logits.argmax(-1) == batch["label"],
-                "loss": F.cross_entropy(logits.float(), batch["label"], reduction="none")}
+        return {
+            "accuracy": logits.argmax(-1) == batch["label"],
+            "loss": F.cross_entropy(logits.float(), batch["label"], reduction="none"),
+        }
 
     return evaluate_rows(accelerator, model, loader, per_row)
 
@@ -64,7 +71,7 @@ def evaluate_confusion(accelerator, model, loader, num_labels, logits_of):
     with torch.no_grad():
         for batch in loader:
             logits, labels, valid = logits_of(batch).float(), batch["labels"], batch["valid"]
-            counts += torch.bincount(labels[valid] * num_labels + logits.argmax(-1)[valid], minlength=num_labels ** 2)
+            counts += torch.bincount(labels[valid] * num_labels + logits.argmax(-1)[valid], minlength=num_labels**2)
             nats += F.cross_entropy(logits[valid], labels[valid], reduction="sum").double()
     model.train()
     counts, nats = accelerator.reduce(counts, reduction="sum"), accelerator.reduce(nats, reduction="sum")
@@ -97,13 +104,16 @@ def evaluate_language_model(accelerator, model, loader, split):
     per byte, which compare across tokenizers."""
     nats, tokens = token_loss(accelerator, model, loader, lambda batch: model(batch["input_ids"]))
     scored_bytes = split["text_bytes"] * tokens / split["scored_tokens"]
-    return {"eval_loss": nats / tokens, "eval_bpb": nats / math.log(2) / scored_bytes,
-            "eval_perplexity": math.exp(min(nats / tokens, 50)), "eval_tokens": int(tokens)}
+    return {
+        "eval_loss": nats / tokens,
+        "eval_bpb": nats / math.log(2) / scored_bytes,
+        "eval_perplexity": math.exp(min(nats / tokens, 50)),
+        "eval_tokens": int(tokens),
+    }
 
 
 def evaluate_responses(accelerator, model, loader, logits_of):
     """Loss (nats per response token) and perplexity over every response token of the validation set
     once, for any process count; each token weighs the same, whatever example or batch it is in."""
     nats, tokens = token_loss(accelerator, model, loader, logits_of)
-    return {"eval_loss": nats / tokens, "eval_perplexity": math.exp(min(nats / tokens, 50)),
-            "eval_tokens": int(tokens)}
+    return {"eval_loss": nats / tokens, "eval_perplexity": math.exp(min(nats / tokens, 50)), "eval_tokens": int(tokens)}

@@ -8,6 +8,7 @@ from the same config, the same auto-wrap policy (accelerate's own function), the
 group that stays gathered after forward, then the root. On GPUs accelerate does all of this itself
 and this module does nothing, so a model is never wrapped twice.
 """
+
 import os
 
 import torch
@@ -32,8 +33,10 @@ def cpu_fsdp2_plugin(accelerator):
 
     plugin = FullyShardedDataParallelPlugin()
     if plugin.activation_checkpointing or plugin.ignored_modules is not None:
-        fail("fsdp_activation_checkpointing and fsdp_ignored_modules are applied by accelerate on GPUs only; on CPU "
-             "processes leave them out of the accelerate config (train/lm.py has --gradient_checkpointing)")
+        fail(
+            "fsdp_activation_checkpointing and fsdp_ignored_modules are applied by accelerate on GPUs only; on CPU "
+            "processes leave them out of the accelerate config (train/lm.py has --gradient_checkpointing)"
+        )
     return plugin
 
 
@@ -65,15 +68,20 @@ def shard_model(plugin, model, world_size, mp_policy):
     try:
         policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
     except ValueError as e:  # a class named in fsdp_transformer_layer_cls_to_wrap that this model has not
-        fail(f"the accelerate config's FSDP settings do not fit {type(model).__name__}: {e} Its classes: "
-             f"{', '.join(sorted({type(m).__name__ for m in model.modules()}))}; set fsdp_transformer_layer_cls_to_wrap "
-             "to one of them, or leave it out to use the model's _no_split_modules")
+        fail(
+            f"the accelerate config's FSDP settings do not fit {type(model).__name__}: {e} Its classes: "
+            f"{', '.join(sorted({type(m).__name__ for m in model.modules()}))}; set fsdp_transformer_layer_cls_to_wrap "
+            "to one of them, or leave it out to use the model's _no_split_modules"
+        )
     if mp_policy.param_dtype is not None:  # fp32 master weights under bf16, as accelerate upcasts them
         for p in model.parameters():
             if p.requires_grad and p.dtype != torch.float32:
                 p.data = p.data.float()
-    kwargs = {"mesh": init_device_mesh("cpu", (world_size,)), "reshard_after_forward": plugin.reshard_after_forward,
-              "mp_policy": mp_policy}
+    kwargs = {
+        "mesh": init_device_mesh("cpu", (world_size,)),
+        "reshard_after_forward": plugin.reshard_after_forward,
+        "mp_policy": mp_policy,
+    }
     units, root = [], type(model).__name__
     # reversed pre-order: every module comes after its descendants, so units nest from the inside out
     for module in list(model.modules())[:0:-1]:
@@ -93,8 +101,10 @@ def swap_optimizer_params(optimizer, old_names, model):
     """Point a fresh optimizer at the model's sharded parameters: fully_shard replaced each parameter
     by a DTensor holding this rank's shard, and the optimizer must step those, by name."""
     if optimizer.state:
-        fail("the optimizer has taken steps before accelerator.prepare; under FSDP2 create it and prepare it "
-             "before training")
+        fail(
+            "the optimizer has taken steps before accelerator.prepare; under FSDP2 create it and prepare it "
+            "before training"
+        )
     new = dict(model.named_parameters())
     for group in optimizer.param_groups:
         group["params"] = [new[old_names[id(p)]] if id(p) in old_names else p for p in group["params"]]

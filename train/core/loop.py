@@ -8,6 +8,7 @@ A script keeps its own loop in view: `for batch in loop.batches()`, its step, `l
 One path for an epoch's end and the run's (nanochat's `last_step`): each evaluates, records and, when
 due, saves after it; a run resumed from its final checkpoint trains no batch and takes that path too.
 """
+
 import gc
 import math
 import time
@@ -16,8 +17,14 @@ from tqdm.auto import tqdm
 
 from data.loader import ShardedLoader, check_loader, own_worker_seed
 from train.core.best_model import BestModel, resolve_metric
-from train.core.checkpoint import (CheckpointWriter, data_position, find_checkpoint, load_checkpoint, model_weights,
-                                   sharded_checkpoints)
+from train.core.checkpoint import (
+    CheckpointWriter,
+    data_position,
+    find_checkpoint,
+    load_checkpoint,
+    model_weights,
+    sharded_checkpoints,
+)
 from train.core.loss_watch import LossWatch
 from train.core.output_dir import drop_replaced_run, release_output_dir
 from train.core.preemption import Preempted, Preemption
@@ -35,8 +42,19 @@ class TrainingLoop:
     and args.json. Without a schedule the optimizer keeps its learning rate. `metrics`: the names
     evaluate() returns that --metric_for_best_model may pick (default: the headline alone)."""
 
-    def __init__(self, accelerator, args, task, model, optimizer, train_loader, evaluate, headline="eval_loss",
-                 schedule=True, metrics=None):
+    def __init__(
+        self,
+        accelerator,
+        args,
+        task,
+        model,
+        optimizer,
+        train_loader,
+        evaluate,
+        headline="eval_loss",
+        schedule=True,
+        metrics=None,
+    ):
         self.accelerator, self.args, self.task = accelerator, args, task
         self.model, self.optimizer, self.loader = model, optimizer, train_loader
         model.train()  # from_pretrained hands back a model in eval mode: no dropout until the first evaluation
@@ -45,34 +63,52 @@ class TrainingLoop:
         self.evaluate, self.headline = evaluate, headline
         self.output_dir, self.logging_steps, self.eval_steps = args.output_dir, args.logging_steps, args.eval_steps
         self.checkpointing_steps, self.keep_last = args.checkpointing_steps, args.checkpoints_total_limit
-        self.writer = CheckpointWriter(accelerator, sharded_checkpoints(args.checkpoint_format, accelerator),
-                                       args.checkpoint_async)
+        self.writer = CheckpointWriter(
+            accelerator, sharded_checkpoints(args.checkpoint_format, accelerator), args.checkpoint_async
+        )
         check_loader(train_loader)
         own_worker_seed(train_loader)  # a resumed run's iterator draws nothing from dropout's generator
         self.sharded = isinstance(train_loader, ShardedLoader)  # keeps its own position; else set_epoch + skip
-        self.global_batch_size = args.per_device_train_batch_size * accelerator.num_processes * \
-            args.gradient_accumulation_steps
+        self.global_batch_size = (
+            args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
+        )
         self.batches_per_epoch = len(train_loader)  # per process; before a resume shortens the sharded loader
         self.max_train_steps, self.num_train_epochs = plan_steps(
-            self.batches_per_epoch, args.gradient_accumulation_steps, args.num_train_epochs, args.max_train_steps)
+            self.batches_per_epoch, args.gradient_accumulation_steps, args.num_train_epochs, args.max_train_steps
+        )
         # stepped here once per optimizer step, so its state does not depend on the process count
-        self.lr_scheduler = accelerator.prepare(make_scheduler(
-            optimizer, args.lr_scheduler_type, warmup_steps(args.num_warmup_steps, args.warmup_ratio,
-                                                            self.max_train_steps),
-            self.max_train_steps, args.lr_scheduler_kwargs)) if schedule else None
+        self.lr_scheduler = (
+            accelerator.prepare(
+                make_scheduler(
+                    optimizer,
+                    args.lr_scheduler_type,
+                    warmup_steps(args.num_warmup_steps, args.warmup_ratio, self.max_train_steps),
+                    self.max_train_steps,
+                    args.lr_scheduler_kwargs,
+                )
+            )
+            if schedule
+            else None
+        )
         self.t_start = self._t_log = time.perf_counter()  # _t_log: a bench may call after_batch alone
         self.train_seconds = 0.0
         self.step, self.epoch, self.batches_done, self.history, self.epoch_seconds = 0, 0, 0, [], []
         self.resumed_from, self._resumed_seconds = None, 0.0  # the interrupted epoch's training time before the save
         self.losses = LossWatch(accelerator, optimizer, args.nonfinite_loss, args.output_dir)
         self._stop_at_epoch_end, self._last_save = False, (None, None)  # (step, path)
-        self.best = BestModel(accelerator, args.output_dir, resolve_metric(args.metric_for_best_model, headline,
-                                                                           metrics or [headline]),
-                              args.greater_is_better, args.early_stopping_patience, args.early_stopping_threshold)
+        self.best = BestModel(
+            accelerator,
+            args.output_dir,
+            resolve_metric(args.metric_for_best_model, headline, metrics or [headline]),
+            args.greater_is_better,
+            args.early_stopping_patience,
+            args.early_stopping_threshold,
+        )
         if path := find_checkpoint(accelerator, args.resume_from_checkpoint, args.output_dir):
             meta = load_checkpoint(accelerator, path, task, model, optimizer, self.lr_scheduler)
-            check_same_run(path, meta, self._global_batch(), self._train_samples(), getattr(args, "model_fingerprint",
-                                                                                          None))
+            check_same_run(
+                path, meta, self._global_batch(), self._train_samples(), getattr(args, "model_fingerprint", None)
+            )
             self.losses.load_state_dict(meta.get("losses"))
             self.best.load(meta.get("best"), path)
             self.resumed_from, self.step, self.history = path, meta["step"], meta.get("history", [])
@@ -83,13 +119,20 @@ class TrainingLoop:
         self.metrics = MetricsLog(accelerator, args.output_dir, args.with_tracking)
         self.metrics.start(task, vars(args), self.step)
         self.preemption = Preemption(accelerator)  # last: a failed resume above leaves SIGTERM as it was
-        accelerator.print(f"epochs={self.num_train_epochs} steps={self.max_train_steps} steps_per_epoch="
-                          f"{math.ceil(self.batches_per_epoch / args.gradient_accumulation_steps)}"
-                          + (f" resuming at step {self.step}" if self.resumed_from else ""))
-        self.progress = tqdm(total=self.max_train_steps * self.global_batch_size,
-                             initial=self.step * self.global_batch_size, unit="samples", unit_scale=True,
-                             disable=not accelerator.is_local_main_process, dynamic_ncols=True,
-                             mininterval=0.5)  # tqdm's 0.1 s redraws cost ~0.4% of a CPU step (docs/speed.md)
+        accelerator.print(
+            f"epochs={self.num_train_epochs} steps={self.max_train_steps} steps_per_epoch="
+            f"{math.ceil(self.batches_per_epoch / args.gradient_accumulation_steps)}"
+            + (f" resuming at step {self.step}" if self.resumed_from else "")
+        )
+        self.progress = tqdm(
+            total=self.max_train_steps * self.global_batch_size,
+            initial=self.step * self.global_batch_size,
+            unit="samples",
+            unit_scale=True,
+            disable=not accelerator.is_local_main_process,
+            dynamic_ncols=True,
+            mininterval=0.5,
+        )  # tqdm's 0.1 s redraws cost ~0.4% of a CPU step (docs/speed.md)
 
     # ------------------------------------------------------------------------------ the batches
     def batches(self):
@@ -151,11 +194,16 @@ class TrainingLoop:
             self.progress.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", refresh=False)
             self._t_log = time.perf_counter()
         every = self.eval_steps  # mid-epoch evaluations, for runs shorter than an epoch
-        if every and self.step % every == 0 and self.step < self.max_train_steps and \
-                self.batches_done < self.batches_per_epoch:
+        if (
+            every
+            and self.step % every == 0
+            and self.step < self.max_train_steps
+            and self.batches_done < self.batches_per_epoch
+        ):
             t_eval = time.perf_counter()
-            self._record_evaluation(f"step {self.step}",
-                                    {"epoch": round(self.epoch + self.batches_done / self.batches_per_epoch, 4)})
+            self._record_evaluation(
+                f"step {self.step}", {"epoch": round(self.epoch + self.batches_done / self.batches_per_epoch, 4)}
+            )
             self._t_epoch += time.perf_counter() - t_eval  # the epoch's seconds are training seconds
         if self._save_due() and self.batches_done < self.batches_per_epoch:  # at an epoch's end: after evaluating
             self.save()
@@ -187,13 +235,18 @@ class TrainingLoop:
 
     def _evaluate_and_save(self, epoch, train_seconds):
         # --max_train_steps can end a run inside an epoch (an LM's usually does): say so
-        label = f"epoch {epoch}" if self.batches_done >= self.batches_per_epoch else \
-            f"step {self.step} (end of the run, {self.batches_done} of epoch {epoch}'s {self.batches_per_epoch} batches)"
-        self._record_evaluation(label, {"epoch": epoch, "train_seconds": train_seconds},
-                                f" epoch_seconds={train_seconds:.1f}")
+        label = (
+            f"epoch {epoch}"
+            if self.batches_done >= self.batches_per_epoch
+            else f"step {self.step} (end of the run, {self.batches_done} of epoch {epoch}'s {self.batches_per_epoch} batches)"
+        )
+        self._record_evaluation(
+            label, {"epoch": epoch, "train_seconds": train_seconds}, f" epoch_seconds={train_seconds:.1f}"
+        )
         trained = train_seconds > 0  # not the evaluation of a run resumed at its end: nothing new to save
-        if trained and (self.checkpointing_steps == "epoch" or
-                        (self._save_due() and self.batches_done >= self.batches_per_epoch)):
+        if trained and (
+            self.checkpointing_steps == "epoch" or (self._save_due() and self.batches_done >= self.batches_per_epoch)
+        ):
             self.save()
         if self._stop_at_epoch_end and not self.best.stopped:
             self._preempt()
@@ -208,12 +261,31 @@ class TrainingLoop:
         self.losses.check(self.model, self.step)  # a checkpoint is only ever written of a sound model
         mid_epoch = self.batches_done < self.batches_per_epoch
         elapsed = time.perf_counter() - self._t_epoch if mid_epoch else 0.0
-        meta = {"script": self.task, "data": self.position(), "args": vars(self.args), "history": self.history,
-                "epoch_seconds": self.epoch_seconds, "epoch_elapsed": elapsed, "global_batch": self._global_batch(),
-                "train_samples": self._train_samples(), "losses": self.losses.state_dict(),
-                "best": self.best.state_dict()}
-        self._last_save = self.step, self.writer.save(self.output_dir, self.step, self.model, self.optimizer,
-                                                       self.lr_scheduler, meta, self.keep_last, self.best.save_into)
+        meta = {
+            "script": self.task,
+            "data": self.position(),
+            "args": vars(self.args),
+            "history": self.history,
+            "epoch_seconds": self.epoch_seconds,
+            "epoch_elapsed": elapsed,
+            "global_batch": self._global_batch(),
+            "train_samples": self._train_samples(),
+            "losses": self.losses.state_dict(),
+            "best": self.best.state_dict(),
+        }
+        self._last_save = (
+            self.step,
+            self.writer.save(
+                self.output_dir,
+                self.step,
+                self.model,
+                self.optimizer,
+                self.lr_scheduler,
+                meta,
+                self.keep_last,
+                self.best.save_into,
+            ),
+        )
         return self._last_save[1]
 
     def _preempt(self):
@@ -222,14 +294,18 @@ class TrainingLoop:
         path = self._last_save[1] if self._last_save[0] == self.step else self.save()
         self.writer.wait()
         self.preemption.stopping()
-        raise Preempted(f"stopped on SIGTERM at step {self.step} of {self.max_train_steps}, saved {path}; resume "
-                        f"with: {resume_command()}")
+        raise Preempted(
+            f"stopped on SIGTERM at step {self.step} of {self.max_train_steps}, saved {path}; resume "
+            f"with: {resume_command()}"
+        )
 
     # ------------------------------------------------------------------------------ resume: the same run
     def _global_batch(self):
-        return {"per_device_train_batch_size": self.args.per_device_train_batch_size,
-                "num_processes": self.accelerator.num_processes,
-                "gradient_accumulation_steps": self.args.gradient_accumulation_steps}
+        return {
+            "per_device_train_batch_size": self.args.per_device_train_batch_size,
+            "num_processes": self.accelerator.num_processes,
+            "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+        }
 
     def _train_samples(self):
         if self.sharded:
@@ -254,13 +330,21 @@ class TrainingLoop:
         self.losses.check(self.model, self.step)  # no final model of a run whose numbers went bad
         # wall: since the loop was built, as printed below; train: from the first batch to the last
         # evaluation of this invocation; each epoch's training alone: epoch_seconds and history
-        results = {**self.history[-1], "world_size": self.accelerator.num_processes,
-                   "global_batch_size": self.global_batch_size, "epoch_seconds": self.epoch_seconds,
-                   "wall_seconds": time.perf_counter() - self.t_start, "train_seconds": self.train_seconds,
-                   "history": self.history, "resumed_from": self.resumed_from,
-                   "train_samples_per_second": self.samples_per_second(),
-                   **({"skipped_steps": self.losses.skipped_steps} if self.losses.skipped_steps else {}),
-                   **({"stopped_early": True} if self.best.stopped else {}), **self.best.results(), **(extra or {})}
+        results = {
+            **self.history[-1],
+            "world_size": self.accelerator.num_processes,
+            "global_batch_size": self.global_batch_size,
+            "epoch_seconds": self.epoch_seconds,
+            "wall_seconds": time.perf_counter() - self.t_start,
+            "train_seconds": self.train_seconds,
+            "history": self.history,
+            "resumed_from": self.resumed_from,
+            "train_samples_per_second": self.samples_per_second(),
+            **({"skipped_steps": self.losses.skipped_steps} if self.losses.skipped_steps else {}),
+            **({"stopped_early": True} if self.best.stopped else {}),
+            **self.best.results(),
+            **(extra or {}),
+        }
         if self.frozen and save_model is None:
             raise ValueError("a model with frozen weights needs save_model: the run's weights hold only what trains")
         # the best evaluation's weights (already on disk) or the last step's (a collective under FSDP2)
@@ -277,10 +361,14 @@ class TrainingLoop:
             plot_metrics(self.output_dir, self.headline)  # on the main process only: a warning prints once
         headline = {k: results[k] for k in (self.headline, "eval_samples") if k in results}
         best = results.get("best_model", {"step": self.step})
-        model = "" if best["step"] == self.step else f" model=step {best['step']}'s ({best['metric']}={best['value']:.4f})"
-        self.accelerator.print(f"final {format_metrics(headline)}{model} wall_seconds={results['wall_seconds']:.1f} "
-                               f"(training {self.train_seconds:.1f}) samples_per_second="
-                               f"{results['train_samples_per_second']:.0f} -> {self.output_dir}")
+        model = (
+            "" if best["step"] == self.step else f" model=step {best['step']}'s ({best['metric']}={best['value']:.4f})"
+        )
+        self.accelerator.print(
+            f"final {format_metrics(headline)}{model} wall_seconds={results['wall_seconds']:.1f} "
+            f"(training {self.train_seconds:.1f}) samples_per_second="
+            f"{results['train_samples_per_second']:.0f} -> {self.output_dir}"
+        )
         self.accelerator.wait_for_everyone()
         self.metrics.finish()
         self._release()

@@ -6,6 +6,7 @@ run on every rank at the same point with one line, before anything of the bad mo
 --nonfinite_loss skip, an optimizer step whose gradients are not finite on some rank changes
 nothing instead (that check is a sync per step, which is why it is not the default).
 """
+
 import torch
 from accelerate.utils import gather_object
 
@@ -29,8 +30,10 @@ class LossWatch:
         which only `skip` lets through, are left out)."""
         losses = self._stacked()
         finite = torch.isfinite(losses)
-        total = self.accelerator.reduce(torch.stack([torch.where(finite, losses, 0.0).sum(), finite.sum().float(),
-                                                     (~finite).sum().float()]), reduction="sum").tolist()
+        total = self.accelerator.reduce(
+            torch.stack([torch.where(finite, losses, 0.0).sum(), finite.sum().float(), (~finite).sum().float()]),
+            reduction="sum",
+        ).tolist()
         if total[2] and self.mode == "stop":
             self._stop_nonfinite(losses)
         self.losses, self.steps = [], []
@@ -41,8 +44,11 @@ class LossWatch:
         finite (and every parameter of `model`), on every rank; one collective."""
         device = self.accelerator.device
         losses = self._stacked() if self.losses else None
-        bad_loss = (~torch.isfinite(losses)).sum().float() if losses is not None and self.mode == "stop" else \
-            torch.zeros((), device=device)
+        bad_loss = (
+            (~torch.isfinite(losses)).sum().float()
+            if losses is not None and self.mode == "stop"
+            else torch.zeros((), device=device)
+        )
         bad_weights = torch.zeros((), device=device)
         for p in model.parameters() if model is not None else ():
             p = p.detach()
@@ -93,14 +99,18 @@ class LossWatch:
         first = torch.where(torch.isfinite(losses), torch.inf, steps).min().reshape(1)
         step = int(self.accelerator.gather(first).min().item())
         local = losses[~torch.isfinite(losses)]
-        self._stop(f"the training loss became non-finite at step {step}" + (f" ({local[0].item()})" if len(local) else ""))
+        self._stop(
+            f"the training loss became non-finite at step {step}" + (f" ({local[0].item()})" if len(local) else "")
+        )
 
     def _stop(self, what, skip_hint=True):
         found = list_checkpoints(self.output_dir)
         kept = f"the last checkpoint, {found[-1]}, was saved before it" if found else "no checkpoint was saved"
-        fail(f"{what}: stopping, with no final model written; {kept}. Usual causes: a learning rate too high "
-             "for this model and batch (--learning_rate), fp16 overflow (bf16 or fp32 avoid it), NaN or infinite "
-             "values in the data" + (". To skip such steps instead, pass --nonfinite_loss skip" if skip_hint else ""))
+        fail(
+            f"{what}: stopping, with no final model written; {kept}. Usual causes: a learning rate too high "
+            "for this model and batch (--learning_rate), fp16 overflow (bf16 or fp32 avoid it), NaN or infinite "
+            "values in the data" + (". To skip such steps instead, pass --nonfinite_loss skip" if skip_hint else "")
+        )
 
     def _skip_step(self, optimizer, args, kwargs):
         """An optimizer pre-step hook: gradients that are not finite on some rank are dropped on every

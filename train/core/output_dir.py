@@ -9,6 +9,7 @@
   once the new run has saved its first checkpoint or finished: a new run that fails early leaves
   the earlier one in reach.
 """
+
 import contextlib
 import json
 import os
@@ -25,11 +26,32 @@ MARKER = "run.json"
 REPLACED = "replaced_run"
 # every entry a run writes in its output folder (labels.json: image_classification.py's class names; the
 # second line: a Hugging Face model folder, text_classification.py's, config, adapter and the tokenizer's files)
-RUN_ENTRIES = ("checkpoints", "tensorboard", "metrics.jsonl", "curves.png", "all_results.json",
-               "model.safetensors", "args.json", "labels.json", "best_model.safetensors", "confusion.png",
-               "config.json", "generation_config.json", "adapter", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt",
-               "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja")
+RUN_ENTRIES = (
+    "checkpoints",
+    "tensorboard",
+    "metrics.jsonl",
+    "curves.png",
+    "all_results.json",
+    "model.safetensors",
+    "args.json",
+    "labels.json",
+    "best_model.safetensors",
+    "confusion.png",
+    "config.json",
+    "generation_config.json",
+    "adapter",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+)
 
 _held = {}  # folder -> FolderLock held by this process
 
@@ -53,9 +75,15 @@ def check_output_dir(out, resume=None, overwrite=False):
     if resume not in (None, "latest") and not os.path.isfile(os.path.join(resume, "meta.json")):
         # a step typed without its zeros (step_20 for step_00000020), or the run's folder itself
         near = list_checkpoints(os.path.dirname(os.path.dirname(os.path.normpath(resume)))) or list_checkpoints(resume)
-        fail(f"--resume_from_checkpoint {resume} is not a checkpoint (no meta.json there); pass "
-             + (f"one of {', '.join(near[-3:])} (the newest last)" if near else "an OUTPUT_DIR/checkpoints/step_N folder")
-             + " or 'latest'")
+        fail(
+            f"--resume_from_checkpoint {resume} is not a checkpoint (no meta.json there); pass "
+            + (
+                f"one of {', '.join(near[-3:])} (the newest last)"
+                if near
+                else "an OUTPUT_DIR/checkpoints/step_N folder"
+            )
+            + " or 'latest'"
+        )
     if os.path.exists(out) and not os.path.isdir(out):
         fail(f"--output_dir {out} is a file, not a folder; pass another --output_dir")
     if overwrite and resume:
@@ -66,8 +94,10 @@ def check_output_dir(out, resume=None, overwrite=False):
     # existed is still recognised as one
     if present and not os.path.isfile(os.path.join(out, MARKER)) and not checkpoints:
         # not written by these scripts: never written over
-        fail(f"--output_dir {out} holds {', '.join(present)} but no {MARKER}, so it is not a run of these scripts "
-             "and nothing in it will be written over or deleted; pass another --output_dir, or move those away")
+        fail(
+            f"--output_dir {out} holds {', '.join(present)} but no {MARKER}, so it is not a run of these scripts "
+            "and nothing in it will be written over or deleted; pass another --output_dir, or move those away"
+        )
     results = os.path.join(out, "all_results.json")
     weights = os.path.isfile(os.path.join(out, "model.safetensors"))
     holds_run = os.path.isfile(results) or weights or os.path.isdir(os.path.join(out, "checkpoints"))
@@ -83,25 +113,39 @@ def check_output_dir(out, resume=None, overwrite=False):
             step = "unreadable all_results.json"
         if resume:
             if first_local_process():
-                elsewhere = (f"; to continue it elsewhere, --resume_from_checkpoint {checkpoints[-1]} with another "
-                             "--output_dir" if checkpoints else "")
-                print(f"{out} holds a finished run ({step}); nothing to resume, nothing changed. To train it again "
-                      f"pass --overwrite_output_dir{elsewhere}", flush=True)
+                elsewhere = (
+                    f"; to continue it elsewhere, --resume_from_checkpoint {checkpoints[-1]} with another --output_dir"
+                    if checkpoints
+                    else ""
+                )
+                print(
+                    f"{out} holds a finished run ({step}); nothing to resume, nothing changed. To train it again "
+                    f"pass --overwrite_output_dir{elsewhere}",
+                    flush=True,
+                )
             sys.exit(0)
-        fail(f"--output_dir {out} holds a finished run ({step}); pass --overwrite_output_dir to replace it, or "
-             "another --output_dir")
+        fail(
+            f"--output_dir {out} holds a finished run ({step}); pass --overwrite_output_dir to replace it, or "
+            "another --output_dir"
+        )
     if checkpoints:
         if not resume:
-            fail(f"--output_dir {out} holds an unfinished run with checkpoints up to {os.path.basename(checkpoints[-1])}"
-                 "; pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir to replace it, or "
-                 "another --output_dir")
+            fail(
+                f"--output_dir {out} holds an unfinished run with checkpoints up to {os.path.basename(checkpoints[-1])}"
+                "; pass --resume_from_checkpoint latest to continue it, --overwrite_output_dir to replace it, or "
+                "another --output_dir"
+            )
     elif weights:
-        fail(f"--output_dir {out} holds a run's weights (model.safetensors) but no checkpoint, so it cannot be "
-             "resumed; pass --overwrite_output_dir to replace it, or another --output_dir")
+        fail(
+            f"--output_dir {out} holds a run's weights (model.safetensors) but no checkpoint, so it cannot be "
+            "resumed; pass --overwrite_output_dir to replace it, or another --output_dir"
+        )
     elif not resume:
-        fail(f"--output_dir {out} holds a run that stopped before its first checkpoint{kept}; pass "
-             "--resume_from_checkpoint latest to start it again from step 0, --overwrite_output_dir to replace it, "
-             "or another --output_dir")
+        fail(
+            f"--output_dir {out} holds a run that stopped before its first checkpoint{kept}; pass "
+            "--resume_from_checkpoint latest to start it again from step 0, --overwrite_output_dir to replace it, "
+            "or another --output_dir"
+        )
 
 
 def claim_output_dir(accelerator, out, task, resume=None, overwrite=False):
@@ -144,9 +188,15 @@ def _claim(out, task, resume, overwrite):
         from train.core.tracking import write_json
 
         if not os.path.isfile(os.path.join(out, MARKER)):
-            write_json(os.path.join(out, MARKER), {
-                "written_by": f"train/{task}.py of the accelerate training recipes", "created": time.time(),
-                "entries": list(RUN_ENTRIES), "note": "--overwrite_output_dir replaces only these entries"})
+            write_json(
+                os.path.join(out, MARKER),
+                {
+                    "written_by": f"train/{task}.py of the accelerate training recipes",
+                    "created": time.time(),
+                    "entries": list(RUN_ENTRIES),
+                    "note": "--overwrite_output_dir replaces only these entries",
+                },
+            )
     except BaseException:
         lock.release()
         raise
@@ -191,15 +241,20 @@ def _set_aside(out):
         for name in _entries(out):
             path = os.path.join(out, name)
             shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
-        print(f"removed the unfinished run in {out}; the run it replaced stays in {aside} until this one saves a "
-              "checkpoint or finishes", flush=True)
+        print(
+            f"removed the unfinished run in {out}; the run it replaced stays in {aside} until this one saves a "
+            "checkpoint or finishes",
+            flush=True,
+        )
         return
     os.makedirs(aside + ".tmp", exist_ok=True)
     for name in _entries(out):
         os.replace(os.path.join(out, name), os.path.join(aside + ".tmp", name))
     os.replace(aside + ".tmp", aside)
-    print(f"moved the earlier run to {aside}; it is deleted when this run saves its first checkpoint or finishes",
-          flush=True)
+    print(
+        f"moved the earlier run to {aside}; it is deleted when this run saves its first checkpoint or finishes",
+        flush=True,
+    )
 
 
 def drop_replaced_run(output_dir):

@@ -13,6 +13,7 @@ agent allows its workers 30 s after passing on a SIGTERM before it kills them. I
 each rank's whole process group: DataLoader workers need a group of their own to survive it
 (data.workers.own_process_group).
 """
+
 import signal
 import threading
 import time
@@ -52,8 +53,9 @@ class Preemption:
             return False
         last_step, last_time = self._last_check or (step - 1, now)
         per_step = (now - last_time) / max(step - last_step, 1)
-        flag, slowest = self.accelerator.reduce(torch.tensor([float(self.requested), per_step],
-                                                             device=self.accelerator.device), reduction="max").tolist()
+        flag, slowest = self.accelerator.reduce(
+            torch.tensor([float(self.requested), per_step], device=self.accelerator.device), reduction="max"
+        ).tolist()
         self._last_check = step, now
         self._next_check = step + max(1, min(self.MAX_STEPS_BETWEEN, int(self.CHECK_SECONDS / max(slowest, 1e-9))))
         return flag > 0

@@ -5,6 +5,7 @@ Every process of an `accelerate launch` parses the same argv and meets the same 
 error printed by each would appear N times; before any process group exists, the only way to pick
 one printer is the LOCAL_RANK that torchrun sets (absent outside torchrun: a single process).
 """
+
 import os
 import shlex
 import signal
@@ -62,7 +63,8 @@ def _say_after_launcher(message):
     descriptor and writes the line the moment it has exited. False (write it now) where that cannot
     be: no agent, no pidfd_open, or the agent will restart the workers rather than exit."""
     restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) > int(
-        os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)
+    )
     if not _under_elastic_agent() or restarts_left or os.getppid() == 1:
         return False
     try:
@@ -70,8 +72,13 @@ def _say_after_launcher(message):
     except (AttributeError, OSError):
         return False
     try:
-        subprocess.Popen([sys.executable, "-I", "-S", "-c", _AFTER_LAUNCHER, str(pidfd), message + "\n"],
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, pass_fds=(pidfd,), cwd="/")
+        subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _AFTER_LAUNCHER, str(pidfd), message + "\n"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            pass_fds=(pidfd,),
+            cwd="/",
+        )
         return True
     except OSError:
         return False
@@ -125,13 +132,14 @@ def launcher_argv():
         return None
     argv = argv[:cut]
     for i, a in enumerate(argv):
-        if (a == "-m" and argv[i + 1:i + 2] == ["accelerate.commands.launch"]) or os.path.basename(a) == \
-                "accelerate-launch":
-            return ["accelerate", "launch", *argv[i + (2 if a == "-m" else 1):]]
-        if a == "-m" and argv[i + 1:i + 2] == ["accelerate.commands.accelerate_cli"]:
-            return ["accelerate", *argv[i + 2:]]
+        if (a == "-m" and argv[i + 1 : i + 2] == ["accelerate.commands.launch"]) or os.path.basename(
+            a
+        ) == "accelerate-launch":
+            return ["accelerate", "launch", *argv[i + (2 if a == "-m" else 1) :]]
+        if a == "-m" and argv[i + 1 : i + 2] == ["accelerate.commands.accelerate_cli"]:
+            return ["accelerate", *argv[i + 2 :]]
         if os.path.basename(a) in ("accelerate", "torchrun"):
-            return [os.path.basename(a), *argv[i + 1:]]
+            return [os.path.basename(a), *argv[i + 1 :]]
     return None
 
 

@@ -1,6 +1,7 @@
 """The life of a run: one call sets it up (start_run), and run() is how it ends, whatever happens:
 a result and a clean teardown, one line for a user's error or a full disk, the resume command for
 Ctrl-C. Scripts only declare `main(args)` and call `run(main, parse_args())`."""
+
 import errno
 import gc
 import os
@@ -16,8 +17,14 @@ from data.errors import UserError, fail
 from train.core.accelerator import announce, make_accelerator
 from train.core.output_dir import check_output_dir, claim_output_dir, list_checkpoints
 from train.core.preemption import Preempted
-from train.core.process import (die_with_launcher, exit_once, first_local_process, resume_command, run_failure_hooks,
-                                run_teardown)
+from train.core.process import (
+    die_with_launcher,
+    exit_once,
+    first_local_process,
+    resume_command,
+    run_failure_hooks,
+    run_teardown,
+)
 
 
 def start_run(args, task, **accelerator_kwargs):
@@ -36,8 +43,10 @@ def start_run(args, task, **accelerator_kwargs):
     if args.global_batch_size:
         per_step = accelerator.num_processes * args.gradient_accumulation_steps
         if args.global_batch_size % per_step:
-            fail(f"--global_batch_size {args.global_batch_size} is not a multiple of {accelerator.num_processes} "
-                 f"processes x {args.gradient_accumulation_steps} accumulation steps; pass a multiple of {per_step}")
+            fail(
+                f"--global_batch_size {args.global_batch_size} is not a multiple of {accelerator.num_processes} "
+                f"processes x {args.gradient_accumulation_steps} accumulation steps; pass a multiple of {per_step}"
+            )
         args.per_device_train_batch_size = args.global_batch_size // per_step
     announce(accelerator, args.per_device_train_batch_size, args.gradient_accumulation_steps, args.mixed_precision)
     if args.full_determinism:
@@ -45,8 +54,10 @@ def start_run(args, task, **accelerator_kwargs):
     compiled = accelerator.state.dynamo_plugin
     if compiled.backend.value != "NO":
         decided = "--torch_compile" if args.torch_compile or args.torch_compile_mode else "the accelerate config"
-        accelerator.print(f"torch_compile: {compiled.backend.value.lower()}, mode {compiled.mode} ({decided}); "
-                          "the first steps wait for the compiler")
+        accelerator.print(
+            f"torch_compile: {compiled.backend.value.lower()}, mode {compiled.mode} ({decided}); "
+            "the first steps wait for the compiler"
+        )
     claim_output_dir(accelerator, args.output_dir, task, args.resume_from_checkpoint, args.overwrite_output_dir)
     return accelerator
 
@@ -76,33 +87,49 @@ NO_DETERMINISTIC_KERNEL = "does not have a deterministic implementation"  # torc
 
 
 # a file the run could not write, in words, by errno; EACCES/EPERM may also be a read (of --data_dir, say)
-DISK_FAULTS = {errno.ENOSPC: "no space left on device writing {}", errno.EDQUOT: "disk quota exceeded writing {}",
-               errno.EROFS: "read-only file system: cannot write {}", errno.EACCES: "permission denied: {}",
-               errno.EPERM: "operation not permitted: {}"}
+DISK_FAULTS = {
+    errno.ENOSPC: "no space left on device writing {}",
+    errno.EDQUOT: "disk quota exceeded writing {}",
+    errno.EROFS: "read-only file system: cannot write {}",
+    errno.EACCES: "permission denied: {}",
+    errno.EPERM: "operation not permitted: {}",
+}
 
 
 def disk_fault(error, output_dir):
     """The one line for an OSError in DISK_FAULTS: what, where, and what to do."""
     path = error.filename or error.filename2 or output_dir
-    inside = output_dir is not None and path is not None and os.path.commonpath(
-        [os.path.abspath(path), os.path.abspath(output_dir)]) == os.path.abspath(output_dir)
-    advice = ("free space or pass another --output_dir" if error.errno in (errno.ENOSPC, errno.EDQUOT) else
-              "pass another --output_dir" if inside else "check its permissions")
+    inside = (
+        output_dir is not None
+        and path is not None
+        and os.path.commonpath([os.path.abspath(path), os.path.abspath(output_dir)]) == os.path.abspath(output_dir)
+    )
+    advice = (
+        "free space or pass another --output_dir"
+        if error.errno in (errno.ENOSPC, errno.EDQUOT)
+        else "pass another --output_dir"
+        if inside
+        else "check its permissions"
+    )
     return f"error: {DISK_FAULTS[error.errno].format(path)}; {advice}"
 
 
 def resume_point(args):
     """The newest checkpoint and the command that resumes from it, for a run that stops unsaved."""
     found = list_checkpoints(args.output_dir) if args.output_dir else []
-    where = (f"last checkpoint {found[-1]}" if found else
-             "no checkpoint yet (--checkpointing_steps saves them), so a resume starts from step 0")
+    where = (
+        f"last checkpoint {found[-1]}"
+        if found
+        else "no checkpoint yet (--checkpointing_steps saves them), so a resume starts from step 0"
+    )
     return f"{where}; resume with: {resume_command()}"
 
 
 def lost_peer(error):
     """'host (address)' when `error` is gloo's for a peer whose connection closed or broke, else None."""
-    found = re.search(r"(?:closed by peer|Read error|Write error|Connection reset)[^\[]*\[([0-9a-fA-F.:]+)\]:\d+",
-                      str(error))
+    found = re.search(
+        r"(?:closed by peer|Read error|Write error|Connection reset)[^\[]*\[([0-9a-fA-F.:]+)\]:\d+", str(error)
+    )
     if not found:
         return None
     try:
@@ -138,12 +165,22 @@ def run(main, args):
     except RuntimeError as e:
         peer = lost_peer(e)  # a process of another node died, or the link to it: no traceback per rank
         if peer:
-            message, code = (f"error: lost contact with {peer} in a collective: its process died or the network to "
-                             f"it failed; stopped without saving; {resume_point(args)}"), 1
+            message, code = (
+                (
+                    f"error: lost contact with {peer} in a collective: its process died or the network to "
+                    f"it failed; stopped without saving; {resume_point(args)}"
+                ),
+                1,
+            )
         elif getattr(args, "full_determinism", False) and NO_DETERMINISTIC_KERNEL in str(e):
             op = str(e).split(NO_DETERMINISTIC_KERNEL)[0].strip()
-            message, code = (f"error: --full_determinism: {op} has no deterministic kernel on this device; run "
-                             "without --full_determinism (a rerun then agrees to rounding, not to the bit)"), 1
+            message, code = (
+                (
+                    f"error: --full_determinism: {op} has no deterministic kernel on this device; run "
+                    "without --full_determinism (a rerun then agrees to rounding, not to the bit)"
+                ),
+                1,
+            )
         else:
             raise
     except KeyboardInterrupt:

@@ -5,6 +5,7 @@ constant, linear and cosine are written here (every script has them without tran
 starts at lr/(W+1), not at 0 as transformers' does (a step at lr 0 changes nothing), and constant
 keeps its warmup (transformers calls that constant_with_warmup). Every other name of transformers'
 schedules is transformers.get_scheduler's, with --lr_scheduler_kwargs for the ones that take more."""
+
 import math
 
 import torch
@@ -13,8 +14,15 @@ from data.errors import fail
 
 OURS = ("constant", "linear", "cosine")
 # transformers' SchedulerType names but the two stepped by a metric (reduce_lr_on_plateau, greedy)
-TRANSFORMERS = ("constant_with_warmup", "cosine_with_restarts", "polynomial", "inverse_sqrt", "cosine_with_min_lr",
-                "cosine_warmup_with_min_lr", "warmup_stable_decay")
+TRANSFORMERS = (
+    "constant_with_warmup",
+    "cosine_with_restarts",
+    "polynomial",
+    "inverse_sqrt",
+    "cosine_with_min_lr",
+    "cosine_warmup_with_min_lr",
+    "warmup_stable_decay",
+)
 SCHEDULES = OURS + TRANSFORMERS
 
 
@@ -22,8 +30,10 @@ def plan_steps(batches_per_epoch, gradient_accumulation_steps, num_train_epochs,
     """(max_train_steps, num_train_epochs) from the per-process batch count of the prepared loader."""
     steps_per_epoch = math.ceil(batches_per_epoch / gradient_accumulation_steps)
     if steps_per_epoch == 0:
-        fail("the training set is smaller than one global batch; lower "
-             "--per_device_train_batch_size or use more training samples")
+        fail(
+            "the training set is smaller than one global batch; lower "
+            "--per_device_train_batch_size or use more training samples"
+        )
     max_train_steps = max_train_steps or num_train_epochs * steps_per_epoch
     return max_train_steps, math.ceil(max_train_steps / steps_per_epoch)
 
@@ -39,11 +49,18 @@ def make_scheduler(optimizer, name, num_warmup_steps, num_training_steps, kwargs
         from transformers import get_scheduler
 
         try:
-            return get_scheduler(name, optimizer, num_warmup_steps=num_warmup_steps,
-                                 num_training_steps=num_training_steps, scheduler_specific_kwargs=kwargs or {})
+            return get_scheduler(
+                name,
+                optimizer,
+                num_warmup_steps=num_warmup_steps,
+                num_training_steps=num_training_steps,
+                scheduler_specific_kwargs=kwargs or {},
+            )
         except (TypeError, ValueError) as e:
-            fail(f"--lr_scheduler_type {name}: {' '.join(str(e).split())[:200]}; pass what it needs as "
-                 "--lr_scheduler_kwargs '{\"name\": value}' (transformers' scheduler arguments)")
+            fail(
+                f"--lr_scheduler_type {name}: {' '.join(str(e).split())[:200]}; pass what it needs as "
+                "--lr_scheduler_kwargs '{\"name\": value}' (transformers' scheduler arguments)"
+            )
     if kwargs:
         fail(f"--lr_scheduler_kwargs: --lr_scheduler_type {name} takes none; leave them out")
 

@@ -10,6 +10,7 @@ the metadata is read by an unpickler that builds DCP's metadata classes and noth
 values by torch.load(weights_only=True). The metadata is checked against the model before any
 tensor is read, so another model's checkpoint, a missing shard or a cut-short one is one line.
 """
+
 import contextlib
 import functools
 import io
@@ -27,9 +28,16 @@ STATE = "state"  # the DCP folder inside a checkpoint
 
 # what DCP 2.15 pickles into .metadata (read from its own save), and nothing more
 _ALLOWED = {
-    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                                              "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
-                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
     "torch": {"Size"},
@@ -40,7 +48,9 @@ _ALLOWED = {
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
-        if name in _ALLOWED.get(module, ()) or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        if name in _ALLOWED.get(module, ()) or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
 
@@ -64,10 +74,12 @@ def _checked():
             except pickle.UnpicklingError as e:
                 fail(f"refused to load {path}: {e}; it was not written by these scripts; delete that checkpoint")
             except Exception as e:  # a damaged file meets the unpickler as EOFError, ValueError, ...
-                fail(f"{path} is unreadable ({type(e).__name__}); delete that checkpoint and resume from an "
-                     "earlier one")
+                fail(
+                    f"{path} is unreadable ({type(e).__name__}); delete that checkpoint and resume from an earlier one"
+                )
             if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata does
                 from torch.distributed.checkpoint.metadata import StorageMeta
+
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
@@ -79,8 +91,10 @@ def _checked():
             try:
                 loaded = torch.load(value, weights_only=True)
             except pickle.UnpicklingError as e:
-                fail(f"refused a value of {read_item.dest_index.fqn} in a checkpoint: it holds pickled objects "
-                     f"({str(e).splitlines()[0]}); delete that checkpoint")
+                fail(
+                    f"refused a value of {read_item.dest_index.fqn} in a checkpoint: it holds pickled objects "
+                    f"({str(e).splitlines()[0]}); delete that checkpoint"
+                )
             super().load_bytes(read_item, io.BytesIO(_as_bytes(loaded)))
 
     return CheckedReader, CheckedPlanner
@@ -111,8 +125,10 @@ def sharded_state(model, optimizer):
 
     # collectives under FSDP2; DTensor shards there, whole tensors under DDP or in one process. The
     # parameters that train only: frozen ones come back from where the script built them
-    return {"model": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True)),
-            "optimizer": get_optimizer_state_dict(model, optimizer)}
+    return {
+        "model": get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True)),
+        "optimizer": get_optimizer_state_dict(model, optimizer),
+    }
 
 
 @contextlib.contextmanager
@@ -197,14 +213,25 @@ def _describe(checkpoint_path, metadata, state):
     tensors = dict(_tensors(state))
     missing = [k for k in tensors if k not in stored]
     extra = [k for k in stored if k.startswith("model.") and k not in tensors]
-    wrong = [f"{k} {tuple(stored[k].size)} vs {tuple(v.shape)}" for k, v in tensors.items()
-             if k in stored and hasattr(stored[k], "size") and tuple(stored[k].size) != tuple(v.shape)]
+    wrong = [
+        f"{k} {tuple(stored[k].size)} vs {tuple(v.shape)}"
+        for k, v in tensors.items()
+        if k in stored and hasattr(stored[k], "size") and tuple(stored[k].size) != tuple(v.shape)
+    ]
     if missing or extra or wrong:
-        detail = "; ".join(filter(None, [
-            f"this model has {len(missing)} tensors it lacks, e.g. {missing[0]}" if missing else "",
-            f"it holds {len(extra)} this model has not, e.g. {extra[0]}" if extra else "",
-            f"shapes differ: {wrong[0]}" if wrong else ""]))
-        return f"{checkpoint_path} does not fit this model ({detail}); resume with the model arguments it was saved with"
+        detail = "; ".join(
+            filter(
+                None,
+                [
+                    f"this model has {len(missing)} tensors it lacks, e.g. {missing[0]}" if missing else "",
+                    f"it holds {len(extra)} this model has not, e.g. {extra[0]}" if extra else "",
+                    f"shapes differ: {wrong[0]}" if wrong else "",
+                ],
+            )
+        )
+        return (
+            f"{checkpoint_path} does not fit this model ({detail}); resume with the model arguments it was saved with"
+        )
     for info in {(i.relative_path, i.offset + i.length) for i in metadata.storage_data.values()}:
         if os.path.basename(info[0]) != info[0] or info[0] in ("", ".", ".."):  # a crafted path out of state/
             return f"refused to load {checkpoint_path}: its metadata names the file {info[0]!r} outside {STATE}/"
@@ -212,8 +239,10 @@ def _describe(checkpoint_path, metadata, state):
         if not os.path.isfile(file):
             return f"{checkpoint_path} is missing the shard {STATE}/{info[0]}; delete that checkpoint and resume from an earlier one"
         if os.path.getsize(file) < info[1]:
-            return (f"{checkpoint_path}: its shard {STATE}/{info[0]} is cut short ({os.path.getsize(file)} of at least "
-                    f"{info[1]} bytes); delete that checkpoint and resume from an earlier one")
+            return (
+                f"{checkpoint_path}: its shard {STATE}/{info[0]} is cut short ({os.path.getsize(file)} of at least "
+                f"{info[1]} bytes); delete that checkpoint and resume from an earlier one"
+            )
     return None
 
 
@@ -226,14 +255,18 @@ def load_sharded(checkpoint_path, model, optimizer):
     CheckedReader, CheckedPlanner = _checked()
     reader = CheckedReader(os.path.join(checkpoint_path, STATE))
     if not os.path.isfile(os.path.join(checkpoint_path, STATE, ".metadata")):
-        fail(f"{checkpoint_path} has no {STATE}/.metadata: it is not a complete sharded checkpoint; delete it and "
-             "resume from an earlier one")
+        fail(
+            f"{checkpoint_path} has no {STATE}/.metadata: it is not a complete sharded checkpoint; delete it and "
+            "resume from an earlier one"
+        )
     state, metadata = sharded_state(model, optimizer), reader.read_metadata()
     # get_optimizer_state_dict gives a fresh optimizer state for every trainable parameter; a
     # parameter that had no gradient before the save has none in the checkpoint, and keeps none
     saved = metadata.state_dict_metadata
     for name, values in list(state["optimizer"]["state"].items()):
-        for key in [k for k, v in values.items() if isinstance(v, torch.Tensor) and f"optimizer.state.{name}.{k}" not in saved]:
+        for key in [
+            k for k, v in values.items() if isinstance(v, torch.Tensor) and f"optimizer.state.{name}.{k}" not in saved
+        ]:
             del values[key]
         if not values:
             del state["optimizer"]["state"][name]
@@ -247,8 +280,10 @@ def load_sharded(checkpoint_path, model, optimizer):
         cause = _cause(e)
         if isinstance(cause, UserError):
             raise cause from None
-        fail(f"{checkpoint_path} is unreadable ({type(cause).__name__}: {' '.join(str(cause).split())[:160]}); "
-             "delete that checkpoint and resume from an earlier one")
+        fail(
+            f"{checkpoint_path} is unreadable ({type(cause).__name__}: {' '.join(str(cause).split())[:160]}); "
+            "delete that checkpoint and resume from an earlier one"
+        )
     set_model_state_dict(model, with_frozen(model, state["model"]))
     # not strict: the parameters left without state above (the model's own tensors were checked)
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(strict=False))

@@ -1,6 +1,7 @@
 """What a run leaves behind: metrics.jsonl, the trackers (TensorBoard, ...), curves.png, and the final
 model.safetensors, all_results.json and args.json; and two figures a run reports about its machine
 (a matmul peak, the denominator of mfu; peak memory)."""
+
 import json
 import math
 import os
@@ -73,6 +74,7 @@ def save_tensors(tensors, path):
 
 def save_weights(weights, path):
     """A run's weights file, written whole or not at all, readable as the user's umask allows."""
+
     def write(tmp):
         save_tensors(weights, tmp)
         readable_by_others(tmp)
@@ -85,8 +87,16 @@ def readable_by_others(path):
     umask allows: safetensors creates its files readable by their owner alone, and a team shares them."""
     umask = os.umask(0)  # the only way to read it
     os.umask(umask)
-    files = [path] if os.path.isfile(path) else [os.path.join(root, name) for root, _, names in os.walk(path)
-                                                 for name in names if name.endswith(".safetensors")]
+    files = (
+        [path]
+        if os.path.isfile(path)
+        else [
+            os.path.join(root, name)
+            for root, _, names in os.walk(path)
+            for name in names
+            if name.endswith(".safetensors")
+        ]
+    )
     for file in files:
         os.chmod(file, 0o666 & ~umask)
 
@@ -104,9 +114,17 @@ def save_final(accelerator, weights, output_dir, results, hparams):
 
 # accelerate's trackers and the package each needs (accelerate itself only warns when one is missing,
 # and the run then logs nothing)
-TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet_ml": "comet_ml", "mlflow": "mlflow",
-                    "aim": "aim", "clearml": "clearml", "dvclive": "dvclive", "trackio": "trackio",
-                    "swanlab": "swanlab"}
+TRACKER_PACKAGES = {
+    "tensorboard": "tensorboard",
+    "wandb": "wandb",
+    "comet_ml": "comet_ml",
+    "mlflow": "mlflow",
+    "aim": "aim",
+    "clearml": "clearml",
+    "dvclive": "dvclive",
+    "trackio": "trackio",
+    "swanlab": "swanlab",
+}
 
 
 def tracking_kwargs(with_tracking, report_to, output_dir):
@@ -118,19 +136,26 @@ def tracking_kwargs(with_tracking, report_to, output_dir):
 
     for name in [n.strip() for n in report_to.split(",") if n.strip()]:
         if name != "all" and name not in TRACKER_PACKAGES:
-            fail(f"--report_to {name}: not a tracker accelerate has; pass one or more of "
-                 f"{', '.join(TRACKER_PACKAGES)} (comma-separated), or all")
+            fail(
+                f"--report_to {name}: not a tracker accelerate has; pass one or more of "
+                f"{', '.join(TRACKER_PACKAGES)} (comma-separated), or all"
+            )
         if name != "all" and importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
-            fail(f"--report_to {name}: the {TRACKER_PACKAGES[name]} package is not installed; pip install "
-                 f"{TRACKER_PACKAGES[name]}, or pass --report_to tensorboard")
+            fail(
+                f"--report_to {name}: the {TRACKER_PACKAGES[name]} package is not installed; pip install "
+                f"{TRACKER_PACKAGES[name]}, or pass --report_to tensorboard"
+            )
     names = [n.strip() for n in report_to.split(",") if n.strip()]
     return {"log_with": names if len(names) > 1 else names[0], "project_dir": os.path.join(output_dir, "tensorboard")}
 
 
 def format_metrics(metrics):
     """`k=v` for the numbers and words; what is not (a confusion matrix) stays in the history and metrics.jsonl."""
-    return " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
-                    if isinstance(v, (int, float, str)))
+    return " ".join(
+        f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
+        for k, v in metrics.items()
+        if isinstance(v, (int, float, str))
+    )
 
 
 class MetricsLog:
@@ -138,8 +163,11 @@ class MetricsLog:
     with "step") at a time."""
 
     def __init__(self, accelerator, output_dir, with_tracking):
-        self.accelerator, self.path, self.with_tracking = accelerator, os.path.join(output_dir, "metrics.jsonl"), \
-            with_tracking
+        self.accelerator, self.path, self.with_tracking = (
+            accelerator,
+            os.path.join(output_dir, "metrics.jsonl"),
+            with_tracking,
+        )
 
     def start(self, project_name, hparams, completed_steps):
         """Start the trackers and cut metrics.jsonl back to `completed_steps`, so a resumed run neither
@@ -161,8 +189,9 @@ class MetricsLog:
 
     def log(self, record):
         if self.with_tracking:  # trackers take numbers; a confusion matrix goes to metrics.jsonl only
-            self.accelerator.log({k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))},
-                                 step=record["step"])
+            self.accelerator.log(
+                {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}, step=record["step"]
+            )
         if self.accelerator.is_main_process:
             with open(self.path, "a") as f:
                 f.write(to_json(record) + "\n")
@@ -239,10 +268,14 @@ def plot_metrics(output_dir, metric="eval_accuracy"):
     scale = 100 if percent else 1  # a null (a nan written to the log) stays one, left out of the chart
     headline = [(metric, [(r["step"], r[metric] and r[metric] * scale) for r in evals], True)]
     try:
-        return draw_chart(os.path.join(output_dir, "curves.png"),
-                          [{"title": "loss", "ylabel": "loss", "lines": loss},
-                           {"title": metric.replace("_", " "), "ylabel": metric + (" (%)" if percent else ""),
-                            "lines": headline}], xlabel="optimizer step")
+        return draw_chart(
+            os.path.join(output_dir, "curves.png"),
+            [
+                {"title": "loss", "ylabel": "loss", "lines": loss},
+                {"title": metric.replace("_", " "), "ylabel": metric + (" (%)" if percent else ""), "lines": headline},
+            ],
+            xlabel="optimizer step",
+        )
     except OSError:
         raise
     except Exception as e:  # noqa: BLE001
@@ -269,14 +302,14 @@ def matmul_peak(accelerator, size=1024, seconds=1.0):
             b = a @ a
         b.sum().item()
         runs += per_sync
-    per_process = torch.tensor([2 * size ** 3 * runs / (time.perf_counter() - start)], device=accelerator.device)
+    per_process = torch.tensor([2 * size**3 * runs / (time.perf_counter() - start)], device=accelerator.device)
     return accelerator.reduce(per_process, reduction="sum").item()
 
 
 def peak_memory_mb(accelerator):
     """The largest per-process peak: GPU memory allocated by torch, or the process's resident set on a CPU."""
     if accelerator.device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() / 2 ** 20
+        peak = torch.cuda.max_memory_allocated() / 2**20
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     return accelerator.reduce(torch.tensor([peak], device=accelerator.device), reduction="max").item()

@@ -2,6 +2,7 @@
 `scaled_dot_product_attention`, GELU MLP, learned positions, the output layer tied to the token
 embedding. Written here so the project needs no `transformers`; sizes come from the flags.
 """
+
 import math
 from dataclasses import asdict, dataclass
 
@@ -24,8 +25,9 @@ class GPTConfig:
         """One line per problem, for cli.run to print."""
         if self.n_embd % self.n_head:
             nearest = max(h for h in range(1, self.n_head + 1) if self.n_embd % h == 0)
-            raise ValueError(f"--n_embd {self.n_embd} is not divisible by --n_head {self.n_head}; pick e.g. "
-                             f"--n_head {nearest}")
+            raise ValueError(
+                f"--n_embd {self.n_embd} is not divisible by --n_head {self.n_head}; pick e.g. --n_head {nearest}"
+            )
         if min(self.n_layer, self.n_head, self.n_embd, self.block_size) < 1 or not 0 <= self.dropout < 1:
             raise ValueError("--n_layer, --n_head, --n_embd and --block_size must be positive and --dropout in [0, 1)")
         return self
@@ -49,13 +51,18 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    _no_split_modules = ["Block"]  # FSDP's unit (accelerate's TRANSFORMER_BASED_WRAP), as transformers models name theirs
+    _no_split_modules = [
+        "Block"
+    ]  # FSDP's unit (accelerate's TRANSFORMER_BASED_WRAP), as transformers models name theirs
 
     def __init__(self, config):
         super().__init__()
         self.config = config.check()
         self.gradient_checkpointing = False
-        self.wte, self.wpe = nn.Embedding(config.vocab_size, config.n_embd), nn.Embedding(config.block_size, config.n_embd)
+        self.wte, self.wpe = (
+            nn.Embedding(config.vocab_size, config.n_embd),
+            nn.Embedding(config.block_size, config.n_embd),
+        )
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd)
@@ -98,7 +105,7 @@ class GPT(nn.Module):
     def generate(self, ids, max_new_tokens, temperature=1.0, top_k=None, generator=None):
         """Append max_new_tokens sampled tokens to ids [1, t] (greedy when temperature is 0)."""
         for _ in range(max_new_tokens):
-            logits = self(ids[:, -self.config.block_size:])[:, -1, :]
+            logits = self(ids[:, -self.config.block_size :])[:, -1, :]
             if temperature == 0:
                 next_id = logits.argmax(-1, keepdim=True)
             else:
@@ -116,7 +123,7 @@ def config_dict(config):
 
 
 # logits per piece of the loss on a CPU: 2 MB, so each pass over a piece stays in cache
-CPU_LOSS_CHUNK = 2 ** 19
+CPU_LOSS_CHUNK = 2**19
 
 
 class _PiecewiseCrossEntropy(torch.autograd.Function):
@@ -133,14 +140,14 @@ class _PiecewiseCrossEntropy(torch.autograd.Function):
         losses = torch.empty(len(logits), dtype=torch.float32, device=logits.device)
         row_max, log_sum = torch.empty_like(losses), torch.empty_like(losses)
         for start in range(0, len(logits), rows):
-            piece = logits[start:start + rows].float()
+            piece = logits[start : start + rows].float()
             log_probs = torch.log_softmax(piece, -1)  # one fused kernel; faster here than torch.logsumexp
-            losses[start:start + rows] = -log_probs.gather(1, targets[start:start + rows])[:, 0]
+            losses[start : start + rows] = -log_probs.gather(1, targets[start : start + rows])[:, 0]
             # log-sum-exp = max + log(sum(exp(x - max))), kept as its two terms so the backward subtracts
             # them one after the other, as log-softmax does (one sum loses precision for large logits);
             # the second is minus the log-probability of the largest logit, never far from 0
-            row_max[start:start + rows] = piece.amax(-1)
-            log_sum[start:start + rows] = -log_probs.amax(-1)
+            row_max[start : start + rows] = piece.amax(-1)
+            log_sum[start : start + rows] = -log_probs.amax(-1)
         ctx.save_for_backward(logits, targets, scored, row_max, log_sum)
         ctx.rows = rows
         return losses.masked_fill_(~scored, 0.0)

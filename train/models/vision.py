@@ -1,5 +1,6 @@
 """Image classifiers by name: the built-in `convnet`, small enough to train in minutes on a CPU, or
 any torchvision classification model, from scratch or from a local state dict (no network needed)."""
+
 import difflib
 import json
 import os
@@ -19,8 +20,12 @@ class ConvNet(nn.Module):
         super().__init__()
         layers, c_in = [], 3
         for c_out in channels:
-            layers += [nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True),
-                       nn.MaxPool2d(2)]
+            layers += [
+                nn.Conv2d(c_in, c_out, 3, padding=1, bias=False),
+                nn.BatchNorm2d(c_out),
+                nn.ReLU(inplace=True),
+                nn.MaxPool2d(2),
+            ]
             c_in = c_out
         self.features = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten())
         self.classifier = nn.Linear(c_in, num_classes)
@@ -40,13 +45,17 @@ def check_model_args(name, pretrained_weights=None):
     names = ["convnet", *torchvision_models()]
     if name not in names:
         close = difflib.get_close_matches(name, names, n=3)
-        fail(f"--model {name} is neither convnet nor a torchvision classification model" +
-             (f" (did you mean {', '.join(close)}?)" if close else "") +
-             "; python -c 'import torchvision; print(torchvision.models.list_models(module=torchvision.models))' "
-             "lists them")
+        fail(
+            f"--model {name} is neither convnet nor a torchvision classification model"
+            + (f" (did you mean {', '.join(close)}?)" if close else "")
+            + "; python -c 'import torchvision; print(torchvision.models.list_models(module=torchvision.models))' "
+            "lists them"
+        )
     if pretrained_weights and not os.path.isfile(pretrained_weights):
-        fail(f"--pretrained_weights {pretrained_weights} does not exist; pass a state dict file (.safetensors, .pth "
-             "or .pt)")
+        fail(
+            f"--pretrained_weights {pretrained_weights} does not exist; pass a state dict file (.safetensors, .pth "
+            "or .pt)"
+        )
 
 
 def build_classifier(name, num_classes, image_size):
@@ -72,20 +81,25 @@ def load_pretrained(model, path):
     try:
         if path.endswith(".safetensors"):
             from safetensors.torch import load_file
+
             state = load_file(path)
         else:
             state = torch.load(path, map_location="cpu", weights_only=True)  # a planted pickle is refused, not run
     except pickle.UnpicklingError:
-        fail(f"--pretrained_weights {path} holds pickled objects other than tensors (a whole model saved with "
-             "torch.save(model)?); save model.state_dict() instead, or as .safetensors")
+        fail(
+            f"--pretrained_weights {path} holds pickled objects other than tensors (a whole model saved with "
+            "torch.save(model)?); save model.state_dict() instead, or as .safetensors"
+        )
     except Exception as e:  # torch.load meets a non-torch file with any of KeyError, EOFError, RuntimeError, ...
         fail(f"--pretrained_weights {path} is not a .safetensors, .pth or .pt state dict ({type(e).__name__})")
     state = state.get("state_dict", state.get("model", state)) if isinstance(state, dict) else state
     own = model.state_dict()
     fits = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
     if not fits:
-        fail(f"--pretrained_weights {path}: none of its {len(state)} tensors fits this --model (names or shapes "
-             "differ); pass weights saved from the same architecture")
+        fail(
+            f"--pretrained_weights {path}: none of its {len(state)} tensors fits this --model (names or shapes "
+            "differ); pass weights saved from the same architecture"
+        )
     model.load_state_dict(fits, strict=False)
     return [k for k in own if k not in fits]
 
@@ -103,8 +117,10 @@ def load_trained_classifier(output_dir):
             classes = json.load(f)
         weights = load_file(os.path.join(output_dir, "model.safetensors"))
     except (OSError, ValueError, SafetensorError) as e:
-        fail(f"--output_dir {output_dir} holds no finished image classification run ({' '.join(str(e).split())[:120]})"
-             "; train one there first")
+        fail(
+            f"--output_dir {output_dir} holds no finished image classification run ({' '.join(str(e).split())[:120]})"
+            "; train one there first"
+        )
     model = build_classifier(trained["model"], len(classes), trained["image_size"])
     model.load_state_dict(weights)
     return model.eval().to("cuda" if torch.cuda.is_available() else "cpu"), classes, trained["image_size"]

@@ -1,5 +1,6 @@
 """What a sweep leaves to read: a table of its trials (printed and in SWEEP_DIR/results.md), and
 the optimization history and parameter importances as PNG files."""
+
 import os
 import secrets
 import warnings
@@ -30,17 +31,24 @@ def rows(study):
     for trial in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number):
         folder = trial.user_attrs.get("folder", trial.number)
         resumed = folder in by_folder
-        by_folder[folder] = {"trial": folder, "params": trial.params, "value": trial.value,
-                             "seconds": trial.user_attrs.get("seconds"), "state": trial.state.name,
-                             "resumed": resumed or by_folder.get(folder, {}).get("resumed", False),
-                             "failure": trial.user_attrs.get("failure")}
+        by_folder[folder] = {
+            "trial": folder,
+            "params": trial.params,
+            "value": trial.value,
+            "seconds": trial.user_attrs.get("seconds"),
+            "state": trial.state.name,
+            "resumed": resumed or by_folder.get(folder, {}).get("resumed", False),
+            "failure": trial.user_attrs.get("failure"),
+        }
         if trial.state == TrialState.PRUNED and trial.intermediate_values:
             step = max(trial.intermediate_values)
             by_folder[folder].update(value=trial.intermediate_values[step], pruned_at=step)
     sign = -1 if study.direction.name == "MAXIMIZE" else 1
     order = {"COMPLETE": 0, "PRUNED": 1, "RUNNING": 2, "WAITING": 2, "FAIL": 3}
-    return sorted(by_folder.values(), key=lambda r: (order.get(r["state"], 4),
-                                                      sign * r["value"] if r["value"] is not None else 0, r["trial"]))
+    return sorted(
+        by_folder.values(),
+        key=lambda r: (order.get(r["state"], 4), sign * r["value"] if r["value"] is not None else 0, r["trial"]),
+    )
 
 
 def _fmt(value):
@@ -52,8 +60,10 @@ def _fmt(value):
 def table(study, metric):
     found = rows(study)
     names = sorted({name for row in found for name in row["params"]})
-    lines = ["| trial | " + " | ".join(names) + f" | {metric} | seconds | state |",
-             "|---:|" + "---:|" * len(names) + "---:|---:|---|"]
+    lines = [
+        "| trial | " + " | ".join(names) + f" | {metric} | seconds | state |",
+        "|---:|" + "---:|" * len(names) + "---:|---:|---|",
+    ]
     for row in found:
         state = row["state"].lower()
         if "pruned_at" in row:
@@ -63,8 +73,11 @@ def table(study, metric):
         if row["failure"]:
             state += f": {row['failure'][:80]}"
         value = "" if row["value"] is None else _fmt(row["value"])
-        lines.append(f"| {row['trial']} | " + " | ".join(_fmt(row["params"].get(n, "")) for n in names) +
-                     f" | {value} | {_fmt(row['seconds'] or '')} | {state} |")
+        lines.append(
+            f"| {row['trial']} | "
+            + " | ".join(_fmt(row["params"].get(n, "")) for n in names)
+            + f" | {value} | {_fmt(row['seconds'] or '')} | {state} |"
+        )
     return "\n".join(lines)
 
 
@@ -82,8 +95,10 @@ def plots(study, sweep_dir):
     finished = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # optuna marks its matplotlib plots experimental, on every call
-        for name, draw, enough in (("optimization_history", vis.plot_optimization_history, 1),
-                                   ("param_importances", vis.plot_param_importances, 2)):
+        for name, draw, enough in (
+            ("optimization_history", vis.plot_optimization_history, 1),
+            ("param_importances", vis.plot_param_importances, 2),
+        ):
             if len(finished) < enough:
                 continue
             try:
@@ -103,10 +118,13 @@ def plots(study, sweep_dir):
 def report(study, sweep_dir, sweep):
     text = table(study, sweep["metric"])
     best = next((r for r in rows(study) if r["state"] == "COMPLETE"), None)
-    summary = (f"best: trial {best['trial']}, {sweep['metric']}={_fmt(best['value'])}, "
-               f"{' '.join(f'{k}={_fmt(v)}' for k, v in best['params'].items())} "
-               f"(weights: {sweep_dir}/trials/trial_{best['trial']:04d}/model.safetensors)" if best else
-               "no trial has finished yet")
+    summary = (
+        f"best: trial {best['trial']}, {sweep['metric']}={_fmt(best['value'])}, "
+        f"{' '.join(f'{k}={_fmt(v)}' for k, v in best['params'].items())} "
+        f"(weights: {sweep_dir}/trials/trial_{best['trial']:04d}/model.safetensors)"
+        if best
+        else "no trial has finished yet"
+    )
 
     def write(tmp):
         with open(tmp, "w") as f:
@@ -114,5 +132,7 @@ def report(study, sweep_dir, sweep):
 
     write_whole(os.path.join(sweep_dir, "results.md"), write)
     written = plots(study, sweep_dir)
-    print(f"{text}\n{summary}\ntable: {sweep_dir}/results.md" + (f"; plots: {', '.join(written)}" if written else ""),
-          flush=True)
+    print(
+        f"{text}\n{summary}\ntable: {sweep_dir}/results.md" + (f"; plots: {', '.join(written)}" if written else ""),
+        flush=True,
+    )

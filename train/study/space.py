@@ -15,6 +15,7 @@ from a small YAML file and checked against the script's own flags before any tri
                                  # {name: median, n_startup_trials: 3, n_warmup_steps: 400}
     seed: 0                      # the sampler's (TPE)
 """
+
 import contextlib
 import importlib.util
 import io
@@ -27,8 +28,14 @@ from train.core.best_model import lower_is_better
 
 KEYS = {"script", "accelerate_config", "args", "space", "metric", "direction", "n_trials", "pruner", "seed"}
 # flags the sweep decides for every trial: where it writes, how it resumes, what it reports
-SWEEP_OWNS = {"output_dir", "resume_from_checkpoint", "overwrite_output_dir", "metric_for_best_model",
-              "greater_is_better", "config"}
+SWEEP_OWNS = {
+    "output_dir",
+    "resume_from_checkpoint",
+    "overwrite_output_dir",
+    "metric_for_best_model",
+    "greater_is_better",
+    "config",
+}
 
 
 def load_script(path):
@@ -93,8 +100,10 @@ def _pruner(path, spec):
     options = dict(spec) if isinstance(spec, dict) else {"name": spec}
     name = options.pop("name", None)
     if name not in PRUNERS:
-        fail(f"{path}: pruner {name!r} is not one of {', '.join(PRUNERS)} (a name, or a mapping with name: and the "
-             "pruner's arguments)")
+        fail(
+            f"{path}: pruner {name!r} is not one of {', '.join(PRUNERS)} (a name, or a mapping with name: and the "
+            "pruner's arguments)"
+        )
     if name == "median":
         options.setdefault("n_startup_trials", 3)
     try:
@@ -112,8 +121,10 @@ def _distribution(path, name, spec):
             fail(f"{path}: space.{name} is an empty list of choices")
         return CategoricalDistribution(spec)
     if not isinstance(spec, dict) or not {"low", "high"} <= set(spec) or set(spec) - {"low", "high", "log", "step"}:
-        fail(f"{path}: space.{name} must be a list of choices or {{low: A, high: B}} with optional log: true or "
-             f"step: S, got {spec!r}")
+        fail(
+            f"{path}: space.{name} must be a list of choices or {{low: A, high: B}} with optional log: true or "
+            f"step: S, got {spec!r}"
+        )
     try:
         low, high = (float(spec[k]) if isinstance(spec[k], str) else spec[k] for k in ("low", "high"))
         step, log = spec.get("step"), bool(spec.get("log", False))
@@ -171,7 +182,14 @@ def _parse(module, script, values, what):
 
 def definition(sweep):
     """What makes two sweep commands the same study (compared when a second one joins)."""
-    return json.dumps({"script": os.path.normpath(sweep["script"]), "args": sweep["args"], "metric": sweep["metric"],
-                       "pruner": sweep["pruner_spec"],
-                       "direction": sweep["direction"],
-                       "space": {k: repr(v) for k, v in sorted(sweep["space"].items())}}, sort_keys=True)
+    return json.dumps(
+        {
+            "script": os.path.normpath(sweep["script"]),
+            "args": sweep["args"],
+            "metric": sweep["metric"],
+            "pruner": sweep["pruner_spec"],
+            "direction": sweep["direction"],
+            "space": {k: repr(v) for k, v in sorted(sweep["space"].items())},
+        },
+        sort_keys=True,
+    )

@@ -8,6 +8,7 @@ passes on a SIGTERM instead, which every rank answers by saving a checkpoint at 
 RUNNING trial whose owner's lock is free was interrupted, and the next sweep command resumes it
 from its latest checkpoint (train/sweep.py).
 """
+
 import contextlib
 import fcntl
 import json
@@ -90,9 +91,14 @@ class TrialRun:
         with open(log_path, "a") as log:
             log.write(f"$ {' '.join(command)}\n")
             log.flush()
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            start_new_session=True,
-                                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+            self.process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            )
         self.started = time.monotonic()
 
     def evaluations(self, metric):
