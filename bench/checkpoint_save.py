@@ -42,9 +42,10 @@ def folder_bytes(folder, rank):
 
 
 def worker(args):
+    from concurrent.futures import ThreadPoolExecutor
+
     import torch
     import torch.distributed as dist
-    from concurrent.futures import ThreadPoolExecutor
 
     from train.core.accelerator import Accelerator
     from train.core.checkpoint import save_checkpoint
@@ -104,7 +105,7 @@ def worker(args):
                 "parameters": parameters,
                 "layers": layers,
                 "width": width,
-                "seconds": dict(zip(medians, slowest.tolist())),
+                "seconds": dict(zip(medians, slowest.tolist(), strict=True)),
                 "bytes": gathered,
             }
         )

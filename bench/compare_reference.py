@@ -64,6 +64,7 @@ def torchvision_layout(root, tiny):
                 test.images[:TINY_TEST],
                 test.labels[:TINY_TEST].byte(),
             ),
+            strict=True,
         ):
             write_idx(os.path.join(raw, stem), t)
     else:
@@ -291,7 +292,8 @@ def main(argv=None):
     if "ours_bf16" in runs and "raw_bf16" in runs:
         # Each repeat's two runs are neighbours in time, so their ratio cancels most of the host's drift.
         paired = [
-            raw["epoch_seconds"] / ours["epoch_seconds"] for ours, raw in zip(runs["ours_bf16"], runs["raw_bf16"])
+            raw["epoch_seconds"] / ours["epoch_seconds"]
+            for ours, raw in zip(runs["ours_bf16"], runs["raw_bf16"], strict=True)
         ]
         print(
             f"RATIO ours_bf16 throughput / raw DDP throughput = {median['raw_bf16'] / median['ours_bf16']:.3f} "

@@ -147,7 +147,7 @@ def time_turns(loops, turns, synchronize, steps_per_turn=1, sync_after=False):
 def speed_ratio(ms_per_step, name, base):
     """How fast `name` runs against `base`: by total time, and the median of the per-turn ratios."""
     totals = sum(ms_per_step[base]) / sum(ms_per_step[name])
-    return totals, statistics.median(b / v for b, v in zip(ms_per_step[base], ms_per_step[name]))
+    return totals, statistics.median(b / v for b, v in zip(ms_per_step[base], ms_per_step[name], strict=True))
 
 
 def ratio_line(label, ms_per_step, name, base):

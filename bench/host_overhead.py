@@ -336,7 +336,7 @@ def report(task, ms, phases):
     print("|---|---|---|---|")
     extra = {}
     for name, values in ms.items():
-        diffs = [v - r for v, r in zip(values, raw)]
+        diffs = [v - r for v, r in zip(values, raw, strict=True)]
         extra[name] = statistics.median(diffs)
         print(f"| {name} | {statistics.median(values):.3f} | {extra[name]:+.3f} | {statistics.mean(diffs):+.3f} |")
     print(

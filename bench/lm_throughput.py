@@ -72,10 +72,10 @@ def worker(args):
     from train import lm
     from train.core.accelerator import make_accelerator
     from train.core.cli import reading_workers
-    from train.models.gpt import GPT, GPTConfig, next_token_loss
     from train.core.loop import TrainingLoop
     from train.core.schedule import make_scheduler
     from train.core.tracking import matmul_peak
+    from train.models.gpt import GPT, GPTConfig, next_token_loss
 
     manifest = read_manifest(args.dataset_dir)
     block_size, batch_size = manifest["block_size"], args.per_device_train_batch_size
@@ -251,7 +251,8 @@ def worker(args):
         )
     if dist.is_initialized():
         dist.barrier()
-    del model, optimizer, raw_model, raw_optimizer  # DDP reducers before the gloo group goes (TrainingLoop.close)
+    # DDP reducers before the gloo group goes (TrainingLoop.close); the step closures share these names
+    model = optimizer = raw_model = raw_optimizer = None
     loop.close()
 
 

@@ -201,7 +201,7 @@ def main(argv=None):
         )
     theirs = results["nanoGPT"]
     for name, ms in list(results.items())[1:]:
-        pairs = [t / o for t, o in zip(theirs, ms)]
+        pairs = [t / o for t, o in zip(theirs, ms, strict=True)]
         print(
             f"\nRATIO train/lm.py{name[4:]} steps/s / nanoGPT steps/s = "
             f"{statistics.median(theirs) / statistics.median(ms):.3f} "

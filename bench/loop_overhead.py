@@ -46,7 +46,7 @@ LOG_EVERY = 20  # train/mnist.py's --logging_steps default, which the raw_logged
 
 def worker(args):
     # One function on purpose: the three loops are closures over objects built here, and the DDP
-    # models must be deleted here, at the end, before loop.close() ends the gloo group (a reference
+    # models must be let go here, at the end, before loop.close() ends the gloo group (a reference
     # that outlives it can abort the finished run: TrainingLoop.close).
     import json
 
@@ -124,7 +124,7 @@ def worker(args):
                 losses, t_log = [], time.perf_counter()
         logged_state.update(losses=losses, t_log=t_log)
 
-    # ------------------------------------------------ ours: train/mnist.py's step inside train/core/loop.py's TrainingLoop
+    # ------------------------------------------------ ours: train/mnist.py's step in TrainingLoop (train/core/loop.py)
     model, optimizer, loop = bench.ours("loop_overhead")
     ours_batches = loop.batches()
 
@@ -162,8 +162,8 @@ def worker(args):
                 "logged_steps": logged_steps,
             }
         )
-    # DDP reducers before the gloo group goes (TrainingLoop.close)
-    del model, optimizer, raw_model, raw_optimizer, logged_model, logged_optimizer
+    # DDP reducers before the gloo group goes (TrainingLoop.close); the step closures share these names
+    model = optimizer = raw_model = raw_optimizer = logged_model = logged_optimizer = None
     loop.close()
 
 

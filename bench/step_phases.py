@@ -25,6 +25,7 @@ host drifts between runs: this locates costs, loop_overhead.py measures the tota
 """
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -40,7 +41,7 @@ clock = time.perf_counter
 
 def add(spent, t):
     """Add the clock readings `t`, one between each two phases, to the seconds `spent` per phase."""
-    for phase, start, end in zip(PHASES, t, t[1:]):
+    for phase, (start, end) in zip(PHASES, itertools.pairwise(t), strict=True):
         spent[phase] += end - start
 
 

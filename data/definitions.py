@@ -81,8 +81,8 @@ _GREEK = (
     "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
     "upsilon phi chi psi omega"
 ).split()
-_NAMED.update(zip(_GREEK, "αβγδεζηθικλμνξοπρστυφχψω"))
-_NAMED.update(zip((name.capitalize() for name in _GREEK), "ΑΒΓΔΕΖΗΘΙΚΛΜΝΞΟΠΡΣΤΥΦΧΨΩ"))
+_NAMED.update(zip(_GREEK, "αβγδεζηθικλμνξοπρστυφχψω", strict=True))
+_NAMED.update(zip((name.capitalize() for name in _GREEK), "ΑΒΓΔΕΖΗΘΙΚΛΜΝΞΟΠΡΣΤΥΦΧΨΩ", strict=True))
 
 _HEAD = re.compile(r"^([^\s\\][^\\\n]*?)\s*\\([^\\\n]*)\\", re.M)  # `Word \Pro*nun"ci*a`tion\` at a line's start
 _PRONUNCIATION = re.compile(r"\s*\((?:-|[^)]*[\[\"*`])")  # (p[a^]r`[e^]n*th...), (-s[i^]z): not a label as (Zool.)

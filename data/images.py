@@ -284,7 +284,7 @@ class ImageFileSource:
     def fingerprint(self):
         if self._fingerprint is None:  # asked for at every checkpoint: hash the file list once
             h = hashlib.blake2b(digest_size=16)
-            for path, label in zip(self.dataset.images.files, self.dataset.images.labels):
+            for path, label in zip(self.dataset.images.files, self.dataset.images.labels, strict=True):
                 h.update(f"{os.path.basename(path)}:{label}\n".encode())
             self._fingerprint = h.hexdigest()
         return self._fingerprint
@@ -309,7 +309,7 @@ def prepare_image_folder(
     if validation_split_percentage is not None:
         train, validation = train.split(validation_split_percentage / 100, seed)
     inputs = hash_files(train.files + (validation.files if validation else []))
-    for entry, label in zip(inputs, train.labels + (validation.labels if validation else [])):
+    for entry, label in zip(inputs, train.labels + (validation.labels if validation else []), strict=True):
         entry["class"] = train.classes[label]  # a file moved to another class is other data
     arguments = {
         "validation_split_percentage": validation_split_percentage,

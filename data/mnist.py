@@ -3,7 +3,7 @@ folders of PNGs (python -m data.prepare --dataset).
 
 The idx files are parsed here (torchvision only downloads); batches are sliced from the in-memory tensors
 (`__getitems__`) and normalised on the batch, on the training device, so the hot loop has no
-per-sample Python and no PIL round trip (that costs ~7 s per epoch on a 2-core machine).
+per-sample Python and no PIL round trip (docs/speed.md measures what that saves).
 
 Where the files come from, in order:
   1. `data_dir`, if given: the four idx files (raw or .gz) directly in it, or in torchvision's layout
@@ -143,8 +143,8 @@ def _find_idx_folder(root, spec):
 
 
 def _read_idx(path, ndim):
-    """One uint8 idx file (raw or .gz) as a tensor with `ndim` dimensions (torchvision's reader takes ~2.4 s
-    to import): two zero bytes, type 0x08 (uint8), the number of dimensions, each a big-endian uint32, the data."""
+    """One uint8 idx file (raw or .gz) as a tensor with `ndim` dimensions (torchvision's reader is a slow
+    import): two zero bytes, type 0x08 (uint8), the number of dimensions, each a big-endian uint32, the data."""
     try:
         with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
             payload = f.read()
@@ -195,7 +195,7 @@ def _download(spec, download_root):
         cls(download_root, train=True, download=True)
     except Exception as e:  # torchvision raises RuntimeError/URLError/OSError depending on what failed
         # torchvision's message is one block per mirror; its last line is the underlying cause
-        return f"download failed: {[l for l in str(e).splitlines() if l.strip()][-1].strip()}"
+        return f"download failed: {[line for line in str(e).splitlines() if line.strip()][-1].strip()}"
     return None
 
 
@@ -317,7 +317,7 @@ def write_image_folders(dataset, output_dir, data_dir=None, max_per_class=None, 
             written = [0] * 10
             for name in CLASS_NAMES[dataset]:
                 os.makedirs(os.path.join(tmp, split, name))
-            for i, (image, label) in enumerate(zip(ds.images.numpy(), ds.labels.tolist())):
+            for i, (image, label) in enumerate(zip(ds.images.numpy(), ds.labels.tolist(), strict=True)):
                 if max_per_class is None or written[label] < max_per_class:
                     Image.fromarray(image, mode="L").save(
                         os.path.join(tmp, split, CLASS_NAMES[dataset][label], f"{i:05d}.png")

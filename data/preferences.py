@@ -50,7 +50,7 @@ def pair_segments(ds, split, columns, tokenizer):
     if prompts is None and not conversational:
         _column(ds, columns["prompt"], split, "--prompt_column")  # plain text needs its prompt: the one line
     pairs = []
-    for i, (good, bad) in enumerate(zip(chosen, rejected)):
+    for i, (good, bad) in enumerate(zip(chosen, rejected, strict=True)):
         prompt = prompts[i] if prompts is not None else None
         where = f"the {split} pair {i} ({_start(_prompt_text(prompt, good))})"
         if not conversational:
@@ -108,18 +108,18 @@ def encode_pairs(tokenizer, pairs, max_seq_length, long_examples, split, chat):
     rows = {key: [] for side in SIDES for key in (f"{side}_input_ids", f"{side}_labels", f"{side}_targets")}
     rows["length"] = []
     cut = dropped = same = 0
-    for pair, chosen, rejected in zip(pairs, sides["chosen"], sides["rejected"]):
+    for pair, chosen, rejected in zip(pairs, sides["chosen"], sides["rejected"], strict=True):
         what = f"the {split} pair {_start(pair[0][0][0])}"
         made = [
             example_row(*tokens, max_seq_length, long_examples, f"{what}'s {side} side")
-            for side, tokens in zip(SIDES, (chosen, rejected))
+            for side, tokens in zip(SIDES, (chosen, rejected), strict=True)
         ]
         if None in made:
             dropped += 1
             continue
-        cut += any(len(row[0]) < len(tokens[0]) - 1 for row, tokens in zip(made, (chosen, rejected)))
+        cut += any(len(row[0]) < len(tokens[0]) - 1 for row, tokens in zip(made, (chosen, rejected), strict=True))
         same += chosen[0] == rejected[0]
-        for side, (ids, labels) in zip(SIDES, made):
+        for side, (ids, labels) in zip(SIDES, made, strict=True):
             rows[f"{side}_input_ids"].append(ids)
             rows[f"{side}_labels"].append(labels)
             rows[f"{side}_targets"].append(sum(label != -100 for label in labels))
@@ -198,7 +198,7 @@ class PairBatch:
             "labels": torch.full((len(sequences), longest), -100, dtype=torch.long),
             "attention_mask": torch.zeros((len(sequences), longest), dtype=torch.long),
         }
-        for i, (ids, scored) in enumerate(zip(sequences, labels)):
+        for i, (ids, scored) in enumerate(zip(sequences, labels, strict=True)):
             out["input_ids"][i, : len(ids)] = torch.tensor(ids)
             out["labels"][i, : len(ids)] = torch.tensor(scored)
             out["attention_mask"][i, : len(ids)] = 1

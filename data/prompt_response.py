@@ -57,7 +57,7 @@ def prompt_response_segments(ds, split, prompt_column, response_column):
             f"the {split} data has {len(empty)} row(s) with an empty {response_column!r} (the first: "
             f"{_start(prompts[empty[0]] or '')}); fill them in or drop those rows"
         )
-    return [[(p or "", False), (r, True)] for p, r in zip(prompts, responses)]
+    return [[(p or "", False), (r, True)] for p, r in zip(prompts, responses, strict=True)]
 
 
 def chat_segments(ds, split, column, tokenizer):
@@ -140,7 +140,7 @@ def scored_tokens(tokenizer, examples, chat):
             at += len(text)
         ids = list(encoded["input_ids"][i])
         scored, seen_text = [], False
-        for (a, b), added in zip(encoded["offset_mapping"][i], encoded["special_tokens_mask"][i]):
+        for (a, b), added in zip(encoded["offset_mapping"][i], encoded["special_tokens_mask"][i], strict=True):
             if added and a == b:  # put there by the tokenizer, not read from the text
                 scored.append(seen_text)
                 continue
@@ -157,7 +157,7 @@ def example_row(tokens, scored, max_seq_length, long_examples, what):
     -100 where nothing is scored), cut to max_seq_length; None when it is longer and long_examples is
     "drop"; a DataError naming `what` (the example) when it has no response token, or is longer and
     long_examples is "error", or its prompt alone fills the length."""
-    labels = [t if s else -100 for t, s in zip(tokens[1:], scored[1:])]
+    labels = [t if s else -100 for t, s in zip(tokens[1:], scored[1:], strict=True)]
     tokens = tokens[:-1]
     if not any(s for s in scored[1:]):
         raise DataError(f"{what} has no response tokens; fill its response in")
@@ -181,7 +181,7 @@ def encode(tokenizer, examples, max_seq_length, long_examples, split, chat):
     """Rows (input_ids, labels, length, targets) and counts: cut, dropped, tokens."""
     rows = {"input_ids": [], "labels": [], "length": [], "targets": []}
     cut = dropped = 0
-    for segments, (tokens, scored) in zip(examples, scored_tokens(tokenizer, examples, chat)):
+    for segments, (tokens, scored) in zip(examples, scored_tokens(tokenizer, examples, chat), strict=True):
         row = example_row(
             tokens, scored, max_seq_length, long_examples, f"the {split} example {_start(segments[0][0])}"
         )

@@ -68,8 +68,8 @@ def write_shards(columns, folder, split, num_shards, rows_per_group=32):
     for i, (lo, hi) in enumerate(shard_ranges(num_rows, num_shards, rows_per_group)):
         table = pa.table({name: to_arrow(t[lo:hi]) for name, t in columns.items()})
         paths.append(os.path.join(folder, shard_name(split, i, num_shards)))
-        # Statistics and dictionaries of 784-byte images are dead weight: they grew the footers to 7% of
-        # the data, read again by every process that opens a shard.
+        # Statistics and dictionaries of 784-byte images are dead weight: they grew the footers to a
+        # visible part of the data, read again by every process that opens a shard.
         write_parquet(
             table,
             paths[-1],

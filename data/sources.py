@@ -133,7 +133,7 @@ class ParquetSource:
 
     def read(self, ids):
         # Decoded row groups are indexed with torch: pyarrow's Table.take would import pandas in
-        # every process (~10 MB of libraries, 0.5 s) for no gain here.
+        # every process, a large import for no gain here.
         ids = ids.numpy()
         units = np.searchsorted(self.unit_starts, ids, side="right") - 1
         if len(units) and units[0] == units[-1] and (units == units[0]).all():  # one row group (aligned shards)
@@ -178,7 +178,7 @@ def table_to_columns(table):
     import pyarrow as pa
 
     out = {}
-    for name, column in zip(table.column_names, table.columns):
+    for name, column in zip(table.column_names, table.columns, strict=True):
         column = one_array(column)
         kind = column.type
         if (
@@ -222,7 +222,7 @@ def table_to_arrays(table):
     import pyarrow as pa
 
     out = {}
-    for name, column in zip(table.column_names, table.columns):
+    for name, column in zip(table.column_names, table.columns, strict=True):
         column = one_array(column)
         if pa.types.is_binary(column.type) or pa.types.is_large_binary(column.type):
             _, offset_buffer, data_buffer = column.buffers()

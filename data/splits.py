@@ -117,8 +117,8 @@ def load_named(name, config=None):
             ""
             if os.path.isdir(name)
             else (
-                "; offline (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE set, or no network), datasets reads no Hub name: pass "
-                "the dataset's folder (a clone of its Hub repository) instead"
+                "; offline (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE set, or no network), datasets reads no Hub "
+                "name: pass the dataset's folder (a clone of its Hub repository) instead"
                 if _offline()
                 else "; pass a dataset on the Hub (org/name) or a local dataset folder"
             )

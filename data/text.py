@@ -321,15 +321,13 @@ def prepare_text(
     """Local text files (txt, or csv/json/jsonl/parquet with a text column) → window shards."""
     file_kind(train_files, validation_files)  # bad input fails before the inputs are hashed
     inputs = hash_files(list(train_files) + list(validation_files or []))
-    documents = lambda: text_column(
-        load_files(
-            list(train_files),
-            list(validation_files or []) or None,  # noqa: E731
-            validation_split_percentage,
-            seed,
-        ),
-        text_column_name,
-    )
+
+    def documents():
+        validation = list(validation_files or []) or None
+        return text_column(
+            load_files(list(train_files), validation, validation_split_percentage, seed), text_column_name
+        )
+
     return prepare_tokens(
         documents,
         output_dir,
@@ -356,7 +354,7 @@ def prepare_gcide(
     folder = find_gcide(folder)
     inputs = hash_files([os.path.join(folder, "gcide.index"), os.path.join(folder, "gcide.dict.dz")])
     return prepare_tokens(
-        lambda: dict(zip(("train", "validation"), gcide_documents(folder))),
+        lambda: dict(zip(("train", "validation"), gcide_documents(folder), strict=True)),
         output_dir,
         tokenizer,
         vocab_size,

@@ -84,7 +84,7 @@ def split_rows(rows, train_per_class, validation_per_class):
         if copies[text] == 1:
             by_class[label].append((hashlib.sha1(offset.encode()).hexdigest(), text, label))
     train, validation = [], []
-    for label, ranked in by_class.items():
+    for ranked in by_class.values():
         ranked.sort()
         validation += ranked[:validation_per_class]
         train += ranked[validation_per_class : validation_per_class + train_per_class]

@@ -19,8 +19,8 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from data.loader import ShardedLoader, check_loader
 from data.errors import PlanError
+from data.loader import ShardedLoader, check_loader
 from data.sharding import ShardedIterableDataset
 from data.sources import TensorSource
 

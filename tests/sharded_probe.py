@@ -25,8 +25,8 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object
 
 from data.loader import ShardedLoader
-from data.shards import shards_in
 from data.sharding import ShardedIterableDataset, check_same_plan
+from data.shards import shards_in
 from data.sources import ParquetSource
 
 PER_RANK_BATCH, ACCUMULATION, EPOCHS, CUT = 4, 4, 2, 5

@@ -17,7 +17,7 @@ def copy_fashion(dst):
 
 
 def error_line(proc):
-    lines = [l for l in proc.stderr.splitlines() if l.startswith("error:") or ": error:" in l]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:") or ": error:" in line]
     assert lines, output_of(proc)
     return lines[0]
 

@@ -332,7 +332,7 @@ def test_conversations_score_only_the_last_assistant_turn(data):
     pairs, chat = pair_segments(_dataset(talks), "train", COLUMNS, tokenizer)
     rows, _ = encode_pairs(tokenizer, pairs, 256, "error", "train", chat)
     assert chat
-    for talk, k in zip(talks, range(3)):
+    for k, talk in enumerate(talks):
         for side in ("chosen", "rejected"):
             whole = tokenizer.apply_chat_template(talk[side], tokenize=False)
             ids, labels = rows[f"{side}_input_ids"][k], rows[f"{side}_labels"][k]

@@ -238,7 +238,7 @@ def test_the_threshold_decides_patience_only_and_the_best_weights_are_always_the
     accelerator = SimpleNamespace(num_processes=1, is_main_process=True, print=print)
     best = BestModel(accelerator, str(tmp_path), "eval_loss", patience=2, threshold=0.1)
     stops = [
-        best.update({"eval_loss": value}, step, lambda: {"w": torch.tensor([float(step)])})
+        best.update({"eval_loss": value}, step, lambda step=step: {"w": torch.tensor([float(step)])})
         for step, value in enumerate([1.0, 0.95, 0.5, 0.45, 0.44], start=1)
     ]
     # 0.95 and 0.45 are better but not by more than 0.1: they count against patience, yet are kept

@@ -25,9 +25,9 @@ from conftest import (
     run_main,
     run_or_dump,
 )
-from wizard import run_wizard
 from train import check_config, mnist
 from train.core.accelerator import cpu_has_native_bf16
+from wizard import run_wizard
 
 TINY_MNIST = [
     "--model",

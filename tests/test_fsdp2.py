@@ -268,5 +268,5 @@ def test_a_parameter_without_gradient_yet_resumes_with_no_optimizer_state(tmp_pa
     assert identical(again.state_dict(), model.state_dict())
     assert len(fresh.state) == 2 and all(
         torch.equal(fresh.state[b]["exp_avg"], optimizer.state[a]["exp_avg"])
-        for a, b in zip(model["used"].parameters(), again["used"].parameters())
+        for a, b in zip(model["used"].parameters(), again["used"].parameters(), strict=True)
     )

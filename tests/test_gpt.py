@@ -47,7 +47,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(dropout):
         grads.append((loss.detach(), [p.grad for p in model.parameters()]))
     (loss_a, grads_a), (loss_b, grads_b) = grads
     assert torch.equal(loss_a, loss_b)
-    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(grads_a, grads_b))
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(grads_a, grads_b, strict=True))
 
 
 def test_weight_decay_falls_on_the_linear_matrices_only():
@@ -142,7 +142,7 @@ def test_torch_compile_through_accelerate_matches_eager(fresh_accelerate_state):
     (eager, loss_a, grads_a), (compiled, loss_b, grads_b) = results
     assert not is_compiled_module(eager) and is_compiled_module(compiled)
     assert torch.allclose(loss_a, loss_b, rtol=1e-5)
-    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(grads_a, grads_b))
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(grads_a, grads_b, strict=True))
 
 
 # ---------------------------------------------------------------------------------------- the Hugging Face folder

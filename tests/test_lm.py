@@ -12,8 +12,8 @@ import torch
 
 from conftest import output_of, run_as_script
 from data.prepare import main as prepare_main
-from data.shards import shards_in
 from data.sharding import ShardedIterableDataset
+from data.shards import shards_in
 from data.sources import ParquetSource
 from data.text import decode_windows
 from test_checkpointing import crash_during_save_and_resume, largest_difference, resume_copy, weights
@@ -264,7 +264,7 @@ def test_one_process_takes_the_same_steps_as_two_with_the_same_global_batch(text
     assert proc.returncode == 0, output_of(proc)
     one, two = results(tmp_path / "one"), results(out)
     assert one["eval_tokens"] == two["eval_tokens"]
-    for a, b in zip(one["history"], two["history"]):
+    for a, b in zip(one["history"], two["history"], strict=True):
         assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-5, abs=1e-6)
 
 

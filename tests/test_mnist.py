@@ -189,7 +189,7 @@ def test_nothing_of_accelerate_is_replaced():
             optimizer.step()
             optimizer.zero_grad()
     after = [dict(vars(m)) for m in modules + classes]
-    for owner, old, new in zip(modules + classes, before, after):
+    for owner, old, new in zip(modules + classes, before, after, strict=True):
         changed = [name for name in old if name in new and new[name] is not old[name]]
         assert changed == [], f"{owner.__name__}: {changed}"
     # and no earlier test in this process replaced them either
@@ -248,7 +248,7 @@ def test_pool_before_relu_is_bitwise_the_seed_model(model):
     out_seed = ours.classifier(seed_order(x).flatten(1))
     grads_seed = torch.autograd.grad(out_seed.square().sum(), list(ours.parameters()))
     assert torch.equal(out_ours, out_seed)
-    assert all(torch.equal(a, b) for a, b in zip(grads_ours, grads_seed))
+    assert all(torch.equal(a, b) for a, b in zip(grads_ours, grads_seed, strict=True))
 
 
 def test_augment_images_shifts_and_flips_each_image_reproducibly():
@@ -260,7 +260,7 @@ def test_augment_images_shifts_and_flips_each_image_reproducibly():
     assert torch.equal(out, augment_images(images.reshape(1000, 784), 5))
     assert not torch.equal(out, augment_images(images, 6))
     seen = set()
-    for image, result in zip(images, out):
+    for image, result in zip(images, out, strict=True):
         padded = [torch.nn.functional.pad(src, (2, 2, 2, 2)) for src in (image, image.flip(-1))]
         matches = [
             (flip, dy, dx)

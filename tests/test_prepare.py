@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from data.prepare import main as prepare_main
-from data.shards import shards_in
 from data.sharding import ShardedIterableDataset
+from data.shards import shards_in
 from data.sources import ParquetSource, table_to_columns
 
 N = 203
@@ -42,7 +42,7 @@ def row_ids(folder, split, world=2, workers=0):
                 ids = batch["x"].tolist()
             else:  # text: one column, the id is its first word
                 ids = [int(line.split()[0]) for line in batch["text"]]
-            seen += [i for i, ok in zip(ids, batch["valid"].tolist()) if ok]
+            seen += [i for i, ok in zip(ids, batch["valid"].tolist(), strict=True) if ok]
     return seen
 
 
@@ -137,7 +137,7 @@ def test_an_image_folder_becomes_shards_of_the_files_bytes_and_labels(tmp_path):
         source = ParquetSource(shards_in(str(out), split), decode=table_to_columns)
         batch = source.read(torch.arange(source.num_rows))
         assert source.num_rows == expected
-        for image, label in zip(batch["image"], batch["label"].tolist()):
+        for image, label in zip(batch["image"], batch["label"].tolist(), strict=True):
             got[hashlib.md5(image).hexdigest()] = ({"train": "train", "validation": "val"}[split], label)
     assert got == files  # every image once, with its class, byte for byte
 

@@ -9,7 +9,6 @@ import pytest
 from data.locks import FolderBusy, lock_folder
 from races import quiet, race
 
-
 # ---------------------------------------------------------------------------------------- the lock
 
 

@@ -19,7 +19,7 @@ import torch
 
 from conftest import launch, output_of, run_as_script, run_main
 from data.errors import DataError
-from data.prompt_response import CausalBatch, encode, chat_segments, pack, prompt_response_segments
+from data.prompt_response import CausalBatch, chat_segments, encode, pack, prompt_response_segments
 from data.sharding import BatchPlan
 from hf_models import WORDS, tiny_bert, tiny_causal_lm
 from test_checkpointing import (
@@ -347,7 +347,7 @@ def test_only_the_assistant_turns_are_scored(data):
     rows, counts = encode(
         tokenizer, chat_segments(_dataset(talks), "train", "messages", tokenizer), 128, "error", "train", chat=True
     )
-    for talk, ids, labels in zip(talks, rows["input_ids"], rows["labels"]):
+    for talk, ids, labels in zip(talks, rows["input_ids"], rows["labels"], strict=True):
         whole = tokenizer.apply_chat_template(talk["messages"], tokenize=False)
         assert tokenizer.decode(ids + [labels[-1]]) == whole  # the rendering, shifted by one
         scored = tokenizer.decode([t for t in labels if t != -100])
@@ -393,7 +393,7 @@ def test_an_example_is_tokenized_whole_and_only_its_response_is_scored(kind, tmp
         chat=False,
     )
     apart = 0
-    for example, ids, labels in zip(examples, rows["input_ids"], rows["labels"]):
+    for example, ids, labels in zip(examples, rows["input_ids"], rows["labels"], strict=True):
         whole = tokenizer(example["prompt"] + example["response"])["input_ids"]
         ending = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []  # BERT's [SEP] ends it
         assert ids + labels[-1:] == whole + ending

@@ -70,7 +70,11 @@ def launched(uneven_shards, saved_dataset, tmp_path_factory):
     ]
     # the timeout is the failure mode of a hang on uneven batch counts
     proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
-    return proc, {(data, workers): case["out"] for (data, workers), case in zip(CASES, cases)}, root / "misuse.json"
+    return (
+        proc,
+        {(data, workers): case["out"] for (data, workers), case in zip(CASES, cases, strict=True)},
+        root / "misuse.json",
+    )
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data.errors import PlanError
-from data.shards import shards_in, write_shards
 from data.sharding import BatchPlan, ShardedIterableDataset, check_same_plan
+from data.shards import shards_in, write_shards
 from data.sources import DatasetsSource, ParquetSource, TensorSource
 
 WORLD_SIZES = range(1, 9)
@@ -90,7 +90,9 @@ def test_coverage_equal_counts_and_worker_invariance(n, world, workers, per_rank
     assert all(len(idx) == per_rank for r in ranks for idx, _ in r)
     if workers:  # the rank's order does not depend on K
         single = run_ranks(n, world, 0, per_rank, policy, unit_size=4)
-        assert all(torch.equal(a[0], b[0]) for r1, r2 in zip(ranks, single) for a, b in zip(r1, r2))
+        assert all(
+            torch.equal(a[0], b[0]) for r1, r2 in zip(ranks, single, strict=True) for a, b in zip(r1, r2, strict=True)
+        )
 
 
 @pytest.mark.parametrize("n", [0, 7, 100, 1001])
@@ -119,10 +121,10 @@ def test_each_epoch_shuffles_differently_and_identically_on_every_rank():
     e0 = global_batches(run_ranks(100, 2, 0, 5, epoch=0, seed=1))
     e1 = global_batches(run_ranks(100, 2, 0, 5, epoch=1, seed=1))
     again = global_batches(run_ranks(100, 2, 2, 5, epoch=1, seed=1))  # fresh objects, as on another rank
-    assert not all(torch.equal(a, b) for a, b in zip(e0, e1))
-    assert all(torch.equal(a, b) for a, b in zip(e1, again))
+    assert not all(torch.equal(a, b) for a, b in zip(e0, e1, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(e1, again, strict=True))
     other_seed = global_batches(run_ranks(100, 2, 0, 5, epoch=1, seed=2))
-    assert not all(torch.equal(a, b) for a, b in zip(e1, other_seed))
+    assert not all(torch.equal(a, b) for a, b in zip(e1, other_seed, strict=True))
 
 
 @pytest.mark.parametrize(
@@ -169,7 +171,9 @@ def test_real_dataloader_with_workers_matches_the_plan():
             ranks.append([(b["index"], b["valid"]) for b in loader])
         assert_exactly_once(ranks, 1001, 8 * world, "pad")
         emulated = run_ranks(1001, world, 0, 8, "pad", seed=4, epoch=2, unit_size=8)
-        assert all(torch.equal(a[0], b[0]) for r1, r2 in zip(ranks, emulated) for a, b in zip(r1, r2))
+        assert all(
+            torch.equal(a[0], b[0]) for r1, r2 in zip(ranks, emulated, strict=True) for a, b in zip(r1, r2, strict=True)
+        )
 
 
 def test_batches_carry_the_right_rows():
@@ -217,14 +221,16 @@ def test_each_rank_reads_only_its_share_of_rows(parquet_dir, world):
 
 def test_uneven_shards_and_a_misaligned_batch_still_cover_exactly_once(tmp_path):
     paths = []
+    start = 0
     for i, n in enumerate([37, 5, 100]):  # shards of very different sizes, short row groups
         paths += write_shards(
-            {"x": torch.arange(sum([37, 5, 100][:i]), sum([37, 5, 100][: i + 1]))},
+            {"x": torch.arange(start, start + n)},
             str(tmp_path),
             f"part{i}",
             1,
             rows_per_group=8,
         )
+        start += n
     ranks = []
     for r in range(3):
         ds = ShardedIterableDataset(ParquetSource(paths), 15, r, 3, seed=2, policy="pad")
@@ -398,7 +404,7 @@ def test_a_loader_without_workers_hands_out_what_a_dataloader_would():
     ours = batches(lambda ds: list(ShardedLoader(ds)))
     theirs = batches(lambda ds: list(DataLoader(ds, batch_size=None)))
     assert len(ours) == len(theirs) == 5
-    for mine, other in zip(ours, theirs):
+    for mine, other in zip(ours, theirs, strict=True):
         assert mine.keys() == other.keys() and isinstance(mine["x"], torch.Tensor)
         assert all(torch.equal(mine[k], other[k]) if k != "words" else mine[k] == other[k] for k in mine)
 
@@ -481,7 +487,6 @@ def test_a_streaming_datasets_iterable_over_parquet_is_sharded_by_row_group(tmp_
     """load_dataset("parquet", streaming=True) over shards of uneven sizes (an empty one among them):
     every row once per epoch for any W and K, strings included, and each rank reads only its row groups."""
     import datasets
-
     import pyarrow as pa
     import pyarrow.parquet as pq
 

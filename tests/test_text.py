@@ -101,7 +101,7 @@ def test_windows_score_every_token_after_the_first_exactly_once(length, block):
     for keep_tail in (False, True):
         rows, targets = windows(tokens, block, keep_tail)
         assert rows.shape[1] == block + 1 and (rows[1:, 0] == rows[:-1, -1]).all()
-        scored = np.concatenate([row[1 : 1 + t] for row, t in zip(rows, targets)]) if len(rows) else []
+        scored = np.concatenate([row[1 : 1 + t] for row, t in zip(rows, targets, strict=True)]) if len(rows) else []
         if keep_tail:
             assert list(scored) == list(tokens[1:])
         else:

@@ -195,7 +195,7 @@ def test_the_output_is_a_hugging_face_folder_that_scores_what_the_run_said(run, 
     with torch.no_grad():
         inputs = tokenizer([r["text"] for r in validation], padding=True, truncation=True, return_tensors="pt")
         predicted = model(**inputs).logits.argmax(-1).tolist()
-    correct = sum(model.config.id2label[p] == r["label"] for p, r in zip(predicted, validation))
+    correct = sum(model.config.id2label[p] == r["label"] for p, r in zip(predicted, validation, strict=True))
     results = json.load(open(out / "all_results.json"))
     said = results["best_model"]["metrics"] if run == "trained" else results  # the saved weights' evaluation
     assert correct == round(said["eval_accuracy"] * N_VALIDATION)
@@ -550,7 +550,7 @@ def test_grouping_by_length_keeps_every_promise_and_pads_less(shuffle):
 
     batches, valid = global_batches(1)
     for world_size in (2, 4):  # the same global batches for any process count
-        assert all(torch.equal(a, b) for a, b in zip(global_batches(world_size)[0], batches))
+        assert all(torch.equal(a, b) for a, b in zip(global_batches(world_size)[0], batches, strict=True))
     ids = torch.cat(batches)[torch.cat(valid)].tolist()
     assert len(ids) == len(set(ids)) and (shuffle or sorted(ids) == list(range(1037)))
 

@@ -240,7 +240,7 @@ def with_reference(accelerator, model, splits, folder, key, batch_size):
                         use_cache=False,
                     ).logits
                     chosen, rejected = sequence_logps(logits, batch["labels"].to(accelerator.device)).cpu().chunk(2)
-                    values.update({i: (c, r) for i, c, r in zip(rows, chosen.tolist(), rejected.tolist())})
+                    values.update({i: (c, r) for i, c, r in zip(rows, chosen.tolist(), rejected.tolist(), strict=True)})
                 merged = {i: v for part in gather_patiently(accelerator, values) for i, v in part.items()}
                 for k, side in enumerate(SIDES):
                     stored[f"{split}_{side}"] = np.array([merged[i][k] for i in range(len(ds))], dtype=np.float32)

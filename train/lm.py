@@ -144,8 +144,8 @@ def lm_tokenizer(folder, manifest):
 
 def main(args):
     accelerator = start_run(args, TASK)
-    # on an H200 at GPT-2 small's shape the read took 4.99 ms of a 43.5 ms step in-process, 0.47 ms with 2
-    # workers (docs/gpu.md); on 2 CPU cores a worker made the step slower (docs/lm.md)
+    # a GPU step waits on an in-process read that two workers hide (docs/gpu.md); on a small CPU a worker
+    # takes a core from the step instead (docs/lm.md)
     args.dataloader_num_workers = reading_workers(args.dataloader_num_workers, accelerator.device, on_gpu=2)
 
     # ---------------------------------------------------------------- data: tokenized once, then streamed
@@ -188,7 +188,7 @@ def main(args):
         f"{config.block_size}, vocab {config.vocab_size}, {model.flops_per_token() / 1e6:.1f} MFLOPs "
         "per token (training)"
     )
-    # fused: one kernel for all parameters, 5% of a step at nanoGPT's CPU shapes against the per-tensor loop (docs/lm.md)
+    # fused: one kernel for all parameters instead of a loop over tensors (measured in docs/lm.md)
     optimizer = torch.optim.AdamW(
         model.param_groups(args.weight_decay), lr=args.learning_rate, betas=(0.9, 0.95), fused=True
     )

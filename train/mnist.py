@@ -23,10 +23,10 @@ from torch.utils.data import DataLoader
 
 from data import DATASETS, augment_images, check_data_dir, identity_collate, load_mnist, mnist_on_disk, normalize_images
 from data.loader import pinned, sharded_loader
-from data.workers import loader_workers
 from data.mnist import prepare_mnist_shards
 from data.shards import shards_in
 from data.sources import ParquetSource
+from data.workers import loader_workers
 from train.core.accelerator import main_process_first
 from train.core.cli import add_optimizer_args, make_parser, positive_int
 from train.core.evaluation import evaluate_classifier
@@ -39,10 +39,10 @@ METRICS = ["eval_accuracy", "eval_loss"]  # its evaluation's metrics, the headli
 MODELS = {
     "convnet": {"channels": (16, 32), "kernel_sizes": (5, 5)},  # the seed notes' model: 2.8 M multiply-adds
     "convnet_fast": {"channels": (16, 32), "kernel_sizes": (5, 3), "norm_after_pool": True},  # 1.2 M: the old recipe
-    # 1.1 M: the recipe; with a hidden layer and a narrower second convolution 4 epochs end at 92.0%, not 91.3%
+    # 1.1 M: the recipe; a hidden layer and a narrower second convolution: more accuracy per multiply-add
     "convnet_mlp": {"channels": (16, 24), "kernel_sizes": (5, 3), "norm_after_pool": True, "hidden": 128},
     "convnet_wide": {"channels": (32, 64), "kernel_sizes": (3, 3)},
-}  # 3.9 M: 92% in 6 epochs
+}  # 3.9 M: more accuracy for more compute (docs/speed.md)
 
 
 def parse_args(argv=None):
@@ -93,7 +93,7 @@ def parse_args(argv=None):
         "--no_channels_last",
         dest="channels_last",
         action="store_false",
-        help="Keep the NCHW layout (NHWC convolutions are ~1.2x faster on CPUs: docs/speed.md).",
+        help="Keep the NCHW layout (NHWC convolutions are faster on CPUs: docs/speed.md).",
     )
     add_optimizer_args(parser, learning_rate=2e-3, train_batch_size=64, eval_batch_size=500, label_smoothing=0.0)
     parser.set_defaults(output_dir="runs/mnist")
@@ -105,12 +105,12 @@ class ConvNet(nn.Module):
     units); by default the seed notes' model (5x5 convolutions, 16 -> 32 channels).
 
     Pooling runs before the ReLU: max commutes with a monotone function, so outputs and gradients are
-    bitwise those of the seed's order (tested), and the ReLU touches 4x fewer values (~12% of a step).
-    norm_after_pool moves BatchNorm after the pooling too (not equivalent, a different model): on a
-    2-core AVX2 CPU the 28x28 BatchNorm was 17% of a step, and at 14x14 it costs a quarter of that.
+    bitwise those of the seed's order (tested), and the ReLU touches 4x fewer values.
+    norm_after_pool moves BatchNorm after the pooling too (not equivalent, a different model): the
+    28x28 BatchNorm was a large part of a CPU step, and at 14x14 it touches a quarter of the values.
     The hidden layer is the cheapest accuracy found for the recipe (docs/speed.md): one linear map
-    from the 7x7 features to 10 classes held it near 91% in 4 epochs, and 128 units cost fewer
-    multiply-adds than the 8 channels taken off the second convolution.
+    from the 7x7 features to 10 classes held it lower, and 128 units cost fewer multiply-adds than
+    the 8 channels taken off the second convolution.
     """
 
     def __init__(self, channels=(16, 32), kernel_sizes=(5, 5), norm_after_pool=False, hidden=None, num_classes=10):

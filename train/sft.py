@@ -205,7 +205,8 @@ def main(args):
     accelerator.print(
         f"data: {tokens}: "
         + "; ".join(
-            f"{s if s == 'train' else 'validation (' + info['validation'] + ')'} {c['examples']:,} examples, {c['targets']:,} response tokens"
+            (s if s == "train" else f"validation ({info['validation']})")
+            + f" {c['examples']:,} examples, {c['targets']:,} response tokens"
             + (f", {c['cut']:,} cut" if c["cut"] else "")
             + (f", {c['dropped']:,} dropped" if c["dropped"] else "")
             for s, c in counts.items()

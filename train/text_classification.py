@@ -323,7 +323,7 @@ def predict(args):
             columns = [[p[0] for p in pairs], [p[1] for p in pairs]] if pairs_everywhere else [chunk]
             inputs = tokenizer(*columns, truncation=True, padding=True, return_tensors="pt")
             probabilities = model(**inputs).logits.float().softmax(-1)
-            for text, p in zip(chunk, probabilities):
+            for text, p in zip(chunk, probabilities, strict=True):
                 print(f"{text}\t{labels[int(p.argmax())]}\t{float(p.max()):.3f}")
 
 

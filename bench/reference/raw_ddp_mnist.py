@@ -85,6 +85,6 @@ for epoch in range(args.epochs):
             f"n_eval={int(counts[1])}",
             flush=True,
         )
-del model, optimizer  # DDP's reducer holds gloo work; freeing it at interpreter exit can abort
+model = optimizer = None  # DDP's reducer holds gloo work; freeing it at interpreter exit can abort
 dist.barrier()  # gloo teardown while a peer still reduces can abort
 dist.destroy_process_group()

@@ -73,7 +73,7 @@ def _cpu_flags():
 def cpu_has_native_bf16(cpu_flags=None, capability=None, onednn_isa=None):
     """(yes, what) for the CPU's bf16: native with AVX512-BF16 or AMX, when torch and oneDNN may use
     them (ATEN_CPU_CAPABILITY=avx2 / ONEDNN_MAX_CPU_ISA=AVX2 limit a big CPU to AVX2 kernels).
-    Without native support bf16 autocast is emulated: 7-10x slower than fp32 on an AVX2 EPYC (measured)."""
+    Without native support bf16 autocast is emulated, many times slower than fp32 (docs/speed.md)."""
     cpu_flags = cpu_flags if cpu_flags is not None else _cpu_flags()
     capability = capability if capability is not None else torch.backends.cpu.get_cpu_capability()
     onednn_isa = (onednn_isa if onednn_isa is not None else os.environ.get("ONEDNN_MAX_CPU_ISA", "")).upper()
@@ -230,8 +230,8 @@ def make_accelerator(args, **kwargs):
     The seedable sampler makes the shuffle a function of (seed, epoch) alone: the same on every rank
     and reproducible on resume. The scheduler is stepped by the loop once per optimizer step, so
     its state does not depend on the process count and survives a resume with another one.
-    DDP's broadcast_buffers is off: broadcasting BatchNorm statistics before every forward costs 20-25%
-    of a CPU step (docs/speed.md); evaluation averages them over ranks first (evaluation.average_buffers).
+    DDP's broadcast_buffers is off: broadcasting BatchNorm statistics before every forward costs a
+    large part of a CPU step (docs/speed.md); evaluation averages them over ranks first (evaluation.average_buffers).
     --with_tracking's trackers are set up here, so no script can accept the flag and write nothing.
     """
     # torch 2.15 renames broadcast_buffers to forward_sync_buffers, which accelerate 1.15's
@@ -314,16 +314,17 @@ def announce(accelerator, per_device_train_batch_size, gradient_accumulation_ste
     on_cpu = accelerator.device.type == "cpu"
     global_batch_size = per_device_train_batch_size * accelerator.num_processes * gradient_accumulation_steps
     why = choose_mixed_precision(mixed_precision, on_cpu)[1]
+    layout = "FSDP2 on CPU" if getattr(accelerator, "cpu_fsdp2", None) else accelerator.distributed_type.value
     accelerator.print(
         f"world_size={accelerator.num_processes} device={accelerator.device.type} "
-        f"distributed_type={'FSDP2 on CPU' if getattr(accelerator, 'cpu_fsdp2', None) else accelerator.distributed_type.value} "
+        f"distributed_type={layout} "
         f"mixed_precision={accelerator.mixed_precision} ({why}) global_batch_size={global_batch_size} "
         f"threads_per_process={torch.get_num_threads()}"
     )
     if accelerator.mixed_precision == "bf16" and on_cpu and not cpu_has_native_bf16()[0]:
         accelerator.print(
             f"warning: bf16 on a CPU without native bf16 ({cpu_has_native_bf16()[1]}) is emulated, "
-            "7-10x slower than fp32; --mixed_precision auto (the default) picks fp32 here"
+            "many times slower than fp32; --mixed_precision auto (the default) picks fp32 here"
         )
     if (
         fsdp_launch()

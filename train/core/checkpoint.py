@@ -250,8 +250,9 @@ def torch_save(obj, path):
 def model_weights(model, trainable_only=False):
     """The whole model's weights for model.safetensors, on the main process (every rank must call it:
     a collective under FSDP2); `trainable_only`: the parameters that train, and the buffers. Tied
-    weights (an LM's embedding and output layer) are stored once per name, since safetensors refuses tensors that share memory; loading writes the same values into the
-    one parameter. (accelerator.save_model instead drops all but one name, with a warning per save.)"""
+    weights (an LM's embedding and output layer) are stored once per name, since safetensors refuses
+    tensors that share memory; loading writes the same values into the one parameter.
+    (accelerator.save_model instead drops all but one name, with a warning per save.)"""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     return _unshared(

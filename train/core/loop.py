@@ -28,8 +28,8 @@ from train.core.checkpoint import (
 from train.core.loss_watch import LossWatch
 from train.core.output_dir import drop_replaced_run, release_output_dir
 from train.core.preemption import Preempted, Preemption
-from train.core.resume import check_same_run
 from train.core.process import on_teardown, resume_command
+from train.core.resume import check_same_run
 from train.core.schedule import make_scheduler, plan_steps, warmup_steps
 from train.core.tracking import MetricsLog, format_metrics, plot_metrics, readable_by_others, save_final
 
@@ -132,7 +132,7 @@ class TrainingLoop:
             disable=not accelerator.is_local_main_process,
             dynamic_ncols=True,
             mininterval=0.5,
-        )  # tqdm's 0.1 s redraws cost ~0.4% of a CPU step (docs/speed.md)
+        )  # tqdm's default 0.1 s redraws cost a measurable part of a CPU step (docs/speed.md)
 
     # ------------------------------------------------------------------------------ the batches
     def batches(self):
@@ -235,11 +235,12 @@ class TrainingLoop:
 
     def _evaluate_and_save(self, epoch, train_seconds):
         # --max_train_steps can end a run inside an epoch (an LM's usually does): say so
-        label = (
-            f"epoch {epoch}"
-            if self.batches_done >= self.batches_per_epoch
-            else f"step {self.step} (end of the run, {self.batches_done} of epoch {epoch}'s {self.batches_per_epoch} batches)"
-        )
+        label = f"epoch {epoch}"
+        if self.batches_done < self.batches_per_epoch:
+            label = (
+                f"step {self.step} (end of the run, {self.batches_done} of epoch {epoch}'s "
+                f"{self.batches_per_epoch} batches)"
+            )
         self._record_evaluation(
             label, {"epoch": epoch, "train_seconds": train_seconds}, f" epoch_seconds={train_seconds:.1f}"
         )

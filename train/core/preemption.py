@@ -5,10 +5,10 @@ and the first process prints the command that resumes it.
 
 The ranks agree through one small reduce: of each rank's flag and of its seconds per step since the
 last check. Every rank gets the same numbers back, so every rank computes the same next check,
-about half a second of training away and at most 10 steps (a reduce per step would cost 3.5% of a
-22 ms CPU step in bench/loop_overhead.py; these checks cost nothing it can measure). A stop
-therefore comes within max(0.5 s, one step) of training after the signal reaches a rank (up to 10 steps when steps slowed
-since the last check, and an evaluation that falls in between), plus one checkpoint; torch elastic's
+about half a second of training away and at most 10 steps (a reduce per step would cost a visible share
+of a short CPU step: bench/loop_overhead.py measures it). A stop therefore comes within max(0.5 s, one
+step) of training after the signal reaches a rank (up to 10 steps when steps slowed since the last
+check, and an evaluation that falls in between), plus one checkpoint; torch elastic's
 agent allows its workers 30 s after passing on a SIGTERM before it kills them. Its SIGTERM goes to
 each rank's whole process group: DataLoader workers need a group of their own to survive it
 (data.workers.own_process_group).

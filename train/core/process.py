@@ -11,7 +11,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 

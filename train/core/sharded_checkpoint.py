@@ -237,7 +237,10 @@ def _describe(checkpoint_path, metadata, state):
             return f"refused to load {checkpoint_path}: its metadata names the file {info[0]!r} outside {STATE}/"
         file = os.path.join(checkpoint_path, STATE, info[0])
         if not os.path.isfile(file):
-            return f"{checkpoint_path} is missing the shard {STATE}/{info[0]}; delete that checkpoint and resume from an earlier one"
+            return (
+                f"{checkpoint_path} is missing the shard {STATE}/{info[0]}; delete that checkpoint and resume "
+                "from an earlier one"
+            )
         if os.path.getsize(file) < info[1]:
             return (
                 f"{checkpoint_path}: its shard {STATE}/{info[0]} is cut short ({os.path.getsize(file)} of at least "

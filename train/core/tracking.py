@@ -242,7 +242,7 @@ def draw_chart(path, panels, xlabel, size=(1000, 400)):
 
     figure = Figure(figsize=(size[0] / 100, size[1] / 100), dpi=100)
     FigureCanvasAgg(figure)
-    for axes, panel in zip(figure.subplots(1, len(panels), squeeze=False)[0], panels):
+    for axes, panel in zip(figure.subplots(1, len(panels), squeeze=False)[0], panels, strict=True):
         for label, points, markers in panel["lines"]:
             kept = plottable(points)
             axes.plot([x for x, _ in kept], [y for _, y in kept], "o-" if markers else "-", label=label)

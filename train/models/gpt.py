@@ -176,8 +176,8 @@ def next_token_loss(logits, labels, reduction="mean"):
     """Cross-entropy of each position's logits against the next token, in fp32 (under bf16 autocast
     the logits are bf16); label -100 (padding, masked repeats) is not scored. On a CPU, over pieces
     of CPU_LOSS_CHUNK logits: at the demo's 2,048 tokens x 8,192 words, one call makes several passes
-    over 64 MB in memory, forward and backward 224 ms on one core; in pieces (docs/lm.md) the loss
-    and its gradient equal F.cross_entropy's to float rounding."""
+    over 64 MB in memory, where pieces stay in cache (docs/lm.md); the loss and its gradient equal
+    F.cross_entropy's to float rounding."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction {reduction!r}: pass 'mean', 'sum' or 'none'")
     logits, labels = logits.flatten(0, 1), labels.flatten()

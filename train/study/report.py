@@ -1,6 +1,7 @@
 """What a sweep leaves to read: a table of its trials (printed and in SWEEP_DIR/results.md), and
 the optimization history and parameter importances as PNG files."""
 
+import functools
 import os
 import secrets
 import warnings
@@ -109,7 +110,7 @@ def plots(study, sweep_dir):
             figure.set_size_inches(8, 5)
             figure.tight_layout()
             path = os.path.join(sweep_dir, name + ".png")
-            write_whole(path, lambda tmp: figure.savefig(tmp, dpi=100, format="png"))
+            write_whole(path, functools.partial(figure.savefig, dpi=100, format="png"))
             plt.close(figure)
             written.append(path)
     return written
