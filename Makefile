@@ -40,7 +40,7 @@ SFT_DIR ?= runs/sft/gcide
 # train/dpo.py's demo data: the same words, each definition preferred to the next word's (in dictionary order)
 DPO_DIR ?= runs/dpo/gcide
 
-.PHONY: setup config-file train train-only test images train-images gcide train-lm text-data train-text sft-data train-sft dpo-data train-dpo cluster cluster-down
+.PHONY: setup config-file train train-only test images train-images gcide train-lm text-data train-text sft-data train-sft dpo-data train-dpo lint format cluster cluster-down
 
 # apt for the offline Fashion-MNIST copy (Debian's dataset-fashion-mnist), pip for the Python packages.
 setup:
@@ -138,6 +138,17 @@ train-dpo: config-file dpo-data
 
 test: setup
 	$(PYTHON) -m pytest
+
+# The house's form (pyproject.toml): CI runs `make lint` before the tests; `make format` fixes what it can
+lint:
+	@$(PYTHON) -m ruff --version >/dev/null 2>&1 || $(MAKE) setup
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+format:
+	@$(PYTHON) -m ruff --version >/dev/null 2>&1 || $(MAKE) setup
+	$(PYTHON) -m ruff check --fix .
+	$(PYTHON) -m ruff format .
 
 # A two-node SLURM cluster on this machine (root): hosts in network namespaces, slurmctld, a slurmd per
 # host, PostgreSQL for shared sweeps; then `. runs/cluster/env.sh` (docs/cluster.md)
