@@ -134,6 +134,18 @@ def ranks_of(node, job_id):
     return [pid for pid in slurm_processes(node, job_id) if is_rank(pid)]
 
 
+def launchers_of(node, job_id):
+    """The job's launchers on the node (`python -m train.core.launch accelerate launch ...`)."""
+
+    def is_launcher(pid):
+        try:
+            return b"train.core.launch" in open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            return False
+
+    return [pid for pid in slurm_processes(node, job_id) if is_launcher(pid)]
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """The reference: the same job, never interrupted, 2 nodes x 2 processes."""
@@ -186,10 +198,62 @@ def test_time_limit_saves_requeues_and_resumes_bit_for_bit(uninterrupted, tmp_pa
     step = int(stopped[0])
     assert f"requeueing job {job_id}" in log and f"resumed from {out}/checkpoints/step_{step:08d}" in log
     assert 50 <= step < 320 and "DataLoader worker" not in log
+    # in SLURM's terms, and the ranks' lines without the launchers' tracebacks
+    assert f"SLURM job {job_id} goes on from there when requeued" in log, log[-3000:]
+    assert f"by hand: sbatch {SBATCH} train/regression.py --global_batch_size 32 " in log, log[-3000:]
+    assert "Traceback" not in log and "SignalException" not in log, log[-3000:]
     print(
         f"\ntime limit: signal {signalled:.0f} s after the update, save at step {step}, requeue {requeued:.0f} s after"
     )
     assert largest_difference(weights(out), weights(reference(uninterrupted))) == 0.0
+
+
+def log_text(out):
+    return open(f"{out}.log", errors="replace").read() if os.path.exists(f"{out}.log") else ""
+
+
+def frozen_until_signalled(job_id, out):
+    """Until the job ends: its launchers stopped from the moment they appear until the batch script
+    has had the time-limit signal of their start, so that every start's ranks get the SIGTERM before
+    any step (or no launcher starts at all). The number of starts."""
+    frozen, starts = set(), 0
+
+    def hold():
+        nonlocal starts
+        signalled = log_text(out).count("time limit in 120 s")
+        starts = int(job(job_id).get("Restarts") or 0) + 1
+        if signalled < starts:
+            frozen.update(launchers_of("node1", job_id) + launchers_of("node2", job_id))
+            send(frozen, signal.SIGSTOP)
+        else:
+            send(frozen, signal.SIGCONT)
+            frozen.clear()
+        return finished(job_id)
+
+    try:
+        wait_for(hold, 400, "the job ending")
+    finally:
+        send(frozen, signal.SIGCONT)
+    return starts
+
+
+def test_a_time_limit_that_leaves_no_time_to_train_ends_the_job_after_two_starts(tmp_path):
+    """A job whose time limit's signal comes before its first step (here: its launchers frozen from
+    the moment they appear until the signal is sent, in every start) saves nothing. The first such
+    start is requeued once more, the second ends the job failed with one line saying why and what
+    to change, instead of requeueing without end."""
+    out = tmp_path / "run"
+    job_id = sbatch(out, "--nodes", "2", "--time", "2")  # the signal, 120 s before the limit, is due at once
+    starts = frozen_until_signalled(job_id, out)
+    log = log_text(out)
+    assert starts == 2 and job(job_id)["JobState"] == "FAILED", (starts, job(job_id), log[-3000:])
+    assert log.count("time limit in 120 s") == 2 and log.count("requeueing job") == 1, log[-3000:]
+    assert f"job {job_id}: start 1 trained no step before the signal; requeueing it once more" in log
+    assert (
+        f"error: job {job_id} started twice in a row from the same checkpoint and trained no step: its time limit "
+        "leaves no time to train past start-up; submit it again with a longer --time or a smaller --signal offset"
+    ) in log, log[-3000:]
+    assert not (out / "checkpoints").exists() and "Traceback" not in log, log[-3000:]
 
 
 def test_a_lost_node_ends_the_survivors_and_the_job_goes_on_with_the_node_left(uninterrupted, tmp_path):

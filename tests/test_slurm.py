@@ -55,6 +55,9 @@ def test_two_nodes_by_eight_gpus(fake_slurm_bin, node_id):
     proc, cmd = derive(fake_slurm_bin, node_id)
     assert proc.returncode == 0, proc.stderr
     assert cmd == [
+        "python",
+        "-m",
+        "train.core.launch",
         "accelerate",
         "launch",
         "--config_file",
@@ -148,7 +151,8 @@ def test_elastic_nodes_use_torchrun_with_a_node_range(fake_slurm_bin):
     assert cmd == [
         "python",
         "-m",
-        "torch.distributed.run",
+        "train.core.launch",
+        "torchrun",
         "--nnodes",
         "1:2",
         "--nproc_per_node",

@@ -12,7 +12,8 @@
 #     sbatch, pick the network interface when a node has several (sbatch passes the environment on).
 #   MIN_NODES=K -> elastic: torchrun --nnodes K:SLURM_NNODES (c10d), the job goes on with the nodes left
 # ACCELERATE_CONFIG picks the base config (default: the static 2-node template); its per-node keys
-# are all overridden here.
+# are all overridden here. The launcher runs through train/core/launch.py: the SIGTERM of a stop
+# reaches it too, and the job's log then shows the ranks' lines, not torch elastic's traceback.
 set -euo pipefail
 : "${SLURM_JOB_NODELIST:?not inside a SLURM job (SLURM_JOB_NODELIST is unset)}"
 : "${SLURM_NNODES:?SLURM_NNODES is unset}"
@@ -37,7 +38,7 @@ if [ -n "${MIN_NODES:-}" ]; then
   # agents left restart their workers (up to MAX_RESTARTS times) in a new round of MIN_NODES or more
   # nodes; pass --resume_from_checkpoint latest (and --global_batch_size) so they go on from the
   # newest checkpoint at the same global batch. accelerate launch has no node range, hence torchrun.
-  cmd=(python -m torch.distributed.run
+  cmd=(python -m train.core.launch torchrun
     --nnodes "$MIN_NODES:$SLURM_NNODES"
     --nproc_per_node "$processes_per_node"
     --rdzv_backend c10d
@@ -46,7 +47,7 @@ if [ -n "${MIN_NODES:-}" ]; then
     --max_restarts "${MAX_RESTARTS:-3}"
     "$@")
 else
-  cmd=(accelerate launch
+  cmd=(python -m train.core.launch accelerate launch
     --config_file "${ACCELERATE_CONFIG:-accelerate_configs/2node_8gpu.yaml}"
     --num_machines "$SLURM_NNODES"
     --num_processes "$((SLURM_NNODES * processes_per_node))"

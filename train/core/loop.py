@@ -28,7 +28,7 @@ from train.core.checkpoint import (
 from train.core.loss_watch import LossWatch
 from train.core.output_dir import drop_replaced_run, release_output_dir
 from train.core.preemption import Preempted, Preemption
-from train.core.process import on_teardown, resume_command
+from train.core.process import after_a_stop, on_teardown
 from train.core.resume import check_same_run
 from train.core.schedule import make_scheduler, plan_steps, warmup_steps
 from train.core.tracking import MetricsLog, format_metrics, plot_metrics, readable_by_others, save_final
@@ -116,6 +116,7 @@ class TrainingLoop:
             self.epoch, self.batches_done = meta["data"]["epoch"], meta["data"]["next_batch"]
             if self.sharded:
                 train_loader.load_state_dict(meta["data"])
+        self.first_step = self.step  # where this start began: a stop before any step trained nothing
         self.metrics = MetricsLog(accelerator, args.output_dir, args.with_tracking)
         self.metrics.start(task, vars(args), self.step)
         self.preemption = Preemption(accelerator)  # last: a failed resume above leaves SIGTERM as it was
@@ -295,10 +296,8 @@ class TrainingLoop:
         path = self._last_save[1] if self._last_save[0] == self.step else self.save()
         self.writer.wait()
         self.preemption.stopping()
-        raise Preempted(
-            f"stopped on SIGTERM at step {self.step} of {self.max_train_steps}, saved {path}; resume "
-            f"with: {resume_command()}"
-        )
+        next_steps = after_a_stop(self.step > self.first_step, self.accelerator.is_local_main_process)
+        raise Preempted(f"stopped on SIGTERM at step {self.step} of {self.max_train_steps}, saved {path}; {next_steps}")
 
     # ------------------------------------------------------------------------------ resume: the same run
     def _global_batch(self):

@@ -131,6 +131,8 @@ def launcher_argv():
         return None
     argv = argv[:cut]
     for i, a in enumerate(argv):
+        if a == "-m" and argv[i + 1 : i + 2] == ["train.core.launch"]:  # a SLURM job's (launch_node.sh)
+            return argv[i + 2 :]
         if (a == "-m" and argv[i + 1 : i + 2] == ["accelerate.commands.launch"]) or os.path.basename(
             a
         ) == "accelerate-launch":
@@ -142,8 +144,14 @@ def launcher_argv():
     return None
 
 
+# Set by accelerate_configs/slurm/train.sbatch for the processes of its job: the batch script as
+# submitted, and a file on the job's first node that the script reads after a stop
+SBATCH_SCRIPT, SBATCH_PROGRESS = "TRAIN_SBATCH_SCRIPT", "TRAIN_SBATCH_PROGRESS"
+
+
 def resume_command():
-    """This run's own command with --resume_from_checkpoint latest and without --overwrite_output_dir."""
+    """This run's own command with --resume_from_checkpoint latest and without --overwrite_output_dir;
+    inside train.sbatch's job, the sbatch command that submits it again."""
     args, skip = [], False
     for a in sys.argv[1:]:
         if skip:
@@ -152,8 +160,22 @@ def resume_command():
             skip = True
         elif not (a == "--overwrite_output_dir" or a.startswith("--resume_from_checkpoint=")):
             args.append(a)
-    launcher = launcher_argv() or ["python"]
-    return shlex.join([*launcher, sys.argv[0], *args, "--resume_from_checkpoint", "latest"])
+    launcher = ["sbatch", os.environ[SBATCH_SCRIPT]] if os.environ.get(SBATCH_SCRIPT) else launcher_argv()
+    return shlex.join([*(launcher or ["python"]), sys.argv[0], *args, "--resume_from_checkpoint", "latest"])
+
+
+def after_a_stop(trained, first_of_its_node):
+    """How a run stopped on SIGTERM with a checkpoint goes on, for the end of its one line. Inside
+    train.sbatch's job the script requeues the job itself, but only after a start that trained: the
+    first process of each node says so in the script's file, which exists on the first node only."""
+    if not os.environ.get(SBATCH_SCRIPT):
+        return f"resume with: {resume_command()}"
+    progress = os.environ.get(SBATCH_PROGRESS, "")
+    if trained and first_of_its_node and os.path.isfile(progress):
+        with open(progress, "a") as f:
+            f.write(f"trained, pid {os.getpid()}\n")
+    job = os.environ.get("SLURM_JOB_ID", "")
+    return f"SLURM job {job} goes on from there when requeued (time limit, preemption); by hand: {resume_command()}"
 
 
 _on_failure, _on_success = [], []
