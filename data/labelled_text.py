@@ -22,6 +22,7 @@ import tempfile
 import torch
 
 from data.errors import DataError
+from data.padding import padded_length
 from data.splits import inputs_key, load_splits, missing_labels, stem
 
 FORMAT = 2  # of the folder written here; a change makes every cached folder stale
@@ -229,17 +230,18 @@ def cached_folder(cache_root, stem, key, write):
 
 
 class TokenBatch:
-    """A DatasetsSource transform: the rows' token lists as one padded batch with an attention mask.
+    """A DatasetsSource transform: the rows' token lists as one padded batch with an attention mask,
+    as long as the longest row rounded up to a bucket of data/padding.py (never beyond `max_length`).
     Classifiers pad on the right: on the left, a model with absolute positions gives a row another
     result in each batch it lands in."""
 
-    def __init__(self, pad_token_id, padding_side="right"):
-        self.pad_token_id, self.left = pad_token_id, padding_side == "left"
+    def __init__(self, pad_token_id, padding_side="right", max_length=None):
+        self.pad_token_id, self.left, self.max_length = pad_token_id, padding_side == "left", max_length
 
     def __call__(self, rows):
         # rows of equal length come from Arrow as one [rows, length] tensor, others as lists
         rows = {k: v.tolist() if isinstance(v, torch.Tensor) and v.dim() == 2 else v for k, v in rows.items()}
-        longest = max((len(ids) for ids in rows["input_ids"]), default=0)
+        longest = padded_length(max((len(ids) for ids in rows["input_ids"]), default=0), self.max_length)
         out = {"labels": rows["label"]}
         for name, fill in (("input_ids", self.pad_token_id), ("token_type_ids", 0), ("attention_mask", 0)):
             values = rows["input_ids"] if name == "attention_mask" else rows.get(name)

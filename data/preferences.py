@@ -21,6 +21,7 @@ import os
 
 from data.errors import DataError
 from data.labelled_text import cached_folder, tokenizer_files_hash
+from data.padding import padded_length
 from data.prompt_response import LONG_EXAMPLES, _start, example_row, scored_tokens
 from data.splits import inputs_key, load_splits, stem
 
@@ -180,11 +181,12 @@ def prepare_preferences(
 
 class PairBatch:
     """A DatasetsSource transform: B pairs as one batch of 2B rows, the chosen sides then the rejected
-    ones (one forward pass for both), padded on the right to the longest; padding is never scored.
-    The reference log-probabilities, where the rows carry them, come along per pair."""
+        ones (one forward pass for both), padded on the right to the longest, rounded up to a bucket of
+    data/padding.py (never beyond `max_length`); padding is never scored.
+        The reference log-probabilities, where the rows carry them, come along per pair."""
 
-    def __init__(self, pad_token_id):
-        self.pad_token_id = pad_token_id
+    def __init__(self, pad_token_id, max_length=None):
+        self.pad_token_id, self.max_length = pad_token_id, max_length
 
     def __call__(self, rows):
         import torch
@@ -192,7 +194,7 @@ class PairBatch:
         rows = {k: v.tolist() if isinstance(v, torch.Tensor) and v.dim() == 2 else v for k, v in rows.items()}
         sequences = rows["chosen_input_ids"] + rows["rejected_input_ids"]
         labels = rows["chosen_labels"] + rows["rejected_labels"]
-        longest = max(len(ids) for ids in sequences)
+        longest = padded_length(max(len(ids) for ids in sequences), self.max_length)
         out = {
             "input_ids": torch.full((len(sequences), longest), self.pad_token_id, dtype=torch.long),
             "labels": torch.full((len(sequences), longest), -100, dtype=torch.long),

@@ -25,6 +25,7 @@ import os
 
 from data.errors import DataError
 from data.labelled_text import cached_folder, tokenizer_files_hash
+from data.padding import padded_length
 from data.splits import inputs_key, load_splits, stem
 
 FORMAT = 2  # of the folder written here; a change makes every cached folder stale
@@ -289,19 +290,20 @@ def prepare_prompt_response(
 
 
 class CausalBatch:
-    """A DatasetsSource transform: rows as one batch padded on the right to its longest row. Padding
+    """A DatasetsSource transform: rows as one batch padded on the right to its longest row, rounded
+    up to a bucket of data/padding.py (never beyond `max_length`). Padding
     is never scored (label -100). Unpacked rows get an attention mask; packed rows get position_ids
     instead (the padding continues as one more sequence of its own), which is how a model that
     supports packing tells the examples apart."""
 
-    def __init__(self, pad_token_id):
-        self.pad_token_id = pad_token_id
+    def __init__(self, pad_token_id, max_length=None):
+        self.pad_token_id, self.max_length = pad_token_id, max_length
 
     def __call__(self, rows):
         import torch
 
         rows = {k: v.tolist() if isinstance(v, torch.Tensor) and v.dim() == 2 else v for k, v in rows.items()}
-        longest = max(len(ids) for ids in rows["input_ids"])
+        longest = padded_length(max(len(ids) for ids in rows["input_ids"]), self.max_length)
         n = len(rows["input_ids"])
         out = {
             "input_ids": torch.full((n, longest), self.pad_token_id, dtype=torch.long),

@@ -510,15 +510,17 @@ def test_labels_as_integers_keep_their_order():
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
-def test_token_batch_pads_each_batch_to_its_longest_row(side):
+def test_token_batch_pads_each_batch_to_the_bucket_of_its_longest_row(side):
     batch = TokenBatch(0, side)(
         {"input_ids": [[5, 6, 7], [8]], "token_type_ids": [[0, 1, 1], [0]], "label": torch.tensor([1, 0])}
     )
-    assert batch["input_ids"].shape == (2, 3) and batch["labels"].tolist() == [1, 0]
-    expected = [[1, 1, 1], [1, 0, 0]] if side == "right" else [[1, 1, 1], [0, 0, 1]]
+    assert batch["input_ids"].shape == (2, 8) and batch["labels"].tolist() == [1, 0]  # 3 -> 8 (data/padding.py)
+    expected = [[1] * 3 + [0] * 5, [1] + [0] * 7] if side == "right" else [[0] * 5 + [1] * 3, [0] * 7 + [1]]
     assert batch["attention_mask"].tolist() == expected
-    assert batch["input_ids"][1].tolist() == ([8, 0, 0] if side == "right" else [0, 0, 8])
-    same = TokenBatch(0, side)({"input_ids": torch.tensor([[5, 6], [7, 8]]), "label": torch.tensor([1, 0])})
+    assert batch["input_ids"][1].tolist() == ([8] + [0] * 7 if side == "right" else [0] * 7 + [8])
+    same = TokenBatch(0, side, max_length=2)(
+        {"input_ids": torch.tensor([[5, 6], [7, 8]]), "label": torch.tensor([1, 0])}
+    )
     assert same["input_ids"].tolist() == [[5, 6], [7, 8]] and same["attention_mask"].tolist() == [[1, 1], [1, 1]]
 
 

@@ -207,7 +207,7 @@ def pair_metrics(logps, ref_logps, targets, loss_type, beta, label_smoothing):
 # ---------------------------------------------------------------------------------------------- the reference
 
 
-def with_reference(accelerator, model, splits, folder, key, batch_size):
+def with_reference(accelerator, model, splits, folder, key, batch_size, max_length):
     """`splits` with the columns ref_chosen and ref_rejected: the model's log-probabilities of each side
     of each pair, as it is now (eval mode, no autocast, no gradient), computed once and kept in
     FOLDER/reference-HASH.npz (HASH of `key`: the model, its dtype and the batch size), where a resume
@@ -230,7 +230,7 @@ def with_reference(accelerator, model, splits, folder, key, batch_size):
             for split, ds in splits.items():
                 lengths = ds["length"]
                 order = sorted(range(len(ds)), key=lambda i: lengths[i])  # similar lengths pad little
-                values, collate = {}, PairBatch(0)
+                values, collate = {}, PairBatch(0, max_length)
                 for start in range(rank * batch_size, len(order), world * batch_size):
                     rows = order[start : start + batch_size]
                     batch = collate(ds[rows])
@@ -330,8 +330,10 @@ def main(args):
                 "model": args.model_fingerprint,
                 "dtype": str(next(model.parameters()).dtype),
                 "batch_size": args.per_device_eval_batch_size,
+                "padding": "data/padding.py buckets",  # the shapes the values were computed in
             },
             args.per_device_eval_batch_size,
+            args.max_seq_length,
         )
     trainable, total = describe_trainable(model)
     accelerator.print(
@@ -342,7 +344,7 @@ def main(args):
     )
     loaders = {
         split: sharded_loader(
-            DatasetsSource(ds, transform=PairBatch(tokenizer.pad_token_id)),
+            DatasetsSource(ds, transform=PairBatch(tokenizer.pad_token_id, args.max_seq_length)),
             args.per_device_train_batch_size if split == "train" else args.per_device_eval_batch_size,
             rank=accelerator.process_index,
             world_size=accelerator.num_processes,

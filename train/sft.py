@@ -187,7 +187,7 @@ def main(args):
     splits = {split: datasets.load_from_disk(os.path.join(tokens, split)) for split in ("train", "validation")}
     loaders = {
         split: sharded_loader(
-            DatasetsSource(ds, transform=CausalBatch(tokenizer.pad_token_id)),
+            DatasetsSource(ds, transform=CausalBatch(tokenizer.pad_token_id, args.max_seq_length)),
             args.per_device_train_batch_size if split == "train" else args.per_device_eval_batch_size,
             rank=accelerator.process_index,
             world_size=accelerator.num_processes,

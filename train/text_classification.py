@@ -178,7 +178,7 @@ def main(args):
         split: datasets.load_from_disk(os.path.join(folder_of_tokens, split)) for split in ("train", "validation")
     }
     names = info["labels"]
-    collate = TokenBatch(tokenizer.pad_token_id)
+    collate = TokenBatch(tokenizer.pad_token_id, max_length=args.max_seq_length)
     loaders = {
         split: sharded_loader(
             DatasetsSource(ds, transform=collate),
