@@ -10,7 +10,8 @@ N --mixed_precision auto` (bf16 where the CPU has it natively, as a user's run; 
 --mixed_precision changes it) in a fresh output folder, once per N; the peak resident memory of the run is
 RUSAGE_CHILDREN's ru_maxrss after it exits (the largest process waited for: the run itself), and its
 training speed is the script's own train_tokens_per_second / train_samples_per_second. Cases:
-- sft_demo: make train-sft's model (runs/lm) and pairs (runs/sft/gcide), batch 16;
+- sft_demo: make train-sft's model (runs/lm) and pairs (runs/sft/gcide), batch 16, evaluated on start
+  as make train-sft's config has it (--model_name_or_path and --pairs_dir take others);
 - sft_varied: the same model, each response several definitions joined (to 8-128 tokens), batch 8;
 - text_varied: text_classification.py with all-MiniLM-L6-v2 on GCIDE definitions joined to 8-128
   tokens, 4 labels, batch 8.
@@ -67,23 +68,42 @@ def main(argv=None):
     parser.add_argument("--cases", nargs="+", default=["sft_demo", "sft_varied", "text_varied"])
     parser.add_argument("--steps", nargs="+", type=int, default=[60, 300])
     parser.add_argument("--mixed_precision", default="auto", choices=["auto", "no", "bf16"])
+    parser.add_argument("--model_name_or_path", default=SFT_DEMO["model"], help="The causal LM of the sft cases.")
+    parser.add_argument(
+        "--pairs_dir", default=SFT_DEMO["pairs"], help="train.jsonl, validation.jsonl: prompt/response."
+    )
+    parser.add_argument("--text_model", default=None, help="The text_varied case's model (default: all-MiniLM-L6-v2).")
     args = parser.parse_args(argv)
-    for path in (SFT_DEMO["model"], SFT_DEMO["pairs"]):
+    for path in (args.model_name_or_path, args.pairs_dir):
         if not os.path.exists(os.path.join(REPO, path)):
             sys.exit(f"error: {path} is missing; run {SFT_DEMO['make']} first")
     from train.models.hf import default_model_folder
 
-    minilm = default_model_folder()
-    pairs = os.path.join(REPO, SFT_DEMO["pairs"], "train.jsonl")
+    text_model = args.text_model or default_model_folder()
+    pairs = os.path.join(REPO, args.pairs_dir, "train.jsonl")
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         cases = {
-            "sft_demo": (["train/sft.py", "--config", "train/configs/sft_gcide.yaml"], 16),
+            "sft_demo": (
+                [
+                    "train/sft.py",
+                    "--model_name_or_path",
+                    args.model_name_or_path,
+                    "--train_file",
+                    pairs,
+                    "--validation_file",
+                    os.path.join(REPO, args.pairs_dir, "validation.jsonl"),
+                    "--eval_on_start",
+                    "--per_device_eval_batch_size",
+                    "32",
+                ],
+                16,
+            ),
             "sft_varied": (
                 [
                     "train/sft.py",
                     "--model_name_or_path",
-                    SFT_DEMO["model"],
+                    args.model_name_or_path,
                     "--train_file",
                     varied(pairs, os.path.join(scratch, "sft.jsonl"), text=False),
                     "--validation_split_percentage",
@@ -97,7 +117,7 @@ def main(argv=None):
                 [
                     "train/text_classification.py",
                     "--model_name_or_path",
-                    minilm,
+                    text_model,
                     "--train_file",
                     varied(pairs, os.path.join(scratch, "text.jsonl"), text=True),
                     "--validation_split_percentage",

@@ -486,3 +486,84 @@ def test_dpo_reference_runs_ours_and_trls_dpo_trainer_in_two_processes(tmp_path,
     out = capsys.readouterr().out
     assert "| train/dpo.py |" in out and "| DPOTrainer, precompute_ref_log_probs |" in out, out
     assert "RATIO ours / trl_precompute = " in out and "reward accuracy" in out
+
+
+def test_sft_reference_runs_ours_and_trls_sft_trainer_padded_and_packed(tmp_path, capsys):
+    """One turn of train/sft.py and TRL's SFTTrainer, each padded and packed, on a tiny GPT-2 and 48 pairs:
+    launched as the bench runs them, the table, the scored losses and the ratios printed."""
+    import json
+    import random
+
+    from bench import sft_reference
+    from hf_models import WORDS, tiny_causal_lm
+
+    rng = random.Random(0)
+    for split, n in (("train", 48), ("validation", 9)):
+        pairs = [
+            {"prompt": f"define {w}\n", "response": f"{w} means " + " ".join(rng.choices(WORDS, k=rng.randint(1, 12)))}
+            for w in rng.choices(WORDS, k=n)
+        ]
+        (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    sft_reference.main(
+        [
+            "--model_name_or_path",
+            tiny_causal_lm(tmp_path / "gpt2"),
+            "--train_file",
+            str(tmp_path / "train.jsonl"),
+            "--validation_file",
+            str(tmp_path / "validation.jsonl"),
+            "--turns",
+            "1",
+            "--per_device_train_batch_size",
+            "4",
+            "--max_seq_length",
+            "32",
+            "--num_warmup_steps",
+            "2",
+        ]
+    )
+    out = capsys.readouterr().out
+    rows = {line.split(" | ")[0][2:]: line for line in out.splitlines() if line.startswith("| ")}
+    for program in ("train/sft.py", "train/sft.py --packing", "SFTTrainer", "SFTTrainer, packing bfd"):
+        assert program in rows, out
+    assert "it counted" not in out, out  # ours' count of response tokens is the bench's
+    assert "RATIO padded ours / TRL = " in out and "RATIO packed ours / TRL = " in out, out
+    # ours' own validation loss is the one the bench scores from its saved model
+    for line in out.splitlines():
+        if line.startswith("turn 1: train/sft.py"):
+            scored, own = re.search(r"validation loss (\d+\.\d+) \(its own: (\d+\.\d+)\)", line).groups()
+            assert abs(float(scored) - float(own)) < 1e-3, line
+
+
+def test_shape_memory_runs_each_case_at_two_step_counts(tmp_path, capsys):
+    """bench/shape_memory.py on a tiny GPT-2 and BERT: each case run at 2 and 4 steps in a process of its
+    own, a peak and a speed per run, and the ratio line per case."""
+    import json
+
+    from bench import shape_memory
+    from hf_models import WORDS, tiny_bert, tiny_causal_lm
+
+    pairs = tmp_path / "pairs"
+    pairs.mkdir()
+    for split in ("train", "validation"):
+        rows = [{"prompt": f"Define: {w}\n", "response": " ".join(WORDS[i : i + 5])} for i, w in enumerate(WORDS)]
+        (pairs / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    shape_memory.main(
+        [
+            "--steps",
+            "2",
+            "4",
+            "--mixed_precision",
+            "no",
+            "--model_name_or_path",
+            tiny_causal_lm(tmp_path / "gpt2"),
+            "--pairs_dir",
+            str(pairs),
+            "--text_model",
+            tiny_bert(tmp_path / "bert"),
+        ]
+    )
+    out = capsys.readouterr().out
+    for case in ("sft_demo", "sft_varied", "text_varied"):
+        assert f"RESULT {case}: peak at 4 / at 2 steps = " in out, out
+        assert f"| {case} | 2 | " in out and f"| {case} | 4 | " in out, out

@@ -10,6 +10,7 @@ Writes OUTPUT_DIR/all_results.json: the final evaluation (eval_rewards/accuracie
 """
 
 import argparse
+import gc
 import json
 import os
 
@@ -37,6 +38,7 @@ def main():
     args = parser.parse_args()
 
     import datasets
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
@@ -79,6 +81,12 @@ def main():
     if trainer.accelerator.is_main_process:
         with open(os.path.join(args.output_dir, "all_results.json"), "w") as f:
             json.dump({**results, "world_size": trainer.accelerator.num_processes}, f, indent=1)
+    # DDP's reducer holds gloo state: freed at interpreter exit, after the process group, it can abort the
+    # finished run (SIGABRT); so the trainer goes first, then the group (as bench/reference/trl_sft.py)
+    del trainer
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
