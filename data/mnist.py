@@ -78,7 +78,9 @@ class ImageClassificationTensors(Dataset):
     def __getitem__(self, index):
         return {"image": self.images[index], "label": self.labels[index]}
 
-    def __getitems__(self, indices):  # the DataLoader's whole batch: one gather, not a call and stack per sample
+    def __getitems__(self, indices):
+        # DataLoader's fetcher calls this with a whole batch of indices: one gather instead of a
+        # Python call and a stack per sample. Same keys as the parquet shards' batches.
         index = torch.as_tensor(indices, dtype=torch.long)
         return {"image": self.images[index], "label": self.labels[index]}
 
@@ -143,8 +145,12 @@ def _find_idx_folder(root, spec):
 
 
 def _read_idx(path, ndim):
-    """One uint8 idx file (raw or .gz) as a tensor with `ndim` dimensions (torchvision's reader is a slow
-    import): two zero bytes, type 0x08 (uint8), the number of dimensions, each a big-endian uint32, the data."""
+    """One uint8 idx file (raw or .gz) as a tensor with `ndim` dimensions.
+
+    Our own reader: torchvision's is a slow import, paid once per process (docs/speed.md), and only
+    the download needs torchvision. Format: two zero bytes, type 0x08 (uint8), the number of
+    dimensions, each dimension as a big-endian uint32, then the data.
+    """
     try:
         with gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb") as f:
             payload = f.read()

@@ -99,7 +99,10 @@ class HashingFile(io.RawIOBase):
 
     def __init__(self, path):
         super().__init__()
-        self.path, self._file, self._hash, self.bytes = path, open(path, "wb"), hashlib.sha256(), 0
+        self.path = path
+        self._file = open(path, "wb")
+        self._hash = hashlib.sha256()
+        self.bytes = 0
 
     def writable(self):
         return True

@@ -65,7 +65,8 @@ class ParquetSource:
         self.paths, self.columns, self.decode = list(paths), columns, decode or table_to_tensors
         self._groups = []  # (path index, row group) per unit
         self.unit_sizes, self._metadata = [], []
-        sizes, listed = [], listed_rows(self.paths)
+        sizes = []
+        listed = listed_rows(self.paths)
         for p, path in enumerate(self.paths):
             try:
                 meta = pq.ParquetFile(path).metadata
@@ -114,7 +115,8 @@ class ParquetSource:
 
         p, g = self._groups[unit]
         if p not in self._files:  # the footer parsed above is reused: no second read of it
-            # no pre_buffer or thread pool (made for remote files, wide tables): 15-20 µs a group, not 95-130
+            # no pre_buffer, no threads: one row group of a local file is read faster on the thread that
+            # asks (pyarrow's defaults are made for remote files and wide tables; docs/speed.md has the figures)
             self._files[p] = pq.ParquetFile(self.paths[p], metadata=self._metadata[p], pre_buffer=False)
         f = self._files[p]
         try:
@@ -208,7 +210,8 @@ NUMPY_TYPES = {
 }
 
 
-def one_array(column):  # a ChunkedArray as one Array; its only chunk as it is (combine_chunks copies it)
+def one_array(column):
+    """A ChunkedArray as one Array: its only chunk as it is (combine_chunks would copy it)."""
     return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
 
 
@@ -218,7 +221,8 @@ def table_to_tensors(table):
 
 
 def table_to_arrays(table):
-    """table_to_tensors' columns as read-only numpy arrays over Arrow's buffers (no copy), to convert."""
+    """table_to_tensors' columns as numpy arrays over Arrow's buffers, read-only and not copied: for a
+    decoder that converts them anyway (data/text.py's windows)."""
     import pyarrow as pa
 
     out = {}

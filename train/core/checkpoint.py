@@ -3,10 +3,14 @@
 Layout: OUTPUT_DIR/checkpoints/step_00000040/{model.safetensors, optimizer.pt, scheduler.pt,
 [scaler.pt], rank_state_{rank}.pt, meta.json}; a sharded checkpoint (--checkpoint_format) holds
 state/ (train/core/sharded_checkpoint.py) in place of model.safetensors and optimizer.pt. Either
-holds the parameters that train: frozen ones (a pretrained body under LoRA) come back from where the
-script built them. A checkpoint is written under .tmp-step_N and renamed only when every rank has
-written its part, so a folder named step_N is always complete. accelerate's save_state/load_state is
-not used: it loads registered objects with weights_only=False (it would run a planted pickle).
+holds the parameters that train: frozen ones (a pretrained body under LoRA) come back from where
+the script built them.
+
+A checkpoint is written under .tmp-step_N and renamed only when every rank has written its part,
+so a folder named step_N is always complete.
+
+accelerate's save_state/load_state is not used: it loads registered objects with
+weights_only=False, i.e. it would execute a pickle planted in a checkpoint.
 """
 
 import json

@@ -34,6 +34,8 @@ def positive_int(text):
 
 
 def _finite_float(text, zero_ok):
+    """argparse type behind positive_float and non_negative_float: a finite number (nan and inf are
+    refused), above 0, or at least 0 with `zero_ok`."""
     what = "a number >= 0" if zero_ok else "a positive number"
     try:
         value = float(text)

@@ -2,11 +2,13 @@
 a checkpoint, data position), the batches it has left, step counting, the learning-rate schedule,
 logging, evaluation at each epoch's end, checkpoints, and the run's outputs.
 
-A script keeps its own loop in view: `for batch in loop.batches()`, its step, `loop.after_batch(loss)`,
-`return loop.finish()` (the README's skeleton; SIGTERM is the loop's too: train/core/preemption.py).
+A script keeps its own loop in view: `for batch in loop.batches()`, its own step,
+`loop.after_batch(loss)`, and `return loop.finish()` (the README's skeleton, which
+tests/test_readme_script.py runs; SIGTERM is the loop's too: train/core/preemption.py).
 
-One path for an epoch's end and the run's (nanochat's `last_step`): each evaluates, records and, when
-due, saves after it; a run resumed from its final checkpoint trains no batch and takes that path too.
+One path for the end of an epoch and the end of the run (nanochat's `last_step`): each evaluates,
+records and, when due, saves after the evaluation. A run resumed from its final checkpoint trains
+no batch and goes down the same path, so it evaluates once and writes the same outputs.
 """
 
 import gc
@@ -93,9 +95,11 @@ class TrainingLoop:
         self.t_start = self._t_log = time.perf_counter()  # _t_log: a bench may call after_batch alone
         self.train_seconds = 0.0
         self.step, self.epoch, self.batches_done, self.history, self.epoch_seconds = 0, 0, 0, [], []
-        self.resumed_from, self._resumed_seconds = None, 0.0  # the interrupted epoch's training time before the save
+        self.resumed_from = None
+        self._resumed_seconds = 0.0  # the interrupted epoch's training time before the save
         self.losses = LossWatch(accelerator, optimizer, args.nonfinite_loss, args.output_dir)
-        self._stop_at_epoch_end, self._last_save = False, (None, None)  # (step, path)
+        self._stop_at_epoch_end = False
+        self._last_save = (None, None)  # (step, path)
         self.best = BestModel(
             accelerator,
             args.output_dir,
@@ -110,6 +114,7 @@ class TrainingLoop:
                 path, meta, self._global_batch(), self._train_samples(), getattr(args, "model_fingerprint", None)
             )
             self.losses.load_state_dict(meta.get("losses"))
+            # a checkpoint of its early-stopping step comes back with best.stopped: the run only finishes
             self.best.load(meta.get("best"), path)
             self.resumed_from, self.step, self.history = path, meta["step"], meta.get("history", [])
             self.epoch_seconds, self._resumed_seconds = meta.get("epoch_seconds", []), meta.get("epoch_elapsed", 0.0)
@@ -275,20 +280,18 @@ class TrainingLoop:
             "losses": self.losses.state_dict(),
             "best": self.best.state_dict(),
         }
-        self._last_save = (
+        path = self.writer.save(
+            self.output_dir,
             self.step,
-            self.writer.save(
-                self.output_dir,
-                self.step,
-                self.model,
-                self.optimizer,
-                self.lr_scheduler,
-                meta,
-                self.keep_last,
-                self.best.save_into,
-            ),
+            self.model,
+            self.optimizer,
+            self.lr_scheduler,
+            meta,
+            self.keep_last,
+            self.best.save_into,
         )
-        return self._last_save[1]
+        self._last_save = (self.step, path)
+        return path
 
     def _preempt(self):
         """Every rank, at the same step: save here (unless this step was just saved), then stop."""
