@@ -40,8 +40,9 @@ clock = time.perf_counter
 
 
 def add(spent, t):
-    """Add the clock readings `t`, one between each two phases, to the seconds `spent` per phase."""
-    for phase, (start, end) in zip(PHASES, itertools.pairwise(t), strict=True):
+    """Add the clock readings `t`, one between each two phases, to the seconds `spent` per phase; a raw
+    step has no after_batch, so its readings stop one phase short."""
+    for phase, (start, end) in zip(PHASES, itertools.pairwise(t), strict=False):
         spent[phase] += end - start
 
 
