@@ -34,9 +34,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness import FASHION_DIR, REPO, child_env, turn_order
 
-# --tiny's samples: 2 steps of the global batch of 100, then 100 test samples per process; bf16 is emulated on a
-# CPU without native bf16 (~0.25 s a step), and the tiny run only checks that every path runs and the table and
-# ratios come out
+# --tiny's samples: 2 steps of the global batch of 100, then 100 test samples per process; bf16 is emulated (slow)
+# on a CPU without native bf16, and the tiny run only checks that every path runs and the table and ratios come out
 TINY_TRAIN, TINY_TEST = 200, 200
 STEMS = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 

@@ -21,7 +21,7 @@ FASHION_DIR = "/usr/share/datasets/fashion-mnist"
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 # One intra-op thread per process, as each rank of a multi-process launch already has (torchrun's
 # default): the in-process runs and 1-process launches took a thread per core, and beside the other
-# xdist worker's runs those threads waited on each other (2-3x slower on 2 cores, measured).
+# xdist worker's runs those threads waited on each other, several times slower on 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # No test reaches the Hugging Face Hub: a Hub id resolves through a cache the test builds on disk, and the
 # scripts never set offline mode themselves (the user's HF_HUB_OFFLINE decides)
