@@ -29,7 +29,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.harness import CPU_2PROC, REPO, child_env, turn_order
+from bench.harness import CPU_2PROC, REPO, reference_env, turn_order
 
 PROGRAMS = {
     "ours": "train/dpo.py",
@@ -69,13 +69,7 @@ def launch(name, args, data, scratch):
         "--output_dir",
         out,
     ]
-    env = {
-        **child_env(),
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "ACCELERATE_USE_CPU": "1",
-        "HF_DATASETS_CACHE": os.path.join(run_dir, "hf_datasets"),
-    }
+    env = reference_env(run_dir)
     if name.startswith("trl"):
         script, extra = "bench/reference/trl_dpo.py", ["--precompute_ref_log_probs"] if name == "trl_precompute" else []
     else:

@@ -33,6 +33,20 @@ def child_env():
     return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
+def reference_env(run_dir):
+    """child_env() for a run beside a Hugging Face reference script: offline, a datasets cache of the
+    run's own (so each run tokenizes afresh), and ACCELERATE_USE_CPU=1, what `accelerate launch --cpu`
+    sets: the config's MULTI_GPU launch does not, and without it a plain Accelerator() finds no GPU and
+    each process trains alone (world size 1)."""
+    return {
+        **child_env(),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "ACCELERATE_USE_CPU": "1",
+        "HF_DATASETS_CACHE": os.path.join(run_dir, "hf_datasets"),
+    }
+
+
 def add_worker_flags(parser):
     """The hidden flags run_workers passes to the bench's own file."""
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -55,7 +55,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.harness import CPU_2PROC, REPO, child_env, turn_order
+from bench.harness import CPU_2PROC, REPO, child_env, reference_env, turn_order
 
 PROGRAMS = {
     "ours": "train/sft.py",
@@ -170,13 +170,7 @@ def launch(name, args, data, scratch):
         "--output_dir",
         out,
     ]
-    env = {
-        **child_env(),
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "ACCELERATE_USE_CPU": "1",
-        "HF_DATASETS_CACHE": os.path.join(run_dir, "hf_datasets"),
-    }
+    env = reference_env(run_dir)
     if name.startswith("trl"):
         script = "bench/reference/trl_sft.py"
         extra = ["--max_length", str(args.max_seq_length), *(["--packing"] if packed else [])]

@@ -47,7 +47,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.harness import CPU_2PROC, REPO, child_env, turn_order
+from bench.harness import CPU_2PROC, REPO, reference_env, turn_order
 
 EVALUATE_STAND_IN = '''"""Offline stand-in for `evaluate` (bench/text_reference.py): accuracy only."""
 import transformers.utils
@@ -130,15 +130,7 @@ def launch(name, args, data, scratch):
         "--output_dir",
         out,
     ]
-    # ACCELERATE_USE_CPU: what `accelerate launch --cpu` sets; the config's MULTI_GPU launch does not, and
-    # without it the reference's Accelerator() finds no GPU and each process trains alone (world size 1)
-    env = {
-        **child_env(),
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "ACCELERATE_USE_CPU": "1",
-        "HF_DATASETS_CACHE": os.path.join(run_dir, "hf_datasets"),
-    }
+    env = reference_env(run_dir)
     if name == "reference":
         script, extra = os.path.abspath(args.reference), ["--max_length", "128"]
         env["PYTHONPATH"] = data["stand_in"]  # the offline evaluate, for the reference's processes alone
