@@ -33,6 +33,18 @@ def child_env():
     return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
+def run_measured(cmd, log, env=None):
+    """Run `cmd` from the repo with its output in the file `log`: (exit code, wall seconds, peak RSS MB).
+    The peak is os.wait4's ru_maxrss for this child alone: the largest of it and every process it (or
+    they) waited for, i.e. the largest training process of a launch."""
+    with open(log, "w") as log_file:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env or child_env(), stdout=log_file, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+    return os.waitstatus_to_exitcode(status), wall, usage.ru_maxrss / 1024  # Linux: kB
+
+
 def reference_env(run_dir):
     """child_env() for a run beside a Hugging Face reference script: offline, a datasets cache of the
     run's own (so each run tokenizes afresh), and ACCELERATE_USE_CPU=1, what `accelerate launch --cpu`

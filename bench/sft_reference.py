@@ -52,10 +52,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.harness import CPU_2PROC, REPO, child_env, reference_env, turn_order
+from bench.harness import CPU_2PROC, REPO, child_env, reference_env, run_measured, turn_order
 
 PROGRAMS = {
     "ours": "train/sft.py",
@@ -197,19 +196,13 @@ def launch(name, args, data, scratch):
         ]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_2PROC, script, *common, *extra]
     log = os.path.join(run_dir, "log.txt")
-    with open(log, "w") as log_file:
-        start = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT)
-        # wait4's usage holds the largest ru_maxrss of the launcher and every process it (or they) waited for
-        _, status, usage = os.wait4(proc.pid, 0)
-        wall = time.perf_counter() - start
-    proc.returncode = os.waitstatus_to_exitcode(status)
+    code, wall, rss_mb = run_measured(cmd, log, env)
     with open(log, encoding="utf-8", errors="replace") as f:
         output = f.read()
     results = os.path.join(out, "all_results.json")
-    if proc.returncode != 0 or not os.path.isfile(results):
+    if code != 0 or not os.path.isfile(results):
         tail = "\n".join(output.splitlines()[-40:])
-        raise SystemExit(f"error: {PROGRAMS[name]} failed (exit {proc.returncode}); its last lines:\n{tail}")
+        raise SystemExit(f"error: {PROGRAMS[name]} failed (exit {code}); its last lines:\n{tail}")
     with open(results) as f:
         results = json.load(f)
     if results["world_size"] != 2:
@@ -218,7 +211,7 @@ def launch(name, args, data, scratch):
     scored = score_run(out, data["validation"], args.max_seq_length)
     return {
         "wall": wall,
-        "rss_mb": usage.ru_maxrss / 1024,  # Linux: kB
+        "rss_mb": rss_mb,
         "rank_rss_mb": results.get("peak_rss_mb"),
         "loss": scored["loss"],
         "own_loss": results["eval_loss"],

@@ -8,7 +8,7 @@ run whose batches take many lengths grows until it has met them all; data/paddin
 batch's length up to a bounded set. Each case is one process, `python train/X.py ... --max_train_steps
 N --mixed_precision auto` (bf16 where the CPU has it natively, as a user's run; the bench's own
 --mixed_precision changes it) in a fresh output folder, once per N; the peak resident memory of the run is
-RUSAGE_CHILDREN's ru_maxrss after it exits (the largest process waited for: the run itself), and its
+os.wait4's ru_maxrss for that run (bench/harness.py's run_measured), and its
 training speed is the script's own train_tokens_per_second / train_samples_per_second. Cases:
 - sft_demo: make train-sft's model (runs/lm) and pairs (runs/sft/gcide), batch 16, evaluated on start
   as make train-sft's config has it (--model_name_or_path and --pairs_dir take others);
@@ -22,14 +22,11 @@ import argparse
 import json
 import os
 import random
-import resource
-import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.harness import REPO, child_env
+from bench.harness import REPO, run_measured
 
 SFT_DEMO = {"model": "runs/lm", "pairs": "runs/sft/gcide", "make": "make sft-data (it trains runs/lm first)"}
 
@@ -50,17 +47,13 @@ def varied(pairs_file, out, text, seed=0, rows=4000):
 
 
 def run(command, out):
-    """(peak RSS MB, the run's all_results.json, wall seconds) of one run, in a fresh process tree."""
-    start = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, *command, "--output_dir", out], cwd=REPO, env=child_env(), capture_output=True, text=True
-    )
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        sys.exit(f"error: {' '.join(command[:1])} failed:\n{proc.stderr[-3000:]}")
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # this process's only child
+    """(peak RSS MB, the run's all_results.json, wall seconds) of one run."""
+    code, wall, peak = run_measured([sys.executable, *command, "--output_dir", out], os.path.join(out, "log.txt"))
+    if code != 0:
+        with open(os.path.join(out, "log.txt"), errors="replace") as f:
+            sys.exit(f"error: {command[0]} failed:\n{f.read()[-3000:]}")
     with open(os.path.join(out, "all_results.json")) as f:
-        return peak / 1024, json.load(f), wall
+        return peak, json.load(f), wall
 
 
 def main(argv=None):
@@ -136,11 +129,7 @@ def main(argv=None):
                 argv = [*command, "--per_device_train_batch_size", str(batch), "--max_train_steps", str(steps)]
                 argv += ["--mixed_precision", args.mixed_precision, "--seed", "0"]
                 argv += ["--cache_dir", os.path.join(scratch, "cache")]
-                one_run = [sys.executable, __file__, "--_one", json.dumps(argv), out]
-                result = subprocess.run(one_run, capture_output=True, text=True)  # its own RUSAGE_CHILDREN
-                if result.returncode != 0:
-                    sys.exit(result.stderr[-3000:])
-                peak, results, wall = json.loads(result.stdout.strip().splitlines()[-1])
+                peak, results, wall = run(argv, out)
                 speed = results.get("train_tokens_per_second") or results.get("train_samples_per_second")
                 unit = "tokens/s" if "train_tokens_per_second" in results else "samples/s"
                 peaks.append(peak)
@@ -152,12 +141,5 @@ def main(argv=None):
         print(f"| {name} | {steps} | {peak:,.0f} | {speed:,.0f} {unit} | {wall:.0f} |")
 
 
-def one(command, out):
-    print(json.dumps(run(json.loads(command), out)))
-
-
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--_one"]:
-        one(sys.argv[2], sys.argv[3])
-    else:
-        main()
+    main()
