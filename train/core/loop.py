@@ -11,7 +11,6 @@ records and, when due, saves after the evaluation. A run resumed from its final 
 no batch and goes down the same path, so it evaluates once and writes the same outputs.
 """
 
-import gc
 import math
 import time
 
@@ -375,25 +374,27 @@ class TrainingLoop:
         self.accelerator.wait_for_everyone()
         self.metrics.finish()
         self._release()
-        accelerator = self.accelerator
-        on_teardown(lambda: (accelerator.wait_for_everyone(), accelerator.state.destroy_process_group()))
+        state = self.accelerator.state  # not the accelerator: it holds each model prepare() took
+        on_teardown(lambda: (state.wait_for_everyone(), state.destroy_process_group()))
         return results
 
     def _release(self):
         """DDP's reducer holds gloo state: left for interpreter exit, it can abort a finished run
         (SIGABRT, "terminate called without an active exception"), so every reference to the prepared
-        model must go before the process group does. The loop drops its own and the accelerator's
-        here; a script's go with its main(), and run() then collects them and ends the group."""
+        model must go before the process group does. The loop drops its own here; the script's, and the
+        accelerator, which holds each model prepare() took, go with its main(). run() then collects
+        them all in one full collection (each is slow once torch._dynamo and datasets are imported:
+        docs/speed.md) and ends the group."""
         self.losses.close()
         self.preemption.close()
         self.model = self.optimizer = self.lr_scheduler = self.evaluate = None
-        self.accelerator.free_memory()
         release_output_dir(self.output_dir)
 
     def close(self):
         """For code that drives the loop without finish() and run() (the benches): once it has deleted
-        its own references to the prepared model, end here, the process group included."""
+        its own references to the prepared model, end here, the process group included. The accelerator
+        lives on in the caller, so free_memory() empties its lists before its collection."""
         self._release()
-        gc.collect()
+        self.accelerator.free_memory()
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
