@@ -567,3 +567,22 @@ def test_shape_memory_runs_each_case_at_two_step_counts(tmp_path, capsys):
     for case in ("sft_demo", "sft_varied", "text_varied"):
         assert f"RESULT {case}: peak at 4 / at 2 steps = " in out, out
         assert f"| {case} | 2 | " in out and f"| {case} | 4 | " in out, out
+
+
+def test_recipe_phases_times_each_tree_by_phase_and_counts_collections(fashion_dir, capsys):
+    """bench/recipe_phases.py on a 30-step recipe: this checkout and a worktree of its commit, one
+    round, the phases adding up to the run, and with --gc the main process's collections recorded."""
+    from bench import recipe_phases
+
+    with time_limit(600):
+        rows = recipe_phases.main(
+            ["--trees", "HEAD", "HEAD~0", "--rounds", "1", "--gc", "--extra", "--max_train_steps 30"]
+        )
+    out = capsys.readouterr().out
+    for tree in ("HEAD", "HEAD~0"):
+        assert re.search(rf"^\| {re.escape(tree)} \| 1( \| \d+\.\d\d s){{8}} \|$", out, re.M), out
+        (run,) = rows[tree]
+        assert sum(run[phase] for phase in recipe_phases.PHASES) == pytest.approx(run["launch to exit"])
+        assert 0 < run["gc"] <= run["gc in run"] and 0 < run["exit"] < run["end"]
+    worktrees = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout
+    assert "recipe_phases_" not in worktrees
