@@ -172,6 +172,38 @@ def test_the_other_scripts_take_under_fsdp2_the_steps_they_take_unsharded(fashio
     assert largest_difference(weights(tmp_path / "fsdp_regression"), weights(tmp_path / "one")) < 1e-6
 
 
+def test_batchnorm_under_fsdp2_in_bf16_keeps_fp32_parameters_and_resumes_exactly(fashion_dir, tmp_path):
+    # bf16 parameters beside BatchNorm's fp32 running statistics: the CPU kernel refused the mix
+    # ("expected scalar type BFloat16 but found Float") at the first step. Each BatchNorm is now a unit
+    # in fp32, as under DDP with autocast, and the run resumes bit-identically.
+    args = [
+        "--max_train_samples",
+        1000,
+        "--max_eval_samples",
+        333,
+        "--num_train_epochs",
+        1,
+        "--per_device_train_batch_size",
+        32,
+        "--mixed_precision",
+        "bf16",
+        "--checkpointing_steps",
+        8,
+    ]
+    fsdp = launch("fsdp2_cpu_2proc", "mnist", *args, "--output_dir", tmp_path / "fsdp")
+    ddp = launch("cpu_2proc", "mnist", *args, "--no_channels_last", "--output_dir", tmp_path / "ddp")
+    assert fsdp.returncode == 0 and ddp.returncode == 0, output_of(fsdp) + output_of(ddp)
+    assert "units: 2 BatchNorm2d, the root ConvNet" in fsdp.stdout, fsdp.stdout
+    final = weights(tmp_path / "fsdp")
+    assert {t.dtype for t in final.values()} == {torch.float32, torch.int64}  # num_batches_tracked: int64
+    # autocast gives DDP's convolutions and linear layers the bf16 weights FSDP2 gathers: the same steps
+    assert largest_difference(final, weights(tmp_path / "ddp")) == 0.0
+    resumed = resume_copy(tmp_path / "fsdp", 8, str(tmp_path / "resumed"))
+    proc = launch("fsdp2_cpu_2proc", "mnist", *args, "--output_dir", resumed, "--resume_from_checkpoint", "latest")
+    assert proc.returncode == 0, output_of(proc)
+    assert largest_difference(weights(resumed), final) == 0.0
+
+
 class _WritesAFile:
     def __init__(self, path):
         self.path = path

@@ -58,12 +58,21 @@ def _final_norm(model):
     return norms[-1] if norms else None
 
 
+def keeps_running_stats(module):
+    """BatchNorm (and InstanceNorm with track_running_stats): fp32 running statistics that FSDP2 never
+    casts, which the CPU kernel refuses beside bf16 weights ("expected scalar type BFloat16 but found
+    Float"). Such a module is a unit of its own whose parameters stay fp32; its input stays as it
+    comes (bf16 from the autocast layer before it), which the kernel takes. FSDP1 keeps BatchNorm in
+    full precision the same way by default."""
+    return getattr(module, "track_running_stats", False) and getattr(module, "running_mean", None) is not None
+
+
 def shard_model(plugin, model, world_size, mp_policy):
     """Apply fully_shard to `model` in place, units first, on a CPU mesh of world_size processes;
     return a one-line description of the units."""
     from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     try:
         policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
@@ -82,10 +91,19 @@ def shard_model(plugin, model, world_size, mp_policy):
         "reshard_after_forward": plugin.reshard_after_forward,
         "mp_policy": mp_policy,
     }
+    full_precision = {
+        **kwargs,
+        "mp_policy": MixedPrecisionPolicy(reduce_dtype=torch.float32, cast_forward_inputs=False),
+    }
     units, root = [], type(model).__name__
     # reversed pre-order: every module comes after its descendants, so units nest from the inside out
     for module in list(model.modules())[:0:-1]:
-        if policy is not None and policy(module) and not isinstance(module, FSDPModule):
+        if isinstance(module, FSDPModule):
+            continue
+        if mp_policy.param_dtype is not None and keeps_running_stats(module):
+            units.append(type(module).__name__)
+            fully_shard(module, **full_precision)
+        elif policy is not None and policy(module):
             units.append(type(module).__name__)
             fully_shard(module, **kwargs)
     norm = _final_norm(model)
