@@ -315,7 +315,7 @@ def main(args):
     model = load_pretrained(AutoModelForCausalLM, args, "a causal LM")
     args.model_fingerprint = model_fingerprint(args.model_name_or_path, folder)  # in checkpoints: a resume needs it
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if args.lora_r:  # the adapters train; the pretrained model stays as it is, and is the reference
         model = lora_model(model, args, "CAUSAL_LM")
     set_training_dtype(model, args.pure_low_precision, accelerator.mixed_precision)  # float32 master weights

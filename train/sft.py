@@ -225,7 +225,7 @@ def main(args):
     if args.packing:
         check_packing(model, config.vocab_size)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if args.lora_r:  # the adapters train; the pretrained model stays as it is
         model = lora_model(model, args, "CAUSAL_LM")
     set_training_dtype(model, args.pure_low_precision, accelerator.mixed_precision)  # float32 master weights

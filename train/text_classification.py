@@ -224,7 +224,7 @@ def main(args):
     args.model_fingerprint = model_fingerprint(args.model_name_or_path, folder)  # in checkpoints: a resume needs it
     new = sorted({k.rsplit(".", 1)[0] for k in [*loading["missing_keys"], *(m[0] for m in loading["mismatched_keys"])]})
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if args.lora_r:  # the adapters and the fresh head train; the pretrained body stays as it is
         model = lora_model(model, args, "SEQ_CLS", new)
     set_training_dtype(model, args.pure_low_precision, accelerator.mixed_precision)  # float32 master weights
