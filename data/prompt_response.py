@@ -153,6 +153,19 @@ def scored_tokens(tokenizer, examples, chat):
         yield ids, scored
 
 
+def context_ids(tokenizer, prompt):
+    """The ids a model trained on scored_tokens' rows reads before it writes a response to `prompt`:
+    the tokenizer's ids of the prompt with the tokens it adds before a text (Llama's <s>, BERT's [CLS])
+    and none of those it adds after one (an end-of-text, BERT's [SEP]): training only ever puts those
+    after a response, so a model that met one after the prompt would take its response as finished."""
+    fast = getattr(tokenizer, "is_fast", False)
+    encoded = tokenizer(prompt, return_offsets_mapping=fast, return_special_tokens_mask=True)
+    ids, added = encoded["input_ids"], encoded["special_tokens_mask"]
+    offsets = encoded["offset_mapping"] if fast else [(0, 0)] * len(ids)
+    read = [i for i, ((a, b), x) in enumerate(zip(offsets, added, strict=True)) if not (x and a == b)]
+    return ids[: read[-1] + 1] if read else ids
+
+
 def example_row(tokens, scored, max_seq_length, long_examples, what):
     """(input_ids, labels) of one example's tokens (labels shifted: the token each position predicts,
     -100 where nothing is scored), cut to max_seq_length; None when it is longer and long_examples is

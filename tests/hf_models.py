@@ -49,9 +49,10 @@ CHATML = (
 )
 
 
-def tiny_tokenizer(folder, bos=False, chat=False):
+def tiny_tokenizer(folder, bos=False, chat=False, end=False):
     """A byte-level BPE of ~400 tokens trained on WORDS, with end-of-text (and Llama's <s> before each
-    text with bos=True; ChatML's turn tokens and template with chat=True), saved into folder."""
+    text with bos=True; end-of-text after each text, as some tokenizers add it, with end=True; ChatML's
+    turn tokens and template with chat=True), saved into folder."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -68,9 +69,10 @@ def tiny_tokenizer(folder, bos=False, chat=False):
             show_progress=False,
         ),
     )
-    if bos:
+    if bos or end:
+        added = [(t, tok.token_to_id(t)) for t in ("<s>",) * bos + ("<|endoftext|>",) * end]
         tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+            single=("<s> " if bos else "") + "$A" + (" <|endoftext|>" if end else ""), special_tokens=added
         )
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tok,
@@ -110,12 +112,12 @@ def metaspace_tokenizer(folder):
     return wrapped
 
 
-def tiny_causal_lm(folder, arch="gpt2", dropout=0.0, seed=0, chat=False):
+def tiny_causal_lm(folder, arch="gpt2", dropout=0.0, seed=0, chat=False, end=False):
     """A 2-layer, 32-wide GPT-2 or Llama (random weights) with tiny_tokenizer's tokenizer."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    tokenizer = tiny_tokenizer(folder, bos=arch == "llama", chat=chat)
+    tokenizer = tiny_tokenizer(folder, bos=arch == "llama", chat=chat, end=end)
     torch.manual_seed(seed)
     if arch == "gpt2":
         config = GPT2Config(

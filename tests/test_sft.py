@@ -535,3 +535,61 @@ def test_the_recipe_and_the_sweep_file_pass_the_scripts_own_parser(monkeypatch):
     sweep = read_sweep("train/configs/sweep_sft_gcide.yaml", {"n_trials": None})
     check_against_script(sweep, load_script(sweep["script"]))
     assert sweep["metric"] == "eval_loss" and sweep["direction"] == "minimize"
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "bos", "bos_and_end", "sentencepiece", "wordpiece"])
+def test_a_prompt_is_read_as_training_reads_it_with_no_end_of_text_after_it(kind, tmp_path):
+    """--prompt's ids are the start of a training example's: what the tokenizer puts before a text
+    (<s>, [CLS]) stays, what it puts after one (end-of-text, [SEP]) does not: training puts those only
+    after a response."""
+    from transformers import AutoTokenizer
+
+    from data.prompt_response import context_ids
+    from hf_models import metaspace_tokenizer, minilm_folder, tiny_tokenizer
+
+    tokenizer = {
+        "byte_level": lambda: tiny_tokenizer(tmp_path),
+        "bos": lambda: tiny_tokenizer(tmp_path, bos=True),
+        "bos_and_end": lambda: tiny_tokenizer(tmp_path, bos=True, end=True),
+        "sentencepiece": lambda: metaspace_tokenizer(tmp_path),
+        "wordpiece": lambda: AutoTokenizer.from_pretrained(minilm_folder()),
+    }[kind]()
+    examples = pairs(30, 5)
+    rows, _ = encode(
+        tokenizer,
+        prompt_response_segments(_dataset(examples), "train", "prompt", "response"),
+        512,
+        "error",
+        "train",
+        chat=False,
+    )
+    ends = {tokenizer.eos_token_id, tokenizer.sep_token_id} - {None}
+    for example, ids in zip(examples, rows["input_ids"], strict=True):
+        context = context_ids(tokenizer, example["prompt"])
+        assert ids[: len(context)] == context and context[-1] not in ends
+        assert tokenizer.decode(context, skip_special_tokens=True).strip() == example["prompt"].strip()
+        if kind in ("bos", "bos_and_end"):
+            assert context[0] == tokenizer.bos_token_id
+
+
+def test_generation_reads_no_end_of_text_after_the_prompt_though_the_tokenizer_adds_one(tmp_path, capsys):
+    """A tokenizer that ends every text with end-of-text (its post-processor's "$A <eos>"): --prompt
+    continues the prompt alone, as training presented it, not the prompt and an end."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = tiny_causal_lm(tmp_path / "run", end=True)
+    for name in ("args.json", "all_results.json"):  # as a finished train/sft.py run leaves them
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump({}, f)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    with_end = tokenizer("the river", return_tensors="pt")["input_ids"]
+    assert with_end[0, -1] == tokenizer.eos_token_id
+
+    def continuation(ids):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+        return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
+
+    expected = continuation(with_end[:, :-1])
+    assert expected != continuation(with_end)  # else this test could not tell the two apart
+    proc = run_as_script(capsys, "sft", "--output_dir", folder, "--prompt", "the river", "--max_new_tokens", 8)
+    assert expected and proc.returncode == 0 and proc.stdout.strip() == f"the river\t{expected}", output_of(proc)

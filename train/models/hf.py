@@ -392,6 +392,8 @@ def generate(args, script, chat):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from data.prompt_response import context_ids
+
     quiet_transformers()
     try:
         with open(os.path.join(args.output_dir, "args.json")) as f:
@@ -415,8 +417,8 @@ def generate(args, script, chat):
             ids = tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
             )["input_ids"]
-        else:
-            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        else:  # as training tokenized it: no end-of-text after the prompt, though the tokenizer adds one
+            ids = torch.tensor([context_ids(tokenizer, prompt)])
         with torch.inference_mode():
             out = model.generate(
                 ids,
