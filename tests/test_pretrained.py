@@ -284,6 +284,62 @@ def test_the_main_process_may_tokenize_for_longer_than_ddp_timeout(tmp_path):
     assert proc.returncode == 0 and "world_size=2" in proc.stdout, output_of(proc)
 
 
+def test_a_classifier_keeps_its_head_for_its_own_labels_and_gets_a_new_one_for_others(tmp_path, capsys):
+    """A pretrained classifier of animal, food, weather. On data of the same labels (in another order)
+    its head goes on as it was, in its own order; on food, weather, zoo its rows would mean animal,
+    food, weather under the new names, so the head is drawn anew and the header says so."""
+    from transformers import AutoConfig
+
+    pretrained = tiny_bert(tmp_path / "classifier", num_labels=3)
+    config = AutoConfig.from_pretrained(pretrained)
+    config.id2label = {0: "animal", 1: "food", 2: "weather"}
+    config.label2id = {v: k for k, v in config.id2label.items()}
+    config.save_pretrained(pretrained)
+    before = weights(pretrained)
+
+    def fine_tune(labels, name):
+        rng = random.Random(0)
+        for split, n in (("train", 24), ("validation", 9)):
+            with open(tmp_path / f"{name}_{split}.csv", "w") as f:
+                f.write("text,label\n")
+                f.writelines(f"{' '.join(rng.sample(WORDS, 5))},{labels[i % 3]}\n" for i in range(n))
+        proc = run_as_script(
+            capsys,
+            "text_classification",
+            "--model_name_or_path",
+            pretrained,
+            "--train_file",
+            tmp_path / f"{name}_train.csv",
+            "--validation_file",
+            tmp_path / f"{name}_validation.csv",
+            "--max_train_steps",
+            1,
+            "--per_device_train_batch_size",
+            8,
+            "--learning_rate",
+            1e-12,
+            "--mixed_precision",
+            "no",
+            "--cache_dir",
+            tmp_path / "tokens",
+            "--output_dir",
+            tmp_path / name,
+        )
+        assert proc.returncode == 0, output_of(proc)
+        return proc.stdout, weights(tmp_path / name), json.load(open(tmp_path / name / "config.json"))["id2label"]
+
+    out, after, id2label = fine_tune(["weather", "animal", "food"], "same")
+    assert "new: nothing;" in out and id2label == {"0": "animal", "1": "food", "2": "weather"}
+    assert largest_difference(after, before) < 1e-6
+
+    out, after, id2label = fine_tune(["food", "weather", "zoo"], "other")
+    assert "new: classifier (the pretrained head's labels were animal, food, weather);" in out, out
+    assert id2label == {"0": "food", "1": "weather", "2": "zoo"}
+    assert (after["classifier.weight"] - before["classifier.weight"]).abs().max() > 1e-3
+    body = [k for k in after if k.startswith("bert.")]
+    assert body and largest_difference({k: after[k] for k in body}, {k: before[k] for k in body}) < 1e-6
+
+
 # ------------------------------------------------------------------------------------ labels and splits, one process
 
 

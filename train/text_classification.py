@@ -50,6 +50,7 @@ from train.models.hf import (
     default_model_folder,
     describe_dtypes,
     describe_trainable,
+    fresh_head,
     hub_kwargs,
     load_pretrained,
     load_tokenizer,
@@ -223,6 +224,12 @@ def main(args):
     )
     args.model_fingerprint = model_fingerprint(args.model_name_or_path, folder)  # in checkpoints: a resume needs it
     new = sorted({k.rsplit(".", 1)[0] for k in [*loading["missing_keys"], *(m[0] for m in loading["mismatched_keys"])]})
+    relabelled = ""
+    if trained_labels and [str(n) for n in trained_labels] != names:
+        # the head's rows mean its own labels, whatever the names now say: a new head for these
+        new = sorted(set(new) | set(fresh_head(model)))
+        shown = ", ".join(map(str, trained_labels[:8])) + (", ..." if len(trained_labels) > 8 else "")
+        relabelled = f" (the pretrained head's labels were {shown})"
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if args.lora_r:  # the adapters and the fresh head train; the pretrained body stays as it is
@@ -232,7 +239,7 @@ def main(args):
     accelerator.print(
         f"model: {type(model).__name__} from {args.model_name_or_path}, {total:,} parameters, "
         f"{trainable:,} training ({trainable / total:.2%}"
-        f"{f', LoRA r={args.lora_r}' if args.lora_r else ''}); new: {', '.join(new) or 'nothing'}; "
+        f"{f', LoRA r={args.lora_r}' if args.lora_r else ''}); new: {', '.join(new) or 'nothing'}{relabelled}; "
         f"{describe_dtypes(model)}"
     )
     optimizer = adamw(model, args.learning_rate, args.weight_decay)  # decay on weight matrices only

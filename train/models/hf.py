@@ -231,6 +231,32 @@ def load_tokenizer(path, flag="--model_name_or_path", **hub):
     return tokenizer
 
 
+def fresh_head(model):
+    """Draw the task head's weights anew (every linear layer outside the pretrained body, as the model's
+    own initializer does for a head it lacks: normal(0, initializer_range), zero bias) and return the
+    head's module names: for a classifier whose head was trained on other labels, which its rows
+    would otherwise go on meaning, whatever the new names say."""
+    import torch
+
+    body = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    if not isinstance(body, torch.nn.Module) or body is model:
+        fail(
+            f"{type(model).__name__} does not tell its head from its pretrained body (base_model_prefix), so the head "
+            "trained on other labels cannot be drawn anew; pass data with the model's labels, or its base model"
+        )
+    std = getattr(model.config, "initializer_range", 0.02)
+    head = []
+    for name, child in model.named_children():
+        linear = [m for m in child.modules() if isinstance(m, torch.nn.Linear)] if child is not body else []
+        with torch.no_grad():
+            for m in linear:
+                m.weight.normal_(0.0, std)
+                if m.bias is not None:
+                    m.bias.zero_()
+        head += [name] if linear else []
+    return head
+
+
 def lora_model(model, args, task_type, trained_modules=()):
     """`model` with LoRA adapters (--lora_r/--lora_alpha/--lora_dropout/--lora_target_modules) and
     `trained_modules` (a new head, say) trained in full; everything else frozen."""
