@@ -166,10 +166,12 @@ def load_splits(inputs, label_column=None):
     for split in ("validation", "test"):
         if split in loaded:
             ds = loaded[split]
+            # a benchmark's hidden split: no label at all, or -1 throughout where the column is plain
+            # integers (exported without its ClassLabel; elsewhere -1 is a class, as in -1/0/1 sentiment)
             hidden = (
                 label_column is not None
                 and label_column in ds.column_names
-                and len(missing_labels(ds, label_column)) == len(ds)
+                and (len(missing_labels(ds, label_column)) == len(ds) or set(ds[label_column]) == {-1})
             )
             if not hidden:
                 return {"train": train, "validation": ds}, f"{what}'s {split} split"

@@ -392,6 +392,26 @@ def test_dataset_splits_by_name_config_and_fallback(tmp_path):
         load_splits(DataInputs(dataset_name="no-such/dataset"))
 
 
+def test_a_plain_integer_test_split_of_minus_ones_is_hidden_and_elsewhere_minus_one_is_a_class(tmp_path):
+    """A benchmark exported without its ClassLabel (plain integers): its test split, -1 throughout, is
+    a hidden split, not a class of its own; -1 among other values (-1/0/1 sentiment) is a class."""
+    import datasets
+
+    os.makedirs(tmp_path / "d" / "data")
+    rng = random.Random(3)
+    records = {
+        "train": [{"text": " ".join(rng.sample(WORDS, 4)), "label": rng.choice([-1, 0, 1])} for _ in range(40)],
+        "test": [{"text": " ".join(rng.sample(WORDS, 4)), "label": -1} for _ in range(8)],
+    }
+    for split, rows in records.items():
+        datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "d" / "data" / f"{split}.parquet"))
+    splits, where = load_splits(DataInputs(dataset_name=str(tmp_path / "d")), "label")
+    assert where == "10% of the dataset's train split held out; the dataset's test split has no labels"
+    assert len(splits["train"]) == 36 and len(splits["validation"]) == 4
+    names, ids = label_names(splits["train"], splits["validation"], "label")
+    assert names == ["-1", "0", "1"] and None not in ids["train"]
+
+
 # ------------------------------------------------------------------------------------ flags users know
 
 
