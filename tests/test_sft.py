@@ -593,3 +593,18 @@ def test_generation_reads_no_end_of_text_after_the_prompt_though_the_tokenizer_a
     assert expected != continuation(with_end)  # else this test could not tell the two apart
     proc = run_as_script(capsys, "sft", "--output_dir", folder, "--prompt", "the river", "--max_new_tokens", 8)
     assert expected and proc.returncode == 0 and proc.stdout.strip() == f"the river\t{expected}", output_of(proc)
+
+
+@pytest.mark.parametrize("script", ["sft", "dpo"])
+def test_generation_refuses_a_finished_run_of_a_classifier_in_one_line(script, tmp_path, capsys):
+    """text_classification.py's output is a finished run too: its head is no language model's."""
+    folder = tiny_bert(tmp_path / "classifier", num_labels=2)
+    for name in ("args.json", "all_results.json"):
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump({}, f)
+    proc = run_as_script(capsys, script, "--output_dir", folder, "--prompt", "the river")
+    assert proc.returncode == 1 and proc.stdout == "", output_of(proc)
+    assert proc.stderr.strip() == (
+        f"error: --output_dir {folder} holds a BertForSequenceClassification, not a causal language model: "
+        f"train/{script}.py --prompt continues text; pass the output folder of a train/sft.py or train/dpo.py run"
+    )

@@ -409,6 +409,24 @@ def check_causal_lm(path, **hub):
     return config
 
 
+def check_causal_head(folder, script, **hub):
+    """One line unless the model saved in `folder` is a causal LM with its language-modelling head (a
+    classifier of the same family, text_classification.py's output, has a model type with one but
+    saved another head, which from_pretrained would replace by a random one)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    config = AutoConfig.from_pretrained(folder, **hub)
+    causal = {c for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for c in ([v] if isinstance(v, str) else v)}
+    saved = config.architectures or []
+    custom = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    if saved and not custom and not set(saved) & causal:
+        fail(
+            f"--output_dir {folder} holds a {', '.join(saved)}, not a causal language model: {script} --prompt "
+            "continues text; pass the output folder of a train/sft.py or train/dpo.py run"
+        )
+
+
 def generate(args, script, chat):
     """Print each of --prompt's continuation (prompt<TAB>continuation, newlines as \\n) with the causal LM
     in --output_dir, a finished run of `script`; a prompt is a user turn when that run's args.json sets
@@ -428,6 +446,7 @@ def generate(args, script, chat):
         trained = None
     if trained is None or not os.path.isfile(os.path.join(args.output_dir, "all_results.json")):
         fail(f"--output_dir {args.output_dir} holds no finished {script} run; train one there first")
+    check_causal_head(args.output_dir, script, trust_remote_code=args.trust_remote_code)
     tokenizer = load_tokenizer(args.output_dir, "--output_dir", trust_remote_code=args.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
         args.output_dir, dtype=torch.float32, trust_remote_code=args.trust_remote_code
