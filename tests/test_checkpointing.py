@@ -127,6 +127,7 @@ def sigterm_at_step_one_and_resume(config, script, steps, folder, *args):
     assert said[0].startswith(f"stopped on SIGTERM at step 1 of {steps}, saved {stop}; resume with: "), said[0]
     assert {"rank_state_0.pt", "rank_state_1.pt", "meta.json"} <= set(os.listdir(stop))
     assert f"resumed from {stop}" in proc.stdout
+    assert "was locked by a process that is gone" not in proc.stdout  # the stop let go of its folder
     return proc, out
 
 

@@ -298,6 +298,7 @@ class TrainingLoop:
         path = self._last_save[1] if self._last_save[0] == self.step else self.save()
         self.writer.wait()
         self.preemption.stopping()
+        release_output_dir(self.output_dir)  # a clean stop: the resume takes a free folder, not a dead run's
         next_steps = after_a_stop(self.step > self.first_step, self.accelerator.is_local_main_process)
         raise Preempted(f"stopped on SIGTERM at step {self.step} of {self.max_train_steps}, saved {path}; {next_steps}")
 
