@@ -373,3 +373,38 @@ def test_auto_without_an_answer_follows_the_hardware(tmp_path, monkeypatch, nati
     assert choose_mixed_precision("auto", on_cpu=True) == ("no", f"from the accelerate config {default}")
     native_bf16_cpu("--cpu")
     assert choose_mixed_precision("auto", on_cpu=True)[0] == "bf16"
+
+
+# ----------------------------------------------------------------------------- a stop through train.core.launch
+
+
+@pytest.mark.parametrize("sigterm", [True, False], ids=["sigterm_to_a_rank", "sigkill_to_a_rank"])
+def test_the_batch_launcher_ends_a_sigterm_stop_of_the_ranks_with_143_and_a_crash_as_a_crash(tmp_path, sigterm):
+    """`python -m train.core.launch accelerate launch ...` (the SLURM scripts' launcher): a SIGTERM to
+    one rank stops every rank at one step, saved, each with exit code 143: the launcher ends with 143
+    and no traceback. A rank killed outright is a failure: torch elastic's report and exit code 1."""
+    kill = ["--rank", 1, "--step", 2, "--marker", tmp_path / "signalled", *(["--sigterm", "self"] if sigterm else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "train.core.launch",
+        "accelerate",
+        "launch",
+        "--config_file",
+        os.path.join(CONFIGS, "cpu_2proc.yaml"),
+        os.path.join("tests", "kill_at_step.py"),
+        "regression",
+        *map(str, kill),
+        "--",
+        "--max_train_steps",
+        "20",
+        "--output_dir",
+        str(tmp_path / "run"),
+    ]
+    proc = run_or_dump(cmd, 300, env=clean_env())
+    said = [line for line in output_of(proc).splitlines() if line.startswith("stopped on SIGTERM at step ")]
+    if sigterm:
+        assert proc.returncode == 143 and len(said) == 1, output_of(proc)
+        assert "Traceback" not in output_of(proc) and "ChildFailedError" not in output_of(proc), output_of(proc)
+    else:
+        assert proc.returncode == 1 and not said and "ChildFailedError" in output_of(proc), output_of(proc)

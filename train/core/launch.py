@@ -9,12 +9,18 @@ and print one line: train/core/preemption.py) and raises SignalException, which 
 torchrun leave to the interpreter: a 40-line traceback per node in the job's log, after the lines
 that matter. Here that exception ends the launcher as the signal would have, exit code 128 + the
 signal's number, and everything else is the launcher's own behaviour (accelerate_configs/slurm/
-launch_node.sh starts every node's launcher this way).
+launch_node.sh starts every node's launcher this way). A SIGTERM to the ranks alone (`kill` of one
+rank, a container's stop) ends them the same way, each with exit code 143 after saving; the launcher
+reports that as a failure of its workers, with a traceback. Here it ends with 143 too, and quietly.
 """
 
+import signal
 import sys
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+STOPPED = 128 + signal.SIGTERM  # a rank's exit code after a SIGTERM stop (train/core/preemption.py)
 
 
 def main(argv=None):
@@ -33,6 +39,10 @@ def main(argv=None):
     except SignalException as e:
         # the workers have had the signal and their time to stop; each rank said what it did
         sys.exit(128 + int(e.sigval))
+    except ChildFailedError as e:
+        if {failure.exitcode for failure in e.failures.values()} != {STOPPED}:
+            raise  # a rank failed: torch elastic's report says which and why
+        sys.exit(STOPPED)  # every rank that ended stopped on SIGTERM, saved, and said so
 
 
 if __name__ == "__main__":
