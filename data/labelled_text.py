@@ -102,17 +102,27 @@ def label_names(train, validation, column, preferred=None):
     return names, {split: [None if v is None else ids[str(v)] for v in vs] for split, vs in values.items()}
 
 
-def without_missing_labels(ds, labels, column, split, policy):
-    """(ds, labels) without the rows that have no label, refused in one line naming them unless
-    policy is "drop"; and how many were left out."""
+def first_words(text):
+    """A row named by its first words: a held-out split's row numbers are not the file's (it is a
+    random part of the file, in random order)."""
+    text = " ".join(str(text).split())
+    return repr(text[:40] + ("..." if len(text) > 40 else ""))
+
+
+def without_missing_labels(ds, labels, column, split, policy, text_column=None):
+    """(ds, labels) without the rows that have no label, refused in one line naming them (by their
+    `text_column`'s first words where given) unless policy is "drop"; and how many were left out."""
     missing = [i for i, label in enumerate(labels) if label is None]
     if not missing:
         return ds, labels, 0
     if policy != "drop":
-        shown = ", ".join(map(str, missing[:5])) + (", ..." if len(missing) > 5 else "")
+        text_column = text_column if text_column in ds.column_names else None  # a missing one is refused later
+        named = [first_words(ds[i][text_column]) for i in missing[:3]] if text_column else missing[:5]
+        shown = ", ".join(map(str, named)) + (", ..." if len(missing) > len(named) else "")
         raise DataError(
-            f"the {split} data has {len(missing)} row(s) without a {column!r} (row {shown}; empty, or "
-            "datasets' -1 for 'no label'); fill them in, or pass --missing_labels drop to leave them out"
+            f"the {split} data has {len(missing)} row(s) without a {column!r} ({'' if text_column else 'row '}"
+            f"{shown}; empty, or datasets' -1 for 'no label'); fill them in, or pass --missing_labels drop to "
+            "leave them out"
         )
     keep = [i for i, label in enumerate(labels) if label is not None]
     if not keep:
@@ -185,7 +195,9 @@ def prepare_labelled_text(
             "splits": {},
         }
         for split, ds in splits.items():
-            ds, ids, dropped = without_missing_labels(ds, labels[split], label_column, split, missing_labels)
+            ds, ids, dropped = without_missing_labels(
+                ds, labels[split], label_column, split, missing_labels, text_column_names[0]
+            )
             rows, at_limit = tokenize(tokenizer, text_columns(ds, text_column_names, split), max_seq_length)
             rows["label"] = ids
             datasets.Dataset.from_dict(rows).save_to_disk(os.path.join(tmp, split))

@@ -20,9 +20,9 @@ training script (train/dpo.py), beside this folder.
 import os
 
 from data.errors import DataError
-from data.labelled_text import cached_folder, tokenizer_files_hash
+from data.labelled_text import cached_folder, first_words, tokenizer_files_hash
 from data.padding import padded_length
-from data.prompt_response import LONG_EXAMPLES, _start, example_row, scored_tokens
+from data.prompt_response import LONG_EXAMPLES, example_row, scored_tokens
 from data.splits import inputs_key, load_splits, stem
 
 FORMAT = 1  # of the folder written here; a change makes every cached folder stale
@@ -53,7 +53,7 @@ def pair_segments(ds, split, columns, tokenizer):
     pairs = []
     for i, (good, bad) in enumerate(zip(chosen, rejected, strict=True)):
         prompt = prompts[i] if prompts is not None else None
-        where = f"the {split} pair {i} ({_start(_prompt_text(prompt, good))})"
+        where = f"the {split} pair {first_words(_prompt_text(prompt, good))}"
         if not conversational:
             for name, text in (("chosen", good), ("rejected", bad)):
                 if not isinstance(text, str) or not text.strip():
@@ -110,7 +110,7 @@ def encode_pairs(tokenizer, pairs, max_seq_length, long_examples, split, chat):
     rows["length"] = []
     cut = dropped = same = 0
     for pair, chosen, rejected in zip(pairs, sides["chosen"], sides["rejected"], strict=True):
-        what = f"the {split} pair {_start(pair[0][0][0])}"
+        what = f"the {split} pair {first_words(pair[0][0][0])}"
         made = [
             example_row(*tokens, max_seq_length, long_examples, f"{what}'s {side} side")
             for side, tokens in zip(SIDES, (chosen, rejected), strict=True)

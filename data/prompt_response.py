@@ -24,7 +24,7 @@ import bisect
 import os
 
 from data.errors import DataError
-from data.labelled_text import cached_folder, tokenizer_files_hash
+from data.labelled_text import cached_folder, first_words, tokenizer_files_hash
 from data.padding import padded_length
 from data.splits import inputs_key, load_splits, stem
 
@@ -42,12 +42,6 @@ def _strings(ds, column, split, flag):
     return ds[column]
 
 
-def _start(text):
-    """A row named by its first words: a held-out split's row numbers are not the file's."""
-    text = " ".join(text.split())
-    return repr(text[:40] + ("..." if len(text) > 40 else ""))
-
-
 def prompt_response_segments(ds, split, prompt_column, response_column):
     """Per example: [(prompt, False), (response, True)]; an empty response is refused (its row named)."""
     prompts = _strings(ds, prompt_column, split, "--prompt_column")
@@ -56,7 +50,7 @@ def prompt_response_segments(ds, split, prompt_column, response_column):
     if empty:
         raise DataError(
             f"the {split} data has {len(empty)} row(s) with an empty {response_column!r} (the first: "
-            f"{_start(prompts[empty[0]] or '')}); fill them in or drop those rows"
+            f"{first_words(prompts[empty[0]] or '')}); fill them in or drop those rows"
         )
     return [[(p or "", False), (r, True)] for p, r in zip(prompts, responses, strict=True)]
 
@@ -85,9 +79,9 @@ def chat_segments(ds, split, column, tokenizer):
         if not isinstance(turns, list) or not all(isinstance(t, dict) and {"role", "content"} <= set(t) for t in turns):
             raise DataError(
                 f"{column!r} in the {split} data is not a list of {{'role', 'content'}} turns (its "
-                f"value {_start(repr(turns))}); pass --messages_column NAME of such a column"
+                f"value {first_words(repr(turns))}); pass --messages_column NAME of such a column"
             )
-        where = f"the {split} conversation {_start(turns[0]['content'] or '') if turns else '[]'}"
+        where = f"the {split} conversation {first_words(turns[0]['content'] or '') if turns else '[]'}"
         if not any(t["role"] == "assistant" and (t["content"] or "").strip() for t in turns):
             raise DataError(f"{where} has no assistant turn with text: nothing to learn from; drop it")
         text = render(turns)
@@ -197,7 +191,7 @@ def encode(tokenizer, examples, max_seq_length, long_examples, split, chat):
     cut = dropped = 0
     for segments, (tokens, scored) in zip(examples, scored_tokens(tokenizer, examples, chat), strict=True):
         row = example_row(
-            tokens, scored, max_seq_length, long_examples, f"the {split} example {_start(segments[0][0])}"
+            tokens, scored, max_seq_length, long_examples, f"the {split} example {first_words(segments[0][0])}"
         )
         if row is None:
             dropped += 1

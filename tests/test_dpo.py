@@ -393,7 +393,7 @@ def test_bad_input_is_one_line_and_writes_no_run(data, tmp_path, capsys):
         preferences(10, 5) + [{"prompt": "define tree\n", "chosen": "", "rejected": "a stone"}],
     )
     line = bad(capsys, *gpt2, "--train_file", empty, "--validation_file", data["validation"], *common)
-    assert "pair 10 ('define tree') has an empty chosen response" in line, line
+    assert "the train pair 'define tree' has an empty chosen response" in line, line
     line = bad(capsys, *gpt2, "--train_file", data["train"], "--max_seq_length", 3, *common)
     assert "its prompt alone is" in line, line
     line = bad(capsys, "--model_name_or_path", tiny_bert(tmp_path / "bert"), "--train_file", data["train"], *common)

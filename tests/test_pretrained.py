@@ -368,6 +368,9 @@ def test_rows_without_a_label_are_refused_naming_them_or_left_out_and_counted():
     assert ids["train"] == [0, None, 1, 1, None, 0]  # -1 is "no label", never the last class
     with pytest.raises(DataError, match=r"2 row\(s\) without a 'label' \(row 1, 4; .*--missing_labels drop"):
         without_missing_labels(train, ids["train"], "label", "train", "error")
+    # named by their text: a held-out split's row numbers are not the file's
+    with pytest.raises(DataError, match=r"2 row\(s\) without a 'label' \('q', 't'; empty, or"):
+        without_missing_labels(train, ids["train"], "label", "train", "error", "text")
     kept, labels, dropped = without_missing_labels(train, ids["train"], "label", "train", "drop")
     assert kept["text"] == list("prsu") and labels == [0, 1, 1, 0] and dropped == 2
     strings = datasets.Dataset.from_dict({"label": ["x", None, "", "y"]})
