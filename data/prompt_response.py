@@ -32,11 +32,18 @@ FORMAT = 2  # of the folder written here; a change makes every cached folder sta
 LONG_EXAMPLES = ("truncate", "drop", "error")
 
 
+# the columns of TRL's prompt-completion and conversational datasets: what to pass for them instead of a flag's default
+ELSEWHERE = {
+    "--prompt_column": {"messages": "--messages_column messages"},
+    "--response_column": {"completion": "--response_column completion", "messages": "--messages_column messages"},
+}
+
+
 def _strings(ds, column, split, flag):
     if column not in ds.column_names:
-        raise DataError(
-            f"no column {column!r} in the {split} data (columns: {', '.join(ds.column_names)}); pass {flag} NAME"
-        )
+        known = [fix for name, fix in ELSEWHERE.get(flag, {}).items() if name in ds.column_names]
+        fix = f"pass {' or '.join(known)}" if known else f"pass {flag} NAME"
+        raise DataError(f"no column {column!r} in the {split} data (columns: {', '.join(ds.column_names)}); {fix}")
     if getattr(ds.features[column], "dtype", None) not in ("string", "large_string"):
         raise DataError(f"column {column!r} holds {ds.features[column]}, not text; pass {flag} NAME")
     return ds[column]

@@ -475,6 +475,19 @@ def test_bad_input_is_one_line_and_writes_no_run(data, tmp_path, capsys):
     assert "no column 'answer'" in line and "(columns: prompt, response)" in line, line
     line = bad(capsys, *gpt2, "--messages_column", "messages", *common)
     assert "no column 'messages'" in line, line
+    # TRL's dataset formats: the flag that takes them
+    completions = write_jsonl(
+        tmp_path / "pc.jsonl", [{"prompt": p["prompt"], "completion": p["response"]} for p in pairs(9, 1)]
+    )
+    line = bad(capsys, "--model_name_or_path", data["gpt2"], "--train_file", completions, *common)
+    assert line.endswith(
+        "no column 'response' in the train data (columns: prompt, completion); pass --response_column completion"
+    ), line
+    turns = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]}] * 9
+    line = bad(
+        capsys, "--model_name_or_path", data["gpt2"], "--train_file", write_jsonl(tmp_path / "m.jsonl", turns), *common
+    )
+    assert line.endswith("(columns: messages); pass --messages_column messages"), line
     line = bad(
         capsys,
         "--model_name_or_path",
