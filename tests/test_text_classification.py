@@ -576,3 +576,21 @@ def test_the_recipe_and_the_sweep_file_pass_the_scripts_own_parser(monkeypatch):
     sweep = read_sweep("train/configs/sweep_text_wordnet.yaml", {"n_trials": None})
     check_against_script(sweep, load_script(sweep["script"]))
     assert sweep["metric"] == "eval_f1" and sweep["direction"] == "maximize"
+
+
+def test_predict_takes_a_pair_model_s_texts_as_pairs_and_refuses_one_without_its_tab(tmp_path, capsys):
+    """A model trained on sentence pairs (args.json's text_column names two) reads each text as
+    FIRST<TAB>SECOND, as it trained, and prints both; a text without the TAB is refused in one line."""
+    folder = tiny_bert(tmp_path / "pairs", num_labels=2)
+    for name, content in (("args.json", {"text_column": "question,passage"}), ("all_results.json", {})):
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(content, f)
+    proc = run_as_script(capsys, "text_classification", "--output_dir", folder, "--predict", "is it 1\tit is 1")
+    fields = proc.stdout.strip().split("\t")
+    assert proc.returncode == 0 and fields[:2] == ["is it 1", "it is 1"] and len(fields) == 4, output_of(proc)
+    proc = run_as_script(capsys, "text_classification", "--output_dir", folder, "--predict", "is it 1\tit is", "is it")
+    assert proc.returncode == 1 and proc.stdout == "", output_of(proc)
+    assert proc.stderr.strip() == (
+        f"error: --output_dir {folder} was trained on sentence pairs (question,passage); give each text as "
+        "FIRST<TAB>SECOND: 'is it' has no TAB"
+    )

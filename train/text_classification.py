@@ -15,6 +15,7 @@ from_pretrained loads it, label names in config.json; with --lora_r the merged m
 adapter in adapter/.
 """
 
+import json
 import os
 import sys
 
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from data.errors import fail
-from data.labelled_text import MISSING_LABELS, TokenBatch, prepare_labelled_text
+from data.labelled_text import MISSING_LABELS, TokenBatch, first_words, prepare_labelled_text
 from data.loader import sharded_loader
 from data.sources import DatasetsSource
 from data.splits import check_inputs
@@ -322,12 +323,23 @@ def predict(args):
         else:
             texts.append(given)
     labels = model.config.id2label
-    pairs_everywhere = all("\t" in t for t in texts)  # sentence pairs: every text a TAB-separated pair
+    try:
+        with open(os.path.join(args.output_dir, "args.json")) as f:
+            trained_on = json.load(f).get("text_column", "text")
+    except (OSError, ValueError):
+        trained_on = "text"
+    pairs_trained = len([c for c in trained_on.split(",") if c.strip()]) == 2  # as main() reads --text_column
+    lacking = [t for t in texts if "\t" not in t]
+    if pairs_trained and lacking:
+        fail(
+            f"--output_dir {args.output_dir} was trained on sentence pairs ({trained_on}); give each text as "
+            f"FIRST<TAB>SECOND: {first_words(lacking[0])} has no TAB"
+        )
     with torch.inference_mode():
         for start in range(0, len(texts), 64):
             chunk = texts[start : start + 64]
             pairs = [t.split("\t", 1) for t in chunk]
-            columns = [[p[0] for p in pairs], [p[1] for p in pairs]] if pairs_everywhere else [chunk]
+            columns = [[p[0] for p in pairs], [p[1] for p in pairs]] if pairs_trained else [chunk]
             inputs = tokenizer(*columns, truncation=True, padding=True, return_tensors="pt")
             probabilities = model(**inputs).logits.float().softmax(-1)
             for text, p in zip(chunk, probabilities, strict=True):
