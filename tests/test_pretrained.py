@@ -109,6 +109,24 @@ def test_a_hub_id_and_a_dataset_folder_with_a_hidden_test_split(hub, tmp_path):
     assert fingerprint and len(fingerprint) == 24
 
 
+def test_a_revision_missing_from_the_cache_is_named(hub):
+    """org/tiny-bert is cached at main only: asking for v2 offline names v2, in the fix too."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, clean_env
+
+    code = (
+        "from data.errors import UserError\nfrom train.models.hf import resolve_model\n"
+        "try:\n    resolve_model('org/tiny-bert', revision='v2')\nexcept UserError as e:\n    print(e)"
+    )
+    env = clean_env(HF_HOME=hub["home"], HF_HUB_OFFLINE="1", PYTHONPATH=REPO)  # read when huggingface_hub loads
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO)
+    line = proc.stdout.strip()
+    assert line.startswith("--model_name_or_path org/tiny-bert at revision v2 is neither a local folder"), line
+    assert "(hf download org/tiny-bert --revision v2, with HF_HOME" in line, line
+
+
 def test_sft_takes_a_hub_id_and_saves_in_its_dtype_with_its_generation_config(hub, tmp_path):
     """A bfloat16 checkpoint by Hub id, fine-tuned with float32 master weights and written back in bfloat16
     with the source's generation_config.json; its output generates with that config."""

@@ -266,7 +266,8 @@ def test_sigkill_then_resume_is_bit_identical_with_lora(data, lora, tmp_path, ca
         "--resume_from_checkpoint",
         "latest",
     )
-    assert "was saved fine-tuning another pretrained model" in line, line
+    assert f"another pretrained model than --model_name_or_path {tmp_path / 'other'} (a Hub model" in line, line
+    assert line.endswith(f"; pass --model_name_or_path {data['dropout_model']}, or start a new run"), line
 
 
 def test_fsdp2_with_lora_shards_the_bert_layers_takes_ddps_steps_and_resumes_in_one_process(

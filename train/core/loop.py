@@ -110,7 +110,12 @@ class TrainingLoop:
         if path := find_checkpoint(accelerator, args.resume_from_checkpoint, args.output_dir):
             meta = load_checkpoint(accelerator, path, task, model, optimizer, self.lr_scheduler)
             check_same_run(
-                path, meta, self._global_batch(), self._train_samples(), getattr(args, "model_fingerprint", None)
+                path,
+                meta,
+                self._global_batch(),
+                self._train_samples(),
+                getattr(args, "model_fingerprint", None),
+                getattr(args, "model_name_or_path", None),
             )
             self.losses.load_state_dict(meta.get("losses"))
             # a checkpoint of its early-stopping step comes back with best.stopped: the run only finishes

@@ -3,17 +3,23 @@
 from data.errors import fail
 
 
-def check_same_run(path, meta, global_batch, train_samples, model_fingerprint=None):
+def check_same_run(path, meta, global_batch, train_samples, model_fingerprint=None, model_name=None):
     """The same batches per step (any process count whose per-process batch keeps the batch of one
-    micro-step), the same training data and the same pretrained model (`model_fingerprint`: what a
-    checkpoint without the frozen parameters needs back) as the run saved at `path` (its meta.json
-    as `meta`)."""
-    saved_model = (meta.get("args") or {}).get("model_fingerprint")
+    micro-step), the same training data and the same pretrained model (`model_fingerprint` of
+    --model_name_or_path `model_name`: what a checkpoint without the frozen parameters needs back) as
+    the run saved at `path` (its meta.json as `meta`)."""
+    saved_args = meta.get("args") or {}
+    saved_model, saved_name = saved_args.get("model_fingerprint"), saved_args.get("model_name_or_path")
     if model_fingerprint and saved_model and saved_model != model_fingerprint:
+        if saved_name == model_name:
+            fail(
+                f"{path} was saved fine-tuning {saved_name}, whose config or weights have changed since; resume "
+                "with the model as it was then, or start a new run"
+            )
         fail(
-            f"{path} was saved fine-tuning another pretrained model than --model_name_or_path "
-            f"{(meta.get('args') or {}).get('model_name_or_path')} holds now (its config or weights differ); resume "
-            "with the model folder it was saved with, or start a new run"
+            f"{path} was saved fine-tuning {saved_name}, another pretrained model than --model_name_or_path "
+            f"{model_name} (a Hub model is known by its commit, a folder by its config and weights, so a Hub "
+            f"model's copy in a folder counts as another); pass --model_name_or_path {saved_name}, or start a new run"
         )
     saved, now = meta.get("global_batch"), global_batch
 

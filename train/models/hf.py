@@ -73,10 +73,12 @@ def resolve_model(name, flag="--model_name_or_path", revision=None):
         if not offline:
             fail(f"{flag} {name}: {reason[:200]}; pass a local model folder or a Hub id (org/name)")
         why = "HF_HUB_OFFLINE=1 keeps to the cache" if constants.HF_HUB_OFFLINE else "huggingface.co cannot be reached"
+        at = f" at revision {revision}" if revision not in (None, "main") else ""
         fail(
-            f"{flag} {name} is neither a local folder nor a model in the Hugging Face cache ({constants.HF_HUB_CACHE}"
-            f"; {why}); download it where there is a network (hf download {name}, with HF_HOME set to this "
-            "cache's parent) or pass a local model folder"
+            f"{flag} {name}{at} is neither a local folder nor a model in the Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}; {why}); download it where there is a network (hf download {name}"
+            f"{f' --revision {revision}' if at else ''}, with HF_HOME set to this cache's parent) or pass a local "
+            "model folder"
         )
 
 
