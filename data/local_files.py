@@ -73,6 +73,9 @@ def load_files(train_files, validation_files=None, validation_split_percentage=N
         if isinstance(e, OSError) and e.errno in WRITE_FIXES:  # writing its cache (in the output's temporary
             raise e from None  # folder) failed: a disk fault, not the file's
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        for split, files in data_files.items():
+            if f'Instruction "{split}" corresponds to no data' in first:  # a csv of its header alone, say
+                raise DataError(f"--{split}_file {', '.join(files)} has no rows; pass a file with data") from None
         raise DataError(
             f"could not read {', '.join(train_files + (validation_files or []))} as {builder}: "
             f"{first}; check the file's format"

@@ -356,6 +356,9 @@ def test_bad_input_is_one_line_and_writes_no_run(data, tmp_path, capsys):
     )
     (tmp_path / "empty.csv").write_text("")
     assert "is empty" in bad(capsys, *model, "--train_file", tmp_path / "empty.csv", *common)
+    (tmp_path / "header.csv").write_text("text,label\n")
+    line = bad(capsys, *model, "--train_file", train, "--validation_file", tmp_path / "header.csv", *common)
+    assert line.endswith(f"--validation_file {tmp_path / 'header.csv'} has no rows; pass a file with data"), line
     line = bad(capsys, *model, "--train_file", train, "--lora_r", 4, "--lora_target_modules", "q_proj,v_proj", *common)
     assert "peft cannot adapt" in line and "query" in line
     assert "is more than" in bad(capsys, *model, "--train_file", train, "--max_seq_length", 1000, *common)
