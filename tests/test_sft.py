@@ -369,29 +369,36 @@ def boundary_pairs(n, seed):
     ]
 
 
+def tokenizer_of(kind, folder):
+    """A tokenizer of each kind the scripts meet, saved into folder: SentencePiece-style (Metaspace, <s>),
+    byte-level (with <s>, and with <s> and end-of-text after each text: bos, bos_and_end), WordPiece."""
+    from transformers import AutoTokenizer
+
+    from hf_models import metaspace_tokenizer, minilm_folder, tiny_tokenizer
+
+    return {
+        "sentencepiece": lambda: metaspace_tokenizer(folder),
+        "byte_level": lambda: tiny_tokenizer(folder),
+        "bos": lambda: tiny_tokenizer(folder, bos=True),
+        "bos_and_end": lambda: tiny_tokenizer(folder, bos=True, end=True),
+        "wordpiece": lambda: AutoTokenizer.from_pretrained(minilm_folder()),
+    }[kind]()
+
+
+def training_rows(tokenizer, examples):
+    """The training rows of prompt/response `examples`, as sft.py stores them."""
+    segments = prompt_response_segments(_dataset(examples), "train", "prompt", "response")
+    return encode(tokenizer, segments, 512, "error", "train", chat=False)[0]
+
+
 @pytest.mark.parametrize("kind", ["sentencepiece", "byte_level", "wordpiece"])
 def test_an_example_is_tokenized_whole_and_only_its_response_is_scored(kind, tmp_path):
     """For a SentencePiece-style (Metaspace), a byte-level (a space joined to the next word) and a WordPiece
     tokenizer: the stored tokens are tokenizer(prompt + response) and end-of-text, as the model meets the
     text at inference, and the scored ones decode to the response. Tokenized apart, the pieces differ."""
-    from transformers import AutoTokenizer
-
-    from hf_models import metaspace_tokenizer, minilm_folder, tiny_tokenizer
-
-    tokenizer = {
-        "sentencepiece": lambda: metaspace_tokenizer(tmp_path),
-        "byte_level": lambda: tiny_tokenizer(tmp_path),
-        "wordpiece": lambda: AutoTokenizer.from_pretrained(minilm_folder()),
-    }[kind]()
+    tokenizer = tokenizer_of(kind, tmp_path)
     examples = boundary_pairs(200, 7)
-    rows, _ = encode(
-        tokenizer,
-        prompt_response_segments(_dataset(examples), "train", "prompt", "response"),
-        512,
-        "error",
-        "train",
-        chat=False,
-    )
+    rows = training_rows(tokenizer, examples)
     apart = 0
     for example, ids, labels in zip(examples, rows["input_ids"], rows["labels"], strict=True):
         whole = tokenizer(example["prompt"] + example["response"])["input_ids"]
@@ -555,27 +562,11 @@ def test_a_prompt_is_read_as_training_reads_it_with_no_end_of_text_after_it(kind
     """--prompt's ids are the start of a training example's: what the tokenizer puts before a text
     (<s>, [CLS]) stays, what it puts after one (end-of-text, [SEP]) does not: training puts those only
     after a response."""
-    from transformers import AutoTokenizer
-
     from data.prompt_response import context_ids
-    from hf_models import metaspace_tokenizer, minilm_folder, tiny_tokenizer
 
-    tokenizer = {
-        "byte_level": lambda: tiny_tokenizer(tmp_path),
-        "bos": lambda: tiny_tokenizer(tmp_path, bos=True),
-        "bos_and_end": lambda: tiny_tokenizer(tmp_path, bos=True, end=True),
-        "sentencepiece": lambda: metaspace_tokenizer(tmp_path),
-        "wordpiece": lambda: AutoTokenizer.from_pretrained(minilm_folder()),
-    }[kind]()
+    tokenizer = tokenizer_of(kind, tmp_path)
     examples = pairs(30, 5)
-    rows, _ = encode(
-        tokenizer,
-        prompt_response_segments(_dataset(examples), "train", "prompt", "response"),
-        512,
-        "error",
-        "train",
-        chat=False,
-    )
+    rows = training_rows(tokenizer, examples)
     ends = {tokenizer.eos_token_id, tokenizer.sep_token_id} - {None}
     for example, ids in zip(examples, rows["input_ids"], strict=True):
         context = context_ids(tokenizer, example["prompt"])
