@@ -171,7 +171,7 @@ def load_splits(inputs, label_column=None):
             hidden = (
                 label_column is not None
                 and label_column in ds.column_names
-                and (len(missing_labels(ds, label_column)) == len(ds) or set(ds[label_column]) == {-1})
+                and (len(missing_labels(ds, label_column)) == len(ds) or all(v == -1 for v in ds[label_column]))
             )
             if not hidden:
                 return {"train": train, "validation": ds}, f"{what}'s {split} split"
