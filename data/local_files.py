@@ -42,9 +42,9 @@ def check_files(paths, flag):
     return kinds
 
 
-def file_kind(train_files, validation_files=None):
+def file_kind(train_files, validation_files=None, flag="--train_file"):
     """(datasets loader, tab-separated?) of the input files, which must all be of one kind."""
-    kinds = check_files(train_files, "--train_file") | check_files(validation_files or [], "--validation_file")
+    kinds = check_files(train_files, flag) | check_files(validation_files or [], "--validation_file")
     if len(kinds) > 1:
         raise DataError(
             "--train_file and --validation_file are different kinds of file; convert one so both are "
@@ -53,15 +53,18 @@ def file_kind(train_files, validation_files=None):
     return kinds.pop()
 
 
-def load_files(train_files, validation_files=None, validation_split_percentage=None, seed=0, cache_dir=None):
+def load_files(
+    train_files, validation_files=None, validation_split_percentage=None, seed=0, cache_dir=None, flag="--train_file"
+):
     """{"train": datasets.Dataset, "validation": datasets.Dataset or None} from local files, through
     datasets' local loaders (offline). With validation_split_percentage, a seeded random P% of the
-    training rows is held out."""
+    training rows is held out. `flag` names train_files in errors (--validation_file, where those are
+    a validation split's files alone)."""
     import datasets
 
     datasets.disable_progress_bars()  # one line per split per run; our own line says what was written
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # a parse error is reported once, below
-    builder, tsv = file_kind(train_files, validation_files)
+    builder, tsv = file_kind(train_files, validation_files, flag)
     data_files = {"train": list(train_files), **({"validation": list(validation_files)} if validation_files else {})}
     try:
         loaded = datasets.load_dataset(
@@ -75,14 +78,15 @@ def load_files(train_files, validation_files=None, validation_split_percentage=N
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         for split, files in data_files.items():
             if f'Instruction "{split}" corresponds to no data' in first:  # a csv of its header alone, say
-                raise DataError(f"--{split}_file {', '.join(files)} has no rows; pass a file with data") from None
+                named = flag if split == "train" else "--validation_file"
+                raise DataError(f"{named} {', '.join(files)} has no rows; pass a file with data") from None
         raise DataError(
             f"could not read {', '.join(train_files + (validation_files or []))} as {builder}: "
             f"{first}; check the file's format"
         ) from None
     train, validation = loaded["train"], loaded.get("validation")
     if len(train) == 0:
-        raise DataError(f"--train_file {', '.join(train_files)} has no rows; pass a file with data")
+        raise DataError(f"{flag} {', '.join(train_files)} has no rows; pass a file with data")
     if validation_split_percentage is not None:
         train, validation = hold_out(train, validation_split_percentage, seed)
     return {"train": train, "validation": validation}

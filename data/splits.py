@@ -152,8 +152,10 @@ def load_splits(inputs, label_column=None):
     percentage = inputs.validation_split_percentage or 10
     if inputs.dataset_name:
         loaded, what = load_named(inputs.dataset_name, inputs.dataset_config_name), "the dataset"
-    elif len(inputs.train_file) == 1 and os.path.isdir(inputs.train_file[0]):
+    elif _one_folder(inputs.train_file):
         loaded, what = _saved(inputs.train_file[0]), f"--train_file {inputs.train_file[0]}"
+    elif _one_folder(inputs.validation_file):  # files to train on, a save_to_disk folder to validate with
+        return {"train": load_files(inputs.train_file)["train"], "validation": _validation(inputs)}, "--validation_file"
     else:
         splits = load_files(
             inputs.train_file, inputs.validation_file, None if inputs.validation_file else percentage, inputs.seed
@@ -162,7 +164,7 @@ def load_splits(inputs, label_column=None):
         return splits, where
     train = loaded["train"]
     if inputs.validation_file:
-        return {"train": train, "validation": load_files(inputs.validation_file)["train"]}, "--validation_file"
+        return {"train": train, "validation": _validation(inputs)}, "--validation_file"
     for split in ("validation", "test"):
         if split in loaded:
             ds = loaded[split]
@@ -183,20 +185,37 @@ def load_splits(inputs, label_column=None):
     return {"train": train, "validation": validation}, f"{percentage:g}% of {what}'s train split held out{unused}"
 
 
-def _saved(folder):
-    """A folder written by save_to_disk, as a DatasetDict with a train split."""
+def _one_folder(files):
+    return bool(files) and len(files) == 1 and os.path.isdir(files[0])
+
+
+def _validation(inputs):
+    """--validation_file as a split: its files, or a save_to_disk folder (a Dataset, or a DatasetDict's
+    `validation` split, or its only one)."""
+    files = inputs.validation_file
+    if not _one_folder(files):
+        return load_files(files, flag="--validation_file")["train"]
+    saved = _saved(files[0], "--validation_file", "validation")
+    return saved["validation"]
+
+
+def _saved(folder, flag="--train_file", split="train"):
+    """A folder written by save_to_disk, as a DatasetDict with `split` (a Dataset, or a DatasetDict's only
+    split, is taken as that split for --validation_file)."""
     import datasets
 
     try:
         saved = datasets.load_from_disk(folder)
     except (FileNotFoundError, ValueError) as e:
         raise DataError(
-            f"--train_file {folder} is a folder but not one written by datasets' save_to_disk "
-            f"({' '.join(str(e).split())[:100]}); pass a csv/tsv/json/jsonl/parquet file, or "
-            f"--dataset_name {folder} for a dataset folder of data files"
+            f"{flag} {folder} is a folder but not one written by datasets' save_to_disk "
+            f"({' '.join(str(e).split())[:100]}); pass a csv/tsv/json/jsonl/parquet file"
+            + (f", or --dataset_name {folder} for a dataset folder of data files" if flag == "--train_file" else "")
         ) from None
     if isinstance(saved, datasets.Dataset):
-        return datasets.DatasetDict({"train": saved})
-    if "train" not in saved:
-        raise DataError(f"--train_file {folder} holds the splits {', '.join(saved)}, no 'train'")
+        return datasets.DatasetDict({split: saved})
+    if split not in saved and flag == "--validation_file" and len(saved) == 1:
+        return datasets.DatasetDict({split: next(iter(saved.values()))})
+    if split not in saved:
+        raise DataError(f"{flag} {folder} holds the splits {', '.join(saved)}, no {split!r}")
     return saved

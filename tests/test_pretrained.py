@@ -433,6 +433,25 @@ def test_a_plain_integer_test_split_of_minus_ones_is_hidden_and_elsewhere_minus_
     assert names == ["-1", "0", "1"] and None not in ids["train"]
 
 
+def test_a_save_to_disk_folder_validates_and_a_validation_file_is_named_as_one(tmp_path):
+    """--validation_file takes a save_to_disk folder (a Dataset, or a DatasetDict's validation split or
+    only split), beside files or a folder to train on; its faults name --validation_file."""
+    import datasets
+
+    rows = reviews(30, 4)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:20]))
+    datasets.Dataset.from_list(rows[20:]).save_to_disk(str(tmp_path / "validation"))
+    datasets.DatasetDict({"test": datasets.Dataset.from_list(rows[20:])}).save_to_disk(str(tmp_path / "dict"))
+    datasets.Dataset.from_list(rows[:20]).save_to_disk(str(tmp_path / "train_folder"))
+    for train in (str(tmp_path / "train.jsonl"), str(tmp_path / "train_folder")):
+        for validation in ("validation", "dict"):
+            splits, where = load_splits(DataInputs([train], [str(tmp_path / validation)]), "label")
+            assert where == "--validation_file" and (len(splits["train"]), len(splits["validation"])) == (20, 10)
+    (tmp_path / "header.csv").write_text("text,label\n")
+    with pytest.raises(DataError, match=f"^--validation_file {tmp_path / 'header.csv'} has no rows"):
+        load_splits(DataInputs([str(tmp_path / "train_folder")], [str(tmp_path / "header.csv")]), "label")
+
+
 # ------------------------------------------------------------------------------------ flags users know
 
 
