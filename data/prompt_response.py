@@ -160,10 +160,12 @@ def context_ids(tokenizer, prompt):
     and none of those it adds after one (an end-of-text, BERT's [SEP]): training only ever puts those
     after a response, so a model that met one after the prompt would take its response as finished."""
     fast = getattr(tokenizer, "is_fast", False)
-    encoded = tokenizer(prompt, return_offsets_mapping=fast, return_special_tokens_mask=True)
+    encoded = tokenizer(prompt or "x", return_offsets_mapping=fast, return_special_tokens_mask=True)
     ids, added = encoded["input_ids"], encoded["special_tokens_mask"]
     offsets = encoded["offset_mapping"] if fast else [(0, 0)] * len(ids)
     read = [i for i, ((a, b), x) in enumerate(zip(offsets, added, strict=True)) if not (x and a == b)]
+    if not prompt:  # nothing to read: what the tokenizer puts before any text (an "x" stood in to show where)
+        return ids[: read[0]]
     return ids[: read[-1] + 1] if read else ids
 
 

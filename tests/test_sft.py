@@ -574,6 +574,10 @@ def test_a_prompt_is_read_as_training_reads_it_with_no_end_of_text_after_it(kind
         assert tokenizer.decode(context, skip_special_tokens=True).strip() == example["prompt"].strip()
         if kind in ("bos", "bos_and_end"):
             assert context[0] == tokenizer.bos_token_id
+    # an empty prompt: only what comes before any text (<s>, [CLS]), no end-of-text
+    starts = {"bos": [tokenizer.bos_token_id], "bos_and_end": [tokenizer.bos_token_id]}
+    starts |= {"sentencepiece": [tokenizer.bos_token_id], "wordpiece": [tokenizer.cls_token_id]}
+    assert context_ids(tokenizer, "") == starts.get(kind, [])
 
 
 def test_generation_reads_no_end_of_text_after_the_prompt_though_the_tokenizer_adds_one(tmp_path, capsys):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import launch, output_of, run_as_script, run_main
-from data.labelled_text import TokenBatch, label_names, prepare_labelled_text
+from data.labelled_text import TokenBatch, first_words, label_names, prepare_labelled_text
 from data.sharding import BatchPlan
 from data.splits import DataInputs
 from hf_models import tiny_bert
@@ -592,9 +592,10 @@ def test_predict_takes_a_pair_model_s_texts_as_pairs_and_refuses_one_without_its
     proc = run_as_script(capsys, "text_classification", "--output_dir", folder, "--predict", "is it 1\tit is 1")
     fields = proc.stdout.strip().split("\t")
     assert proc.returncode == 0 and fields[:2] == ["is it 1", "it is 1"] and len(fields) == 4, output_of(proc)
-    proc = run_as_script(capsys, "text_classification", "--output_dir", folder, "--predict", "is it 1\tit is", "is it")
-    assert proc.returncode == 1 and proc.stdout == "", output_of(proc)
-    assert proc.stderr.strip() == (
-        f"error: --output_dir {folder} was trained on sentence pairs (question,passage); give each text as "
-        "FIRST<TAB>SECOND: 'is it' has no TAB"
-    )
+    for text, tabs in (("is it", "no TABs"), ("is it\tit is\t1", "2 TABs")):
+        proc = run_as_script(capsys, "text_classification", "--output_dir", folder, "--predict", "is it\tit is", text)
+        assert proc.returncode == 1 and proc.stdout == "", output_of(proc)
+        assert proc.stderr.strip() == (
+            f"error: --output_dir {folder} was trained on sentence pairs (question,passage); give each text as "
+            f"FIRST<TAB>SECOND: {first_words(text)} has {tabs}"
+        )

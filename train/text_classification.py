@@ -329,11 +329,12 @@ def predict(args):
     except (OSError, ValueError):
         trained_on = "text"
     pairs_trained = len([c for c in trained_on.split(",") if c.strip()]) == 2  # as main() reads --text_column
-    lacking = [t for t in texts if "\t" not in t]
-    if pairs_trained and lacking:
+    unpaired = [t for t in texts if t.count("\t") != 1]
+    if pairs_trained and unpaired:
+        tabs = unpaired[0].count("\t")
         fail(
             f"--output_dir {args.output_dir} was trained on sentence pairs ({trained_on}); give each text as "
-            f"FIRST<TAB>SECOND: {first_words(lacking[0])} has no TAB"
+            f"FIRST<TAB>SECOND: {first_words(unpaired[0])} has {tabs or 'no'} TAB{'s' if tabs != 1 else ''}"
         )
     with torch.inference_mode():
         for start in range(0, len(texts), 64):
