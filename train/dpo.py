@@ -64,6 +64,7 @@ from train.core.evaluation import evaluate_rows
 from train.core.loop import TrainingLoop
 from train.core.run import run, start_run
 from train.core.tracking import readable_by_others
+from train.models.generation import generate
 from train.models.gpt import next_token_loss
 from train.models.hf import (
     adamw,
@@ -73,7 +74,6 @@ from train.models.hf import (
     check_causal_lm,
     describe_dtypes,
     describe_trainable,
-    generate,
     hub_kwargs,
     load_pretrained,
     lora_model,

@@ -48,6 +48,7 @@ from train.core.cli import (
 from train.core.evaluation import evaluate_responses
 from train.core.loop import TrainingLoop
 from train.core.run import run, start_run
+from train.models.generation import generate
 from train.models.gpt import next_token_loss
 from train.models.hf import (
     adamw,
@@ -57,7 +58,6 @@ from train.models.hf import (
     check_causal_lm,
     describe_dtypes,
     describe_trainable,
-    generate,
     hub_kwargs,
     load_pretrained,
     lora_model,

@@ -152,7 +152,7 @@ def main(args):
         )
     args.max_seq_length = args.max_seq_length or min(MAX_LENGTH, limit)
     tokenizer.model_max_length = args.max_seq_length  # so the saved tokenizer cuts --predict's texts as training did
-    text_columns = [c.strip() for c in args.text_column.split(",") if c.strip()]
+    text_columns = column_names(args.text_column)
     if not 1 <= len(text_columns) <= 2:
         fail(f"--text_column {args.text_column}: one column, or two comma-separated for sentence pairs")
     # a pretrained classifier's own label order, kept when its labels are the data's (its head then keeps its meaning)
@@ -297,6 +297,11 @@ def main(args):
     )
 
 
+def column_names(text_column):
+    """--text_column's names: one column, or two comma-separated for sentence pairs."""
+    return [c.strip() for c in text_column.split(",") if c.strip()]
+
+
 def predict(args):
     """Print `text<TAB>label<TAB>probability` per text, with the model in --output_dir."""
     quiet_transformers()
@@ -328,7 +333,7 @@ def predict(args):
             trained_on = json.load(f).get("text_column", "text")
     except (OSError, ValueError):
         trained_on = "text"
-    pairs_trained = len([c for c in trained_on.split(",") if c.strip()]) == 2  # as main() reads --text_column
+    pairs_trained = len(column_names(trained_on)) == 2
     unpaired = [t for t in texts if t.count("\t") != 1]
     if pairs_trained and unpaired:
         tabs = unpaired[0].count("\t")
