@@ -47,43 +47,30 @@ from data.errors import fail
 from data.loader import sharded_loader
 from data.preferences import LONG_EXAMPLES, SIDES, PairBatch, prepare_preferences
 from data.sources import DatasetsSource
-from data.splits import check_inputs
 from train.core.accelerator import gather_patiently, main_process_first
 from train.core.cli import (
     add_data_files_args,
-    add_generation_args,
-    add_optimizer_args,
     add_tokenized_data_args,
     data_inputs,
     fraction,
     make_parser,
     positive_float,
-    reading_workers,
 )
 from train.core.evaluation import evaluate_rows
 from train.core.loop import TrainingLoop
-from train.core.run import run, start_run
+from train.core.run import run
 from train.core.tracking import readable_by_others
+from train.models.causal_lm import (
+    add_causal_lm_args,
+    check_training_inputs,
+    describe_model,
+    load_causal_lm,
+    model_saver,
+    start_causal_lm,
+)
 from train.models.generation import generate
 from train.models.gpt import next_token_loss
-from train.models.hf import (
-    adamw,
-    add_lora_args,
-    add_pretrained_args,
-    causal_lm_tokenizer,
-    check_causal_lm,
-    describe_dtypes,
-    describe_trainable,
-    hub_kwargs,
-    load_pretrained,
-    lora_model,
-    model_fingerprint,
-    quiet_transformers,
-    resolve_model,
-    save_model_folder,
-    set_training_dtype,
-    torch_dtype,
-)
+from train.models.hf import adamw
 
 TASK = "dpo"  # the run's name in its checkpoints: another task's checkpoint is refused
 # its evaluation's metrics (TRL's names), the headline first
@@ -102,7 +89,7 @@ MAX_LENGTH = 1024  # the default --max_seq_length's cap
 
 def parse_args(argv=None):
     parser = make_parser(__doc__)
-    data, model = parser.groups["data"], parser.groups["model"]
+    data = parser.groups["data"]
     add_data_files_args(
         parser,
         "Preference pairs: jsonl, json, csv or parquet, or a datasets folder written by save_to_disk.",
@@ -117,12 +104,14 @@ def parse_args(argv=None):
     data.add_argument("--chosen_column", default="chosen", help="The preferred response: text, or assistant turns.")
     data.add_argument("--rejected_column", default="rejected", help="The other response: text, or assistant turns.")
     add_tokenized_data_args(parser, "side of a pair", MAX_LENGTH, LONG_EXAMPLES)
-    add_pretrained_args(parser, "A Hugging Face causal language model (train/sft.py's output, say)")
-    model.add_argument(
-        "--eval_on_start",
-        action="store_true",
-        help="Evaluate the model before the first step too (a fresh run): the log-probabilities tuning starts from.",
+    add_causal_lm_args(
+        parser,
+        "A Hugging Face causal language model (train/sft.py's output, say)",
+        "Evaluate the model before the first step too (a fresh run): the log-probabilities tuning starts from.",
+        train_batch_size=8,
+        eval_batch_size=8,
     )
+    model = parser.groups["model"]
     model.add_argument(
         "--loss_type",
         choices=LOSS_TYPES,
@@ -141,23 +130,13 @@ def parse_args(argv=None):
         default=0.0,
         help="The share of pairs taken as flipped: conservative DPO (sigmoid) or robust DPO (robust, below 0.5).",
     )
-    add_generation_args(parser)
-    add_lora_args(parser)
-    add_optimizer_args(parser, learning_rate=None, train_batch_size=8, eval_batch_size=8, weight_decay=0.0)
-    parser.groups["optimization"].add_argument(
-        "--max_grad_norm", type=float, default=1.0, help="Clip the gradient norm (0: no clipping)."
-    )
     parser.set_defaults(output_dir="runs/dpo")
-    # derived in main() and recorded in args.json, which reruns a run
-    parser.recorded.update(("model_fingerprint", "conversational"))
+    parser.recorded.add("conversational")  # derived in main() and recorded in args.json, which reruns a run
     args = parser.parse_args(argv)
     if args.prompt is None:
-        if not args.train_file and not args.dataset_name:
-            parser.error("--train_file or --dataset_name is required (or --prompt TEXT with a trained --output_dir)")
+        check_training_inputs(parser, args, full_rate=1e-6, lora_rate=5e-5)  # TRL's default for a whole model
         if args.loss_type == "robust" and args.label_smoothing >= 0.5:
             parser.error(f"--label_smoothing {args.label_smoothing}: robust DPO takes a share below 0.5")
-        if args.learning_rate is None:  # TRL's default for a whole model; adapters take larger steps
-            args.learning_rate = 5e-5 if args.lora_r else 1e-6
     return args
 
 
@@ -270,17 +249,9 @@ def with_reference(accelerator, model, splits, folder, key, batch_size, max_leng
 
 
 def main(args):
-    check_inputs(data_inputs(args))  # before any process waits on another
-    folder = resolve_model(args.model_name_or_path, revision=args.model_revision)
-    quiet_transformers()
-    from transformers import AutoModelForCausalLM
-
-    config = check_causal_lm(args.model_name_or_path, **hub_kwargs(args))
-    accelerator = start_run(args, TASK)
-    args.dataloader_num_workers = reading_workers(args.dataloader_num_workers, accelerator.device, on_gpu=2)
+    accelerator, folder, config, tokenizer = start_causal_lm(args, TASK, MAX_LENGTH)  # and args.max_seq_length
 
     # ---------------------------------------------------------------- data: tokenized once, then sharded
-    tokenizer = causal_lm_tokenizer(args, config, MAX_LENGTH)  # and args.max_seq_length, within the model's
     columns = {"prompt": args.prompt_column, "chosen": args.chosen_column, "rejected": args.rejected_column}
     tokens, info = main_process_first(
         accelerator,
@@ -312,13 +283,7 @@ def main(args):
     )
 
     # ---------------------------------------------------------------- model, and the reference
-    model = load_pretrained(AutoModelForCausalLM, args, "a causal LM")
-    args.model_fingerprint = model_fingerprint(args.model_name_or_path, folder)  # in checkpoints: a resume needs it
-    if args.gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    if args.lora_r:  # the adapters train; the pretrained model stays as it is, and is the reference
-        model = lora_model(model, args, "CAUSAL_LM")
-    set_training_dtype(model, args.pure_low_precision, accelerator.mixed_precision)  # float32 master weights
+    model = load_causal_lm(args, accelerator, folder)  # with --lora_r the pretrained model, frozen, is the reference
     splits = {split: datasets.load_from_disk(os.path.join(tokens, split)) for split in ("train", "validation")}
     if not args.lora_r:  # the reference is the model as it starts: once, before any step
         splits = with_reference(
@@ -335,12 +300,12 @@ def main(args):
             args.per_device_eval_batch_size,
             args.max_seq_length,
         )
-    trainable, total = describe_trainable(model)
-    accelerator.print(
-        f"model: {type(model).__name__} from {args.model_name_or_path}, {total:,} parameters, "
-        f"{trainable:,} training ({trainable / total:.2%}{f', LoRA r={args.lora_r}' if args.lora_r else ''}"
-        f"); {describe_dtypes(model)}; {args.loss_type} loss, beta {args.beta}"
-        + (f", label smoothing {args.label_smoothing}" if args.label_smoothing else "")
+    trainable, total = describe_model(
+        accelerator,
+        model,
+        args,
+        f"; {args.loss_type} loss, beta {args.beta}"
+        + (f", label smoothing {args.label_smoothing}" if args.label_smoothing else ""),
     )
     loaders = {
         split: sharded_loader(
@@ -417,12 +382,6 @@ def main(args):
             optimizer.zero_grad(set_to_none=True)
         loop.after_batch(loss)
 
-    save_dtype = torch_dtype(args.save_dtype, config)
-
-    def build():  # the pretrained model on the CPU, in the dtype it is saved in, to take the trained weights
-        pretrained = load_pretrained(AutoModelForCausalLM, args, "a causal LM", save_dtype)
-        return lora_model(pretrained, args, "CAUSAL_LM") if args.lora_r else pretrained
-
     return loop.finish(
         {
             "trainable_parameters": trainable,
@@ -431,7 +390,7 @@ def main(args):
             "train_pairs_per_second": loop.samples_per_second(),
             **{f"{k}_before": v for k, v in before.items() if k != "eval_samples"},
         },
-        save_model=lambda weights, out: save_model_folder(weights, out, build, tokenizer, args.lora_r, save_dtype),
+        save_model=model_saver(args, config, tokenizer),
     )
 
 

@@ -33,41 +33,22 @@ from data.errors import fail
 from data.loader import sharded_loader
 from data.prompt_response import LONG_EXAMPLES, CausalBatch, prepare_prompt_response
 from data.sources import DatasetsSource
-from data.splits import check_inputs
 from train.core.accelerator import main_process_first
-from train.core.cli import (
-    add_data_files_args,
-    add_generation_args,
-    add_optimizer_args,
-    add_tokenized_data_args,
-    data_inputs,
-    make_parser,
-    reading_workers,
-    true_or_false,
-)
+from train.core.cli import add_data_files_args, add_tokenized_data_args, data_inputs, make_parser, true_or_false
 from train.core.evaluation import evaluate_responses
 from train.core.loop import TrainingLoop
-from train.core.run import run, start_run
+from train.core.run import run
+from train.models.causal_lm import (
+    add_causal_lm_args,
+    check_training_inputs,
+    describe_model,
+    load_causal_lm,
+    model_saver,
+    start_causal_lm,
+)
 from train.models.generation import generate
 from train.models.gpt import next_token_loss
-from train.models.hf import (
-    adamw,
-    add_lora_args,
-    add_pretrained_args,
-    causal_lm_tokenizer,
-    check_causal_lm,
-    describe_dtypes,
-    describe_trainable,
-    hub_kwargs,
-    load_pretrained,
-    lora_model,
-    model_fingerprint,
-    quiet_transformers,
-    resolve_model,
-    save_model_folder,
-    set_training_dtype,
-    torch_dtype,
-)
+from train.models.hf import adamw
 
 TASK = "sft"  # the run's name in its checkpoints: another task's checkpoint is refused
 METRICS = ["eval_loss", "eval_perplexity"]  # its evaluation's metrics, the headline first
@@ -76,7 +57,7 @@ MAX_LENGTH = 1024  # the default --max_seq_length's cap
 
 def parse_args(argv=None):
     parser = make_parser(__doc__)
-    data, model = parser.groups["data"], parser.groups["model"]
+    data = parser.groups["data"]
     add_data_files_args(
         parser,
         "Examples: jsonl, json, csv or parquet, or a datasets folder written by save_to_disk.",
@@ -101,25 +82,17 @@ def parse_args(argv=None):
         help="Several examples per row, attention kept inside each (models that read packed rows "
         "from position_ids; checked at start). (default: false)",
     )
-    add_pretrained_args(parser, "A Hugging Face causal language model")
-    model.add_argument(
-        "--eval_on_start",
-        action="store_true",
-        help="Evaluate the model before the first step too (a fresh run): the validation loss fine-tuning starts from.",
+    add_causal_lm_args(
+        parser,
+        "A Hugging Face causal language model",
+        "Evaluate the model before the first step too (a fresh run): the validation loss fine-tuning starts from.",
+        train_batch_size=8,
+        eval_batch_size=8,
     )
-    add_generation_args(parser)
-    add_lora_args(parser)
-    add_optimizer_args(parser, learning_rate=None, train_batch_size=8, eval_batch_size=8, weight_decay=0.0)
-    opt = parser.groups["optimization"]
-    opt.add_argument("--max_grad_norm", type=float, default=1.0, help="Clip the gradient norm (0: no clipping).")
     parser.set_defaults(output_dir="runs/sft")
-    parser.recorded.add("model_fingerprint")  # derived in main() and recorded in args.json, which reruns a run
     args = parser.parse_args(argv)
     if args.prompt is None:
-        if not args.train_file and not args.dataset_name:
-            parser.error("--train_file or --dataset_name is required (or --prompt TEXT with a trained --output_dir)")
-        if args.learning_rate is None:  # adapters take larger steps than a whole pretrained model can
-            args.learning_rate = 1e-3 if args.lora_r else 2e-5
+        check_training_inputs(parser, args, full_rate=2e-5, lora_rate=1e-3)
     return args
 
 
@@ -146,17 +119,9 @@ def check_packing(model, vocab_size):
 
 
 def main(args):
-    check_inputs(data_inputs(args))  # before any process waits on another
-    folder = resolve_model(args.model_name_or_path, revision=args.model_revision)
-    quiet_transformers()
-    from transformers import AutoModelForCausalLM
-
-    config = check_causal_lm(args.model_name_or_path, **hub_kwargs(args))
-    accelerator = start_run(args, TASK)
-    args.dataloader_num_workers = reading_workers(args.dataloader_num_workers, accelerator.device, on_gpu=2)
+    accelerator, folder, config, tokenizer = start_causal_lm(args, TASK, MAX_LENGTH)  # and args.max_seq_length
 
     # ---------------------------------------------------------------- data: tokenized once, then sharded
-    tokenizer = causal_lm_tokenizer(args, config, MAX_LENGTH)  # and args.max_seq_length, within the model's
     columns = (
         {"messages": args.messages_column}
         if args.messages_column
@@ -220,21 +185,9 @@ def main(args):
     )
 
     # ---------------------------------------------------------------- model
-    model = load_pretrained(AutoModelForCausalLM, args, "a causal LM")
-    args.model_fingerprint = model_fingerprint(args.model_name_or_path, folder)  # in checkpoints: a resume needs it
-    if args.packing:
-        check_packing(model, config.vocab_size)
-    if args.gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    if args.lora_r:  # the adapters train; the pretrained model stays as it is
-        model = lora_model(model, args, "CAUSAL_LM")
-    set_training_dtype(model, args.pure_low_precision, accelerator.mixed_precision)  # float32 master weights
-    trainable, total = describe_trainable(model)
-    accelerator.print(
-        f"model: {type(accelerator.unwrap_model(model)).__name__} from {args.model_name_or_path}, "
-        f"{total:,} parameters, {trainable:,} training ({trainable / total:.2%}"
-        f"{f', LoRA r={args.lora_r}' if args.lora_r else ''}); {describe_dtypes(model)}"
-    )
+    packing = (lambda m: check_packing(m, config.vocab_size)) if args.packing else None
+    model = load_causal_lm(args, accelerator, folder, check=packing)  # LoRA, float32 master weights
+    trainable, total = describe_model(accelerator, model, args)
     optimizer = adamw(model, args.learning_rate, args.weight_decay)  # decay on weight matrices only
     model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
 
@@ -276,12 +229,6 @@ def main(args):
             optimizer.zero_grad(set_to_none=True)
         loop.after_batch(loss)
 
-    save_dtype = torch_dtype(args.save_dtype, config)
-
-    def build():  # the pretrained model on the CPU, in the dtype it is saved in, to take the trained weights
-        pretrained = load_pretrained(AutoModelForCausalLM, args, "a causal LM", save_dtype)
-        return lora_model(pretrained, args, "CAUSAL_LM") if args.lora_r else pretrained
-
     train = counts["train"]
     tokens_per_second = loop.samples_per_second() * train["tokens"] / train["rows"]  # text tokens, not padding
     return loop.finish(
@@ -292,7 +239,7 @@ def main(args):
             "train_tokens_per_second": tokens_per_second,
             **{f"{k}_before": v for k, v in before.items() if k != "eval_tokens"},
         },
-        save_model=lambda weights, out: save_model_folder(weights, out, build, tokenizer, args.lora_r, save_dtype),
+        save_model=model_saver(args, config, tokenizer),
     )
 
 

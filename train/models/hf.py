@@ -372,11 +372,14 @@ def save_model_folder(weights, output_dir, build, tokenizer, lora, dtype):
 def causal_lm_tokenizer(args, config, cap):
     """--model_name_or_path's tokenizer for a causal LM's batches (padding with end-of-text where it has
     no padding token, on the right; padding is never scored), with args.max_seq_length resolved: the
-    model's limit, at most `cap`, unless given; one line when given beyond the model's limit."""
+    model's limit, at most `cap`, unless given; one line when given beyond the model's limit. With `cap`
+    None the script decides its lengths itself (max_positions)."""
     tokenizer = load_tokenizer(args.model_name_or_path, **hub_kwargs(args))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(0)
     tokenizer.padding_side = "right"
+    if cap is None:  # the script sets its lengths itself
+        return tokenizer
     limit = min(
         getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or cap,
         tokenizer.model_max_length,
@@ -388,6 +391,15 @@ def causal_lm_tokenizer(args, config, cap):
         )
     args.max_seq_length = args.max_seq_length or min(cap, limit)
     return tokenizer
+
+
+def max_positions(config, tokenizer, cap):
+    """The most tokens the model reads in one sequence: its position limit and its tokenizer's, at most `cap`."""
+    return min(
+        getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or cap,
+        tokenizer.model_max_length,
+        cap,
+    )
 
 
 def check_causal_lm(path, **hub):
