@@ -53,6 +53,7 @@ def sharded_loader(
     weights=None,
     accumulation_steps=1,
     gather=gather_object,
+    last_batch_syncs=True,
 ):
     """This rank's batches of `source` (see data/sources.py): shuffled and `drop` for training, in
     order and `pad` (masked by `valid`) for evaluation; with `lengths` (one per row), grouped by
@@ -60,7 +61,8 @@ def sharded_loader(
     with `weights` (one per row), each batch's `step_weight` is their sum over its optimizer step on
     every rank. `gather` is the one collective that checks every rank built the same plan
     (accelerate's gather_object). Never pass the result to accelerator.prepare, which would shard it
-    a second time."""
+    a second time. `last_batch_syncs=False`: for batches that each hold whole optimizer steps (their
+    micro-batches made by the script), the last batch does not make every micro-batch of it a step."""
     dataset = ShardedIterableDataset(
         source,
         per_device_batch_size * world_size,
@@ -74,12 +76,14 @@ def sharded_loader(
         accumulation_steps=accumulation_steps,
     )
     check_same_plan(dataset.identity(), gather)
-    return ShardedLoader(dataset, device, num_workers=num_workers, pin_memory=pinned(device))
+    return ShardedLoader(
+        dataset, device, num_workers=num_workers, pin_memory=pinned(device), last_batch_syncs=last_batch_syncs
+    )
 
 
 class ShardedLoader(DataLoaderStateMixin):
-    def __init__(self, dataset, device=None, num_workers=0, pin_memory=False):
-        self.dataset, self.device = dataset, device
+    def __init__(self, dataset, device=None, num_workers=0, pin_memory=False, last_batch_syncs=True):
+        self.dataset, self.device, self.last_batch_syncs = dataset, device, last_batch_syncs
         # a generator of its own: each pass's iterator draws a seed for its workers, and from torch's global
         # generator that draw would fall between a checkpoint and the next step only in a resumed run,
         # shifting every dropout mask after it (the plan itself draws nothing from torch)
@@ -133,7 +137,7 @@ class ShardedLoader(DataLoaderStateMixin):
                     break
                 if k + 1 < total:
                     following = ahead()
-                self.end_of_dataloader = k + 1 == total
+                self.end_of_dataloader = self.last_batch_syncs and k + 1 == total
                 self.next_batch = start + k + 1  # the batch being handed out counts as consumed
                 yield send_to_device(current, self.device, non_blocking=True) if self.device is not None else current
             self.dataset.start_batch = 0  # a second pass over this epoch starts at its beginning

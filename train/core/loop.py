@@ -41,7 +41,10 @@ class TrainingLoop:
     `args` is the script's parsed command line: the loop reads the shared flags (make_parser's) and,
     with schedule=True, add_optimizer_args' schedule flags; it records all of them in checkpoints
     and args.json. Without a schedule the optimizer keeps its learning rate. `metrics`: the names
-    evaluate() returns that --metric_for_best_model may pick (default: the headline alone)."""
+    evaluate() returns that --metric_for_best_model may pick (default: the headline alone).
+    `steps_per_batch`: each loader batch holds the data of that many whole optimizer steps (online
+    RL: a step's prompts, whose answers the script generates and trains on in micro-batches); the
+    loop then saves and stops only between two batches, where the data position is exact."""
 
     def __init__(
         self,
@@ -55,6 +58,7 @@ class TrainingLoop:
         headline="eval_loss",
         schedule=True,
         metrics=None,
+        steps_per_batch=None,
     ):
         self.accelerator, self.args, self.task = accelerator, args, task
         self.model, self.optimizer, self.loader = model, optimizer, train_loader
@@ -74,8 +78,12 @@ class TrainingLoop:
             args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
         )
         self.batches_per_epoch = len(train_loader)  # per process; before a resume shortens the sharded loader
+        self.steps_per_batch = steps_per_batch
         self.max_train_steps, self.num_train_epochs = plan_steps(
-            self.batches_per_epoch, args.gradient_accumulation_steps, args.num_train_epochs, args.max_train_steps
+            self.batches_per_epoch * (steps_per_batch or 1),
+            1 if steps_per_batch else args.gradient_accumulation_steps,
+            args.num_train_epochs,
+            args.max_train_steps,
         )
         # stepped here once per optimizer step, so its state does not depend on the process count
         self.lr_scheduler = (
@@ -129,9 +137,13 @@ class TrainingLoop:
         self.metrics = MetricsLog(accelerator, args.output_dir, args.with_tracking)
         self.metrics.start(task, vars(args), self.step)
         self.preemption = Preemption(accelerator)  # last: a failed resume above leaves SIGTERM as it was
+        steps_per_epoch = (
+            self.batches_per_epoch * steps_per_batch
+            if steps_per_batch
+            else math.ceil(self.batches_per_epoch / args.gradient_accumulation_steps)
+        )
         accelerator.print(
-            f"epochs={self.num_train_epochs} steps={self.max_train_steps} steps_per_epoch="
-            f"{math.ceil(self.batches_per_epoch / args.gradient_accumulation_steps)}"
+            f"epochs={self.num_train_epochs} steps={self.max_train_steps} steps_per_epoch={steps_per_epoch}"
             + (f" resuming at step {self.step}" if self.resumed_from else "")
         )
         self.progress = tqdm(
@@ -215,6 +227,8 @@ class TrainingLoop:
                 f"step {self.step}", {"epoch": round(self.epoch + self.batches_done / self.batches_per_epoch, 4)}
             )
             self._t_epoch += time.perf_counter() - t_eval  # the epoch's seconds are training seconds
+        if not self._between_batches():  # a batch of several steps: its data position is exact only at its end
+            return True
         if self._save_due() and self.batches_done < self.batches_per_epoch:  # at an epoch's end: after evaluating
             self.save()
         # the last step, or one that stopped early, just finishes the run
@@ -223,6 +237,14 @@ class TrainingLoop:
                 self._preempt()
             self._stop_at_epoch_end = True  # after the epoch's evaluation, as an uninterrupted run has it
         return True
+
+    def _between_batches(self):
+        return not self.steps_per_batch or self.step % self.steps_per_batch == 0
+
+    def finished(self):
+        """Whether the run has taken its last step (or stopped early): a script that takes several steps
+        per batch stops its own inner loop here."""
+        return self.step >= self.max_train_steps or self.best.stopped
 
     # ------------------------------------------------------------------------------ evaluation, checkpoints
     def _save_due(self):

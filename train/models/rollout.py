@@ -1,0 +1,101 @@
+"""Answers of a causal LM to prompts, drawn so that they depend only on what they should: the prompt,
+the weights and a seed, never on which process or which batch generated them.
+
+A group (one prompt, n answers) is generated alone, as one batch of n copies of the prompt, so its
+shapes and therefore its arithmetic are the same on any layout. Each answer's tokens are drawn by
+the Gumbel-max trick from a generator seeded for the group: argmax(logits / temperature + g), with
+g standard Gumbel noise, is a draw from softmax(logits / temperature), the distribution whose
+log-probabilities the loss then uses. top_k and top_p narrow the draw first (transformers' own
+warpers); the log-probabilities stay those of the whole tempered distribution, as TRL computes
+them, so with either the importance ratio is taken against a slightly different distribution than
+the one that sampled (docs/grpo.md). Greedy answers (evaluation) are the plain argmax.
+
+transformers' generate() does the decoding (caches, positions, padding, stopping at end-of-text for
+any model family); with `synced` (FSDP2: every forward is a collective) every process steps until
+all are done, as generate's synced_gpus does.
+"""
+
+import torch
+
+
+class GumbelSampler:
+    """A logits processor for generate(do_sample=False): each row's next token becomes a draw from
+    its tempered (and top-k/top-p narrowed) distribution, by noise from `generator` alone."""
+
+    def __init__(self, temperature, generator, top_k=0, top_p=1.0):
+        from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+        self.temperature, self.generator = temperature, generator
+        self.warpers = ([TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
+
+    def __call__(self, input_ids, scores):
+        scores = scores.float() / self.temperature
+        for warp in self.warpers:
+            scores = warp(input_ids, scores)
+        uniform = torch.rand(scores.shape, generator=self.generator, device=self.generator.device)
+        gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-20, max=1 - 1e-7)))
+        return scores + gumbel
+
+
+def group_seed(seed, *keys):
+    """A 63-bit seed of `seed` and `keys` (the step, the prompt's row): the same on every process."""
+    import hashlib
+
+    digest = hashlib.blake2b(repr((seed, *keys)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def end_ids(model, tokenizer):
+    """Every token id that ends an answer: the tokenizer's end-of-text and the model's generation config's."""
+    ids = model.generation_config.eos_token_id
+    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+def complete(model, prompts, max_new_tokens, eos, pad, sampler=None, synced=False):
+    """Answers to `prompts` (lists of token ids), as (ids, terminated) per prompt: the answer's ids up to
+    and with its first end-of-text id (in `eos`), and whether it ended there (else it was cut at
+    `max_new_tokens`). Without `sampler`: greedy. The prompts are left-padded with `pad`."""
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        num_beams=1,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        temperature=None,
+        top_k=None,
+        top_p=None,
+    )
+    was_training = model.training
+    model.eval()  # no dropout while answering (and none in training with --disable_dropout)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=config,
+            logits_processor=LogitsProcessorList([sampler]) if sampler is not None else None,
+            synced_gpus=synced,
+        )
+    model.train(was_training)
+    answers = []
+    stop = set(eos)
+    for row in out[:, width:].tolist():
+        end = next((i for i, t in enumerate(row) if t in stop), None)
+        answers.append((row[: end + 1], True) if end is not None else (row, False))
+    return answers
+
+
+def sample_group(model, prompt, n, max_new_tokens, eos, pad, temperature, seed, top_k=0, top_p=1.0, synced=False):
+    """`n` answers to one prompt (its ids), drawn with a generator of `seed` alone."""
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    sampler = GumbelSampler(temperature, generator, top_k, top_p)
+    return complete(model, [prompt] * n, max_new_tokens, eos, pad, sampler, synced)
