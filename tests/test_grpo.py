@@ -216,6 +216,13 @@ def test_the_first_pass_ratio_is_exactly_one_and_equal_rewards_teach_nothing(dat
         again, _, _ = logps_and_mask(model, rows, 0.7)
     assert torch.equal(first, again) and mask.sum() == 5
     assert torch.equal(torch.exp(again - first)[mask], torch.ones(5))
+    # each completion token's log-probability given everything before it, as a model reads it one step at a time
+    with torch.no_grad():
+        for row, (prompt, completion) in enumerate([([1, 2, 3], [6, 7, 8, 9]), ([4, 5], [10])]):
+            for j, token in enumerate(completion):
+                logits = model(torch.tensor([prompt + completion[:j]])).logits[0, -1] / 0.7
+                expected = torch.log_softmax(logits, -1)[token]
+                assert first[row][mask[row]][j] == pytest.approx(expected.item(), abs=1e-5), (row, j)
     out = tmp_path / "constant"
     run_main(
         "grpo",

@@ -350,11 +350,11 @@ def padded_rows(prompts, completions, pad):
 
 
 def logps_and_mask(net, rows, temperature, device=None):
-    """(log-probabilities of the completions' tokens, which positions are completion tokens, logits) of
-    padded_rows' `rows` under `net`: position t holds the log-probability of token t + 1."""
+    """(log-probabilities of the completions' tokens, which positions predict one, logits) of padded_rows'
+    `rows` under `net`: position t holds the log-probability of token t + 1 (labels are aligned already)."""
     ids, attention, labels = (t.to(device) if device is not None else t for t in rows)
     logits = net(input_ids=ids, attention_mask=attention, use_cache=False).logits
-    return token_logps(logits[:, :-1], labels[:, 1:], temperature), labels[:, 1:] != -100, logits
+    return token_logps(logits, labels, temperature), labels != -100, logits
 
 
 # ---------------------------------------------------------------------------------------------- the answers
@@ -710,7 +710,7 @@ class StepMetrics:
 
     def tokens(self, logits, mask, stats, temperature):
         with torch.no_grad():
-            scored = logits[:, :-1][mask].float() / temperature
+            scored = logits[mask].float() / temperature
             logp = torch.log_softmax(scored, -1)
             entropy = -(logp.exp() * logp).sum(-1).sum()
             kl = (stats["kl"] * mask).sum() if stats["kl"] is not None else torch.zeros(())
