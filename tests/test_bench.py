@@ -586,3 +586,41 @@ def test_recipe_phases_times_each_tree_by_phase_and_counts_collections(fashion_d
         assert 0 < run["gc"] <= run["gc in run"] and 0 < run["exit"] < run["end"]
     worktrees = subprocess.run(["git", "worktree", "list"], cwd=REPO, capture_output=True, text=True).stdout
     assert "recipe_phases_" not in worktrees
+
+
+def test_grpo_reference_runs_ours_and_trls_grpo_trainer_in_two_processes(tmp_path, capsys):
+    """One round of train/grpo.py and TRL's GRPOTrainer on a tiny chat Llama: 2 steps of 2 sums x 4 answers
+    of 8 tokens, both launched as the bench runs them; the report holds both, the same completions counted
+    on each side, a reward per step and a positive ratio."""
+    import json
+
+    from bench import grpo_reference
+    from hf_models import tiny_causal_lm
+
+    report = grpo_reference.main(
+        [
+            "--model_name_or_path",
+            tiny_causal_lm(tmp_path / "llama", "llama", chat=True),
+            "--max_train_steps",
+            "2",
+            "--prompts_per_step",
+            "2",
+            "--num_generations",
+            "4",
+            "--max_completion_length",
+            "8",
+            "--output",
+            str(tmp_path / "report.json"),
+        ]
+    )
+    assert json.loads((tmp_path / "report.json").read_text()) == json.loads(json.dumps(report))
+    assert list(report["runs"]) == ["ours", "trl"], report
+    for name, runs in report["runs"].items():
+        (run,) = runs  # one round
+        assert run["steps"] == 2 and run["completions"] == 2 * 2 * 4, (name, run)  # steps x sums x answers
+        assert len(run["rewards"]) == 2 and all(0 <= r <= 1.5 for r in run["rewards"]), (name, run)
+        assert 0 < run["training_seconds"] < run["wall_seconds"] and run["peak_rss_mb"] > 0, (name, run)
+    assert report["ratio_ours_over_trl"]["completions_per_second"] > 0
+    out = capsys.readouterr().out
+    assert "| train/grpo.py |" in out and "| GRPOTrainer (transformers generation) |" in out, out
+    assert re.search(r"RATIO ours / TRL completions per second = \d+\.\d+", out), out
