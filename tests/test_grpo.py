@@ -288,6 +288,8 @@ def test_sigterm_saves_at_one_step_and_the_resume_is_bit_identical(data, accumul
     grpo_run("cpu_2proc", data, reference, *ACCUMULATED, "--num_iterations", 1)
     proc, out = sigterm_at_step_one_and_resume("cpu_2proc", "grpo", 4, tmp_path, *args)
     assert identical(weights(out), weights(reference))
+    for name in ("completions.jsonl", "eval_completions.jsonl"):  # each step's lines once, as uninterrupted
+        assert records(out / name) == records(reference / name), name
 
 
 @pytest.fixture(scope="module")

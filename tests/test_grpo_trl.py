@@ -12,18 +12,16 @@ import torch
 
 from conftest import reset_accelerate_state
 from hf_models import tiny_causal_lm
-from train.core.rewards import score
+from train.core.rewards import answer_texts, rewards_of, score
 from train.grpo import (
     LOSS_TYPES,
     SCALE_REWARDS,
     StepMetrics,
-    answer_texts,
     group_advantages,
     logps_and_mask,
     normalised_sum,
     padded_rows,
     policy_loss,
-    rewards_of,
 )
 
 GROUP = 4  # --num_generations

@@ -35,7 +35,6 @@ rewards and advantages to OUTPUT_DIR/completions.jsonl.
 """
 
 import json
-import math
 import os
 import sys
 
@@ -50,7 +49,8 @@ from data.loader import sharded_loader
 from data.prompt_response import context_ids
 from data.sources import TensorSource
 from data.splits import load_splits
-from train.core.accelerator import gather_patiently, main_process_first
+from train.core.accelerator import main_process_first
+from train.core.answers import Prompts, Scoring, evaluate_answers
 from train.core.cli import (
     add_data_files_args,
     data_inputs,
@@ -61,7 +61,15 @@ from train.core.cli import (
     true_or_false,
 )
 from train.core.loop import TrainingLoop
-from train.core.rewards import RewardError, load_reward_funcs, score
+from train.core.rewards import (
+    RewardError,
+    answer_texts,
+    load_reward_funcs,
+    nanstd,
+    rewards_of,
+    score,
+    scored_everywhere,
+)
 from train.core.run import run
 from train.models.causal_lm import (
     add_causal_lm_args,
@@ -73,7 +81,7 @@ from train.models.causal_lm import (
 )
 from train.models.generation import generate
 from train.models.hf import adamw, load_pretrained, max_positions
-from train.models.rollout import complete, end_ids, group_seed, sample_group
+from train.models.rollout import end_ids, group_seed, round_robin, sample_group, synced_generation
 
 TASK = "grpo"  # the run's name in its checkpoints: another task's checkpoint is refused
 LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo")
@@ -295,15 +303,6 @@ def group_advantages(rewards, num_generations, scale_rewards):
     return torch.nan_to_num(advantages, nan=0.0), std
 
 
-def nanstd(x, dim):
-    """The unbiased standard deviation of the values that are not NaN, along `dim`."""
-    valid = ~x.isnan()
-    count = valid.sum(dim=dim)
-    mean = x.nanmean(dim=dim, keepdim=True)
-    squares = torch.where(valid, (x - mean) ** 2, torch.zeros_like(x)).sum(dim=dim)
-    return (squares / (count - 1)).sqrt()
-
-
 def policy_loss(logps, old_logps, ref_logps, advantages, mask, beta, epsilon_low, epsilon_high):
     """Per token: the clipped surrogate loss plus beta x the ratio x the k3 KL estimate, and the statistics
     TRL logs (that KL term, whether the ratio was clipped below or above). `advantages`: one per row.
@@ -358,42 +357,6 @@ def logps_and_mask(net, rows, temperature, device=None):
 
 
 # ---------------------------------------------------------------------------------------------- the answers
-
-
-def round_robin(count, accelerator):
-    """Indices 0..count-1 that this process takes (every world_size-th from its rank), in rounds: with
-    `synced` generation every process runs the same number of rounds (None: a round with nothing)."""
-    rank, world = accelerator.process_index, accelerator.num_processes
-    rounds = math.ceil(count / world)
-    return [i if (i := k * world + rank) < count else None for k in range(rounds)]
-
-
-def synced_generation(accelerator):
-    """Whether every forward is a collective (FSDP2 shards the weights): then every process generates in step."""
-    return accelerator.distributed_type.value == "FSDP" and accelerator.num_processes > 1
-
-
-def score_or_fail(accelerator, funcs, parts):
-    """Every process's scored answers, gathered in rank order; a reward function's failure on any process
-    becomes the same one line on every process."""
-    gathered = gather_patiently(accelerator, parts)
-    for part in gathered:
-        if isinstance(part, str):
-            fail(part)
-    return [item for part in gathered for item in part]
-
-
-def answer_texts(tokenizer, ids, conversational):
-    texts = [tokenizer.decode(i, skip_special_tokens=True) for i in ids]
-    return [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
-
-
-def rewards_of(weights, scores):
-    """(reward per answer, answers x functions table): the weighted sum over the functions, missing
-    values skipped (TRL's nansum); NaN where no function applied."""
-    table = torch.tensor(scores, dtype=torch.float32).T
-    rewards = torch.nansum(table * torch.tensor(weights), dim=1)
-    return torch.where(table.isnan().all(dim=1), torch.nan, rewards), table
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -521,7 +484,7 @@ def main(args):
                 parts.append((j, answers, scores))
         except RewardError as e:
             parts = str(e)
-        groups = sorted(score_or_fail(accelerator, funcs, parts), key=lambda g: g[0])
+        groups = sorted(scored_everywhere(accelerator, parts), key=lambda g: g[0])
         completions, terminated, scores = [], [], [[] for _ in funcs]
         for _, answers, group_scores in groups:
             completions += [a for a, _ in answers]
@@ -542,45 +505,17 @@ def main(args):
             return logps_of(model, prompts, completions)[0]
 
     # ---------------------------------------------------------------- evaluation: greedy answers, scored
-    def evaluate(label=""):
+    def evaluate():
         val = data["validation"]
-        chunk = args.per_device_eval_batch_size
-        chunks = math.ceil(len(val["ids"]) / chunk)
-        parts = []
-        try:
-            for c in round_robin(chunks, accelerator):
-                rows = list(range((c or 0) * chunk, min(((c or 0) + 1) * chunk, len(val["ids"]))))
-                answers = complete(
-                    policy, [val["ids"][i] for i in rows], args.max_completion_length, eos, pad, synced=synced
-                )
-                if c is None:
-                    continue
-                ids = [a for a, _ in answers]
-                columns = {k: [v[i] for i in rows] for k, v in extra["validation"].items()}
-                prompts = [val["columns"][args.prompt_column][i] for i in rows]
-                texts = answer_texts(tokenizer, ids, conversational)
-                parts.append((c, answers, score(funcs, prompts, texts, ids, columns), texts, prompts))
-        except RewardError as e:
-            parts = str(e)
-        done = sorted(score_or_fail(accelerator, funcs, parts), key=lambda g: g[0])
-        scores = [[v for _, _, s, _, _ in done for v in s[f]] for f in range(len(funcs))]
-        rewards, table = rewards_of(weights, scores)
-        lengths = torch.tensor([len(a) for _, answers, _, _, _ in done for a, _ in answers], dtype=torch.float32)
-        metrics = {"eval_reward": rewards.nanmean().item()}
-        for f, (name, _) in enumerate(funcs):
-            metrics[f"eval_rewards/{name}/mean"] = torch.nanmean(table[:, f]).item()
-        metrics["eval_completions/mean_length"] = lengths.mean().item()
-        metrics["eval_samples"] = len(rewards)
-        if accelerator.is_main_process:
-            with open(os.path.join(args.output_dir, "eval_completions.jsonl"), "a") as f:
-                k = 0
-                for _, answers, _, texts, prompts in done:
-                    for (_, ended), text, prompt in zip(answers, texts, prompts, strict=True):
-                        record = {"step": loop.step, "prompt": prompt, "completion": text, "ended": ended}
-                        record.update({name: table[k, i].item() for i, (name, _) in enumerate(funcs)})
-                        f.write(json.dumps(record) + "\n")
-                        k += 1
-        return metrics
+        return evaluate_answers(
+            accelerator,
+            policy,
+            tokenizer,
+            Prompts(val["ids"], val["columns"][args.prompt_column], extra["validation"], conversational),
+            Scoring(funcs, weights, os.path.join(args.output_dir, "eval_completions.jsonl"), loop.step),
+            args.max_completion_length,
+            args.per_device_eval_batch_size,
+        )
 
     # ---------------------------------------------------------------- train
     scale = world * accumulation  # undoes DDP's mean over processes and accelerate's division by accumulation
@@ -602,6 +537,9 @@ def main(args):
         before = evaluate()
         if accelerator.is_main_process:
             loop.progress.write("before training: " + " ".join(f"{k}={v:.4f}" for k, v in before.items()))
+    if accelerator.is_main_process:  # a resumed run writes the steps after its checkpoint again
+        for name in ("completions.jsonl", "eval_completions.jsonl"):
+            keep_until(os.path.join(args.output_dir, name), loop.step)
     logged = StepMetrics(accelerator, funcs)
     b = args.per_device_train_batch_size
     for batch in loop.batches():
@@ -658,9 +596,11 @@ def main(args):
                     loop.metrics.log({"step": loop.step, **record})
                     if accelerator.is_main_process:
                         loop.progress.set_postfix(reward=f"{record['reward']:.3f}", refresh=False)
-                        write_completions(
+                        lines = write_completions(
                             args, loop.step, rows, data, completions, rewards, table, advantages, funcs, tokenizer
                         )
+                        if args.with_tracking:
+                            show_completions(accelerator, lines, loop.step)
                 if loop.finished():
                     break
             if loop.finished():
@@ -734,8 +674,33 @@ class StepMetrics:
         return record
 
 
+def keep_until(path, step):
+    """A jsonl of records with a "step" as it stood at `step`: a resumed run's later lines go."""
+    if os.path.isfile(path):
+        with open(path) as f:
+            kept = [line for line in f if json.loads(line)["step"] <= step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+
+
+def show_completions(accelerator, records, step):
+    """The logged step's answers as a table in TensorBoard's text tab (--with_tracking, its tracker)."""
+    for tracker in accelerator.trackers:
+        if tracker.name == "tensorboard":
+            rows = [
+                f"| {json.dumps(r['prompt'])[:200]} | {json.dumps(r['completion'])[:400]} | {r['reward']:.3f} | "
+                f"{r['advantage']:.3f} |"
+                for r in records
+            ]
+            table = "\n".join(["| prompt | completion | reward | advantage |", "|---|---|---|---|", *rows])
+            tracker.tracker.add_text("completions", table, step)  # its SummaryWriter
+
+
 def write_completions(args, step, rows, data, completions, rewards, table, advantages, funcs, tokenizer):
-    """The step's prompts, answers, rewards and advantages, one line per answer, to OUTPUT_DIR/completions.jsonl."""
+    """The step's prompts, answers, rewards and advantages, one line per answer, to OUTPUT_DIR/completions.jsonl;
+    returns the records."""
+    records = []
     with open(os.path.join(args.output_dir, "completions.jsonl"), "a") as f:
         for i, ids in enumerate(completions):
             row = rows[i // args.num_generations]
@@ -749,6 +714,8 @@ def write_completions(args, step, rows, data, completions, rewards, table, advan
             }
             record.update({name: table[i, k].item() for k, (name, _) in enumerate(funcs)})
             f.write(json.dumps(record) + "\n")
+            records.append(record)
+    return records
 
 
 def answer(args):

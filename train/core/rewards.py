@@ -18,6 +18,8 @@ import math
 import os
 import re
 
+import torch
+
 from data.errors import fail
 from data.labelled_text import first_words
 
@@ -53,8 +55,9 @@ def answer_match(completions, answer, **kwargs):
 
 
 def number_only(completions, **kwargs):
-    """1.0 when the answer is one number and nothing else (the form a verifiable task asks for)."""
-    return [float(NUMBER.fullmatch(_text(c).strip()) is not None) for c in completions]
+    """1.0 when the answer is one number and nothing else (a full stop after it allowed): the form a
+    verifiable task asks for."""
+    return [float(NUMBER.fullmatch(_text(c).strip().removesuffix(".")) is not None) for c in completions]
 
 
 BUILT_IN = {"answer_match": answer_match, "number_only": number_only}
@@ -126,3 +129,39 @@ def score(funcs, prompts, completions, completion_ids, columns):
 
 class RewardError(Exception):
     """A reward function's failure, as one line; raised where it happened, shown on every rank."""
+
+
+def scored_everywhere(accelerator, parts):
+    """Every process's `parts` (a list of scored answers, or a RewardError's line), gathered in rank order
+    on every process; a reward function's failure on any process becomes the same one line on all of them,
+    instead of the others waiting in a collective for a process that is gone."""
+    from train.core.accelerator import gather_patiently
+
+    gathered = gather_patiently(accelerator, parts)
+    for part in gathered:
+        if isinstance(part, str):
+            fail(part)
+    return [item for part in gathered for item in part]
+
+
+def answer_texts(tokenizer, ids, conversational):
+    """The completions as reward functions take them: text, or for conversational prompts an assistant turn."""
+    texts = [tokenizer.decode(i, skip_special_tokens=True) for i in ids]
+    return [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+
+
+def rewards_of(weights, scores):
+    """(reward per answer, answers x functions table) of score()'s lists: the weighted sum over the
+    functions, missing values skipped (TRL's nansum); NaN where no function applied."""
+    table = torch.tensor(scores, dtype=torch.float32).T
+    rewards = torch.nansum(table * torch.tensor(weights), dim=1)
+    return torch.where(table.isnan().all(dim=1), torch.nan, rewards), table
+
+
+def nanstd(x, dim):
+    """The unbiased standard deviation of the values that are not NaN, along `dim` (as TRL's nanstd)."""
+    valid = ~x.isnan()
+    count = valid.sum(dim=dim)
+    mean = x.nanmean(dim=dim, keepdim=True)
+    squares = torch.where(valid, (x - mean) ** 2, torch.zeros_like(x)).sum(dim=dim)
+    return (squares / (count - 1)).sqrt()

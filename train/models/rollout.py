@@ -15,6 +15,8 @@ any model family); with `synced` (FSDP2: every forward is a collective) every pr
 all are done, as generate's synced_gpus does.
 """
 
+import math
+
 import torch
 
 
@@ -99,3 +101,16 @@ def sample_group(model, prompt, n, max_new_tokens, eos, pad, temperature, seed, 
     generator = torch.Generator(device=device).manual_seed(seed)
     sampler = GumbelSampler(temperature, generator, top_k, top_p)
     return complete(model, [prompt] * n, max_new_tokens, eos, pad, sampler, synced)
+
+
+def round_robin(count, accelerator):
+    """The indices of 0..count-1 this process takes (every world_size-th from its rank), in rounds; with
+    synced generation every process runs the same number of rounds: None is a round with nothing, in
+    which a process generates something to discard, in step with the others."""
+    rank, world = accelerator.process_index, accelerator.num_processes
+    return [i if (i := k * world + rank) < count else None for k in range(math.ceil(count / world))]
+
+
+def synced_generation(accelerator):
+    """Whether every forward is a collective (FSDP2 shards the weights): then every process generates in step."""
+    return accelerator.distributed_type.value == "FSDP" and accelerator.num_processes > 1

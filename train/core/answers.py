@@ -1,0 +1,79 @@
+"""Answers to held-out prompts, scored by reward functions: the evaluation of a model by what it says,
+exact over the prompts on any process count.
+
+The prompts are answered greedily in fixed chunks (the same chunks on any layout, so the same answers),
+shared out across processes; every process gets every score back, so the means are over exactly the
+held-out prompts. The answers go to a jsonl (prompt, completion, whether it ended, each reward) that a
+person can read, one line per prompt, with the step."""
+
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+
+from train.core.rewards import RewardError, answer_texts, rewards_of, score, scored_everywhere
+from train.models.rollout import complete, end_ids, round_robin, synced_generation
+
+
+@dataclass
+class Prompts:
+    """Held-out prompts: their token ids as the model reads them before answering, the prompts as the
+    reward functions take them (text or turns), the data's other columns by name, and whether the
+    prompts are conversations (then a completion is an assistant turn)."""
+
+    ids: list
+    prompts: list
+    columns: dict
+    conversational: bool
+
+
+@dataclass
+class Scoring:
+    """The reward functions [(name, function)], their weights, the jsonl the answers go to (None: none
+    written) and the step they are written with."""
+
+    funcs: list
+    weights: list
+    path: str = None
+    step: int = 0
+
+
+def evaluate_answers(accelerator, model, tokenizer, prompts, scoring, max_new_tokens, chunk_size):
+    """{"eval_reward", "eval_rewards/NAME/mean", "eval_completions/mean_length", "eval_samples"} of the
+    greedy answers of `model` (unwrapped) to `prompts`, at most max_new_tokens each."""
+    eos, pad = end_ids(model, tokenizer), tokenizer.pad_token_id
+    synced, n = synced_generation(accelerator), len(prompts.ids)
+    parts = []
+    try:
+        for c in round_robin(math.ceil(n / chunk_size), accelerator):
+            rows = range((c or 0) * chunk_size, min(((c or 0) + 1) * chunk_size, n))
+            answers = complete(model, [prompts.ids[i] for i in rows], max_new_tokens, eos, pad, synced=synced)
+            if c is None:  # a round in step with the other processes (FSDP2), nothing to score
+                continue
+            ids = [a for a, _ in answers]
+            texts = answer_texts(tokenizer, ids, prompts.conversational)
+            asked = [prompts.prompts[i] for i in rows]
+            columns = {k: [v[i] for i in rows] for k, v in prompts.columns.items()}
+            parts.append((c, answers, score(scoring.funcs, asked, texts, ids, columns), texts, asked))
+    except RewardError as e:
+        parts = str(e)
+    done = sorted(scored_everywhere(accelerator, parts), key=lambda part: part[0])
+    scores = [[v for part in done for v in part[2][f]] for f in range(len(scoring.funcs))]
+    rewards, table = rewards_of(scoring.weights, scores)
+    lengths = torch.tensor([len(a) for part in done for a, _ in part[1]], dtype=torch.float32)
+    metrics = {"eval_reward": rewards.nanmean().item()}
+    for f, (name, _) in enumerate(scoring.funcs):
+        metrics[f"eval_rewards/{name}/mean"] = table[:, f].nanmean().item()
+    metrics["eval_completions/mean_length"] = lengths.mean().item()
+    metrics["eval_samples"] = len(rewards)
+    if accelerator.is_main_process and scoring.path:
+        with open(scoring.path, "a") as f:
+            k = 0
+            for _, answers, _, texts, asked in done:
+                for (_, ended), text, prompt in zip(answers, texts, asked, strict=True):
+                    record = {"step": scoring.step, "prompt": prompt, "completion": text, "ended": ended}
+                    record.update({name: table[k, i].item() for i, (name, _) in enumerate(scoring.funcs)})
+                    f.write(json.dumps(record) + "\n")
+                    k += 1
+    return metrics
