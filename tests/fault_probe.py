@@ -3,6 +3,8 @@
     fault_probe.py SCRIPT --nan_at K [--rank R] -- SCRIPT_ARGS...   the K-th training loss on rank R is NaN
     fault_probe.py SCRIPT --stale_latest [--rank R] -- SCRIPT_ARGS...  rank R sees no checkpoint in the folder
     fault_probe.py sft --slow_prepare S -- SCRIPT_ARGS...     rank 0's tokenizing takes S seconds longer
+    fault_probe.py SCRIPT --raise_at K [--rank R] [--user_error] -- SCRIPT_ARGS...   the K-th training
+        loss on rank R raises ValueError (with --user_error: one of the project's one-line errors)
 
 The second is what a rank sees when a checkpoint lands between two ranks' looks at the folder:
 only the main process's answer may count. No hooks in the training code: public functions are
@@ -26,6 +28,8 @@ def main():
     parser.add_argument("--nan_at", type=int, default=None)
     parser.add_argument("--stale_latest", action="store_true")
     parser.add_argument("--slow_prepare", type=float, default=None)
+    parser.add_argument("--raise_at", type=int, default=None)
+    parser.add_argument("--user_error", action="store_true")
     args = parser.parse_args(sys.argv[1:split])
     mine = int(os.environ.get("RANK", 0)) == args.rank
     if mine and args.nan_at:
@@ -35,6 +39,20 @@ def main():
             loss = real(*a, **k)
             calls[0] += 1
             return loss * float("nan") if calls[0] == args.nan_at else loss
+
+        F.mse_loss = mse_loss
+    if mine and args.raise_at:
+        real, calls = F.mse_loss, [0]
+
+        def mse_loss(*a, **k):
+            calls[0] += 1
+            if calls[0] == args.raise_at:
+                if args.user_error:
+                    from data.errors import fail
+
+                    fail(f"planted user error at loss {calls[0]}; nothing to fix")
+                raise ValueError(f"planted failure at loss {calls[0]}\nits second line")
+            return real(*a, **k)
 
         F.mse_loss = mse_loss
     if mine and args.stale_latest:

@@ -17,6 +17,7 @@ import yaml
 from accelerate.utils import DataLoaderConfiguration, DistributedDataParallelKwargs, InitProcessGroupKwargs
 
 from data.errors import UserError, fail
+from train.core.failures import use_store
 from train.core.fsdp import (
     cpu_fsdp2_plugin,
     fsdp_launch,
@@ -47,7 +48,9 @@ def _env_rendezvous_per_attempt(url, timeout=None, **kwargs):
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     query = urlparse(url).query  # torch appends rank/world_size here when it knows them
     for store, rank, world_size in _env_rendezvous_handler(f"env://?{query}", timeout=timeout, **kwargs):
-        yield PrefixStore(f"attempt_{attempt}/", store), rank, world_size
+        store = PrefixStore(f"attempt_{attempt}/", store)
+        use_store(store)  # where a failing rank leaves its line for the others (train/core/failures.py)
+        yield store, rank, world_size
 
 
 def _process_group_kwargs(ddp_timeout):

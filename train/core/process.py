@@ -77,6 +77,9 @@ def _say_after_launcher(message):
             stdout=subprocess.DEVNULL,
             pass_fds=(pidfd,),
             cwd="/",
+            # out of this worker's process group: the agent ends a worker that outlives another's failure
+            # with a SIGTERM to its whole group, which would take the line with it
+            start_new_session=True,
         )
         return True
     except OSError:

@@ -15,6 +15,7 @@ from accelerate.utils import set_seed
 
 from data.errors import UserError, fail
 from train.core.accelerator import announce, make_accelerator
+from train.core.failures import error_line, first_failure, record_failure
 from train.core.output_dir import check_output_dir, claim_output_dir, list_checkpoints
 from train.core.preemption import Preempted
 from train.core.process import (
@@ -125,11 +126,13 @@ def resume_point(args):
     return f"{where}; resume with: {resume_command()}"
 
 
+# gloo's words for a connection to a peer that closed or broke, and the peer's address
+PEER_LOST = re.compile(r"(?:closed by peer|Read error|Write error|Connection reset)[^\[]*\[([0-9a-fA-F.:]+)\]:\d+")
+
+
 def lost_peer(error):
     """'host (address)' when `error` is gloo's for a peer whose connection closed or broke, else None."""
-    found = re.search(
-        r"(?:closed by peer|Read error|Write error|Connection reset)[^\[]*\[([0-9a-fA-F.:]+)\]:\d+", str(error)
-    )
+    found = PEER_LOST.search(str(error))
     if not found:
         return None
     try:
@@ -141,6 +144,20 @@ def lost_peer(error):
     return f"{host} ({found[1]})" if host else found[1]
 
 
+def tell_the_others(error, args):
+    """Leave this rank's one line where the other ranks look when they lose contact with it
+    (train/core/failures.py), as this rank's own line says it (a user's error, a disk fault) or as
+    the error's type and first line. Not for a stop every rank makes together (a preemption), nor for a rank that only
+    lost contact itself: the first failure is the cause."""
+    if isinstance(error, Preempted) or PEER_LOST.search(str(error)) or not torch.distributed.is_initialized():
+        return
+    if isinstance(error, OSError) and error.errno in DISK_FAULTS:
+        line = disk_fault(error, getattr(args, "output_dir", None)).removeprefix("error: ")
+    else:
+        line = error_line(error)
+    record_failure(torch.distributed.get_rank(), line[:300])
+
+
 def run(main, args):
     """main(args), then the teardown, and main's result, with the ways out that users meet most made
     short. A user's error (data.errors.UserError and its kinds) or a full, read-only or unwritable
@@ -150,7 +167,11 @@ def run(main, args):
     die_with_launcher()
     quiet_others = False
     try:
-        result = main(args)
+        try:
+            result = main(args)
+        except Exception as e:
+            tell_the_others(e, args)
+            raise
     except Preempted as e:  # every rank saved the same step and stops: one line, from the first process
         message, code, quiet_others = str(e), e.exit_code, True
     except UserError as e:  # its str() is one line, also when a DataLoader worker raised it
@@ -164,7 +185,13 @@ def run(main, args):
         message, code = disk_fault(e, getattr(args, "output_dir", None)), 1
     except RuntimeError as e:
         peer = lost_peer(e)  # a process of another node died, or the link to it: no traceback per rank
-        if peer:
+        if peer and first_local_process():  # the agent's SIGTERM to the survivors must not cut off the line
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        failed = first_failure() if peer else None  # or it raised, and said so before it exited
+        if failed:
+            rank, line = failed
+            message, code = f"error: rank {rank} failed: {line}; stopped without saving; {resume_point(args)}", 1
+        elif peer:
             message, code = (
                 (
                     f"error: lost contact with {peer} in a collective: its process died or the network to "
