@@ -78,8 +78,14 @@ def chat_segments(ds, split, column, tokenizer):
             "chat_template to its tokenizer_config.json"
         )
 
-    def render(turns, **kwargs):
-        return tokenizer.apply_chat_template(turns, tokenize=False, **kwargs)
+    def render(turns, where, **kwargs):
+        try:
+            return tokenizer.apply_chat_template(turns, tokenize=False, **kwargs)
+        except Exception as e:  # jinja2's TemplateError, the template's own raise_exception(): a row it refuses
+            raise DataError(
+                f"the model's chat template refuses {where} ({' '.join(str(e).split())[:120]}); drop or fix "
+                "such rows, or pass a model whose template takes them"
+            ) from None
 
     out = []
     for turns in ds[column]:
@@ -91,12 +97,12 @@ def chat_segments(ds, split, column, tokenizer):
         where = f"the {split} conversation {first_words(turns[0]['content'] or '') if turns else '[]'}"
         if not any(t["role"] == "assistant" and (t["content"] or "").strip() for t in turns):
             raise DataError(f"{where} has no assistant turn with text: nothing to learn from; drop it")
-        text = render(turns)
+        text = render(turns, where)
         segments, done = [], 0
         for i, turn in enumerate(turns):
             if turn["role"] != "assistant":
                 continue
-            before, after = render(turns[:i], add_generation_prompt=True), render(turns[: i + 1])
+            before, after = render(turns[:i], where, add_generation_prompt=True), render(turns[: i + 1], where)
             if not (after.startswith(before) and text.startswith(after) and len(before) >= done):
                 raise DataError(
                     f"{where}: the chat template does not render the conversation one turn after "

@@ -48,6 +48,7 @@ from train.models.hf import (
     adamw,
     add_lora_args,
     add_pretrained_args,
+    check_savable,
     default_model_folder,
     describe_dtypes,
     describe_trainable,
@@ -152,6 +153,7 @@ def main(args):
         )
     args.max_seq_length = args.max_seq_length or min(MAX_LENGTH, limit)
     tokenizer.model_max_length = args.max_seq_length  # so the saved tokenizer cuts --predict's texts as training did
+    check_savable(args.model_name_or_path, config, tokenizer)  # what the run's end writes, checked before it trains
     text_columns = column_names(args.text_column)
     if not 1 <= len(text_columns) <= 2:
         fail(f"--text_column {args.text_column}: one column, or two comma-separated for sentence pairs")

@@ -27,7 +27,7 @@ from train.core.checkpoint import (
     sharded_checkpoints,
 )
 from train.core.loss_watch import LossWatch
-from train.core.output_dir import drop_replaced_run, release_output_dir
+from train.core.output_dir import check_room, drop_replaced_run, release_output_dir, size_in_words
 from train.core.preemption import Preempted, Preemption
 from train.core.process import after_a_stop, on_teardown
 from train.core.resume import check_same_run
@@ -134,6 +134,7 @@ class TrainingLoop:
             if self.sharded:
                 train_loader.load_state_dict(meta["data"])
         self.first_step = self.step  # where this start began: a stop before any step trained nothing
+        self._check_room()
         self.metrics = MetricsLog(accelerator, args.output_dir, args.with_tracking)
         self.metrics.start(task, vars(args), self.step)
         self.preemption = Preemption(accelerator)  # last: a failed resume above leaves SIGTERM as it was
@@ -155,6 +156,28 @@ class TrainingLoop:
             dynamic_ncols=True,
             mininterval=0.5,
         )  # tqdm's default 0.1 s redraws cost a measurable part of a CPU step (docs/speed.md)
+
+    def _check_room(self):
+        """The disk holds what this run will write, before its first step (output_dir.check_room). An
+        estimate from the model as it trains: the final model is every weight; a checkpoint the
+        weights that train and AdamW's two moments of each (best_model.safetensors, linked into
+        checkpoints, counts once)."""
+        params = list(self.model.parameters())
+        model_bytes = sum(p.numel() * p.element_size() for p in params)
+        trained_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        every = self.checkpointing_steps
+        if isinstance(every, int):
+            planned = self.max_train_steps // every - self.step // every
+        else:
+            planned = self.num_train_epochs - self.epoch if every == "epoch" else 0
+        kept = min(planned, self.keep_last) if self.keep_last else planned
+        parts = [(f"the final model, {size_in_words(model_bytes)}", model_bytes)]
+        if self.best.metric is not None:
+            parts.append((f"the best model's weights, {size_in_words(trained_bytes)}", trained_bytes))
+        if kept:
+            parts.append((f"{kept} checkpoint(s) of {size_in_words(3 * trained_bytes)}", kept * 3 * trained_bytes))
+        hint = " (or keep fewer checkpoints: --checkpoints_total_limit)" if kept > 1 else ""
+        check_room(self.accelerator, self.output_dir, parts, hint)
 
     # ------------------------------------------------------------------------------ the batches
     def batches(self):

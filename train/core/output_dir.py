@@ -257,6 +257,36 @@ def _set_aside(out):
     )
 
 
+def size_in_words(count):
+    """A byte count as people read it: 512 B, 3.4 MB, 1.20 GB."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.{2 if unit in ('GB', 'TB') else 1}f} {unit}"
+    return f"{count} B"
+
+
+def check_room(accelerator, output_dir, parts, hint=""):
+    """Before the first step: one line on every rank unless the disk of output_dir has room for what
+    the run writes there, `parts` (what, bytes), else a full disk would meet the run at its end,
+    everything trained in vain; `hint`: one more way out. The main process looks (it writes the
+    final model) and every rank follows its answer."""
+    from accelerate.utils import broadcast_object_list
+
+    message = None
+    if accelerator.is_main_process:
+        free, need = shutil.disk_usage(output_dir).free, sum(count for _, count in parts)
+        if need > free:
+            message = (
+                f"--output_dir {output_dir}: its disk has {size_in_words(free)} free, and this run writes about "
+                f"{size_in_words(need)} there ({', '.join(what for what, _ in parts)}); free space or pass another "
+                f"--output_dir{hint}"
+            )
+    if accelerator.num_processes > 1:
+        message = broadcast_object_list([message])[0]
+    if message is not None:
+        fail(message)
+
+
 def drop_replaced_run(output_dir):
     """On the main process, once this run has a checkpoint or its final outputs: the replaced run goes."""
     aside = os.path.join(output_dir, REPLACED)

@@ -12,6 +12,7 @@ from train.models.hf import (
     add_pretrained_args,
     causal_lm_tokenizer,
     check_causal_lm,
+    check_savable,
     describe_dtypes,
     describe_trainable,
     hub_kwargs,
@@ -81,6 +82,7 @@ def start_causal_lm(args, task, max_length=None):
     if hasattr(args, "dataloader_num_workers"):
         args.dataloader_num_workers = reading_workers(args.dataloader_num_workers, accelerator.device, on_gpu=2)
     tokenizer = causal_lm_tokenizer(args, config, max_length)
+    check_savable(args.model_name_or_path, config, tokenizer)  # what the run's end writes, checked before it trains
     return accelerator, folder, config, tokenizer
 
 

@@ -11,6 +11,7 @@ stay in --torch_dtype. The output folder is written in --save_dtype (default: th
 """
 
 import os
+import shutil
 import warnings
 
 from data.errors import fail
@@ -400,6 +401,52 @@ def max_positions(config, tokenizer, cap):
         tokenizer.model_max_length,
         cap,
     )
+
+
+def check_savable(path, config, tokenizer):
+    """Before the first step, one line for what would stop the run's end from writing its output
+    folder: a config with a quantization method (transformers refuses save_pretrained of a model
+    loaded with one, GGUF's included, and these scripts train no quantized base, not even under
+    --lora_r), a config that does not serialize, a tokenizer that cannot be saved (tried in a
+    scratch folder)."""
+    import tempfile
+
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method
+        method = getattr(method, "value", method)  # an enum in transformers' own config classes
+        how = (
+            "python -m train.models.gguf_import --gguf_file FILE.gguf writes one from a GGUF file"
+            if method == "gguf"
+            else "load it, delete model.config.quantization_config and save_pretrained a model of the same class "
+            "with its weights in float32 or bfloat16"
+        )
+        fail(
+            f"--model_name_or_path {path} is quantized ({method}: quantization_config in its config.json), and "
+            f"transformers refuses to save a model loaded with it, so this run could not write its output folder; "
+            f"pass a dequantized copy ({how})"
+        )
+    try:
+        config.to_json_string()
+    except (TypeError, ValueError) as e:
+        fail(
+            f"--model_name_or_path {path}: its config does not save as JSON ({' '.join(str(e).split())[:120]}), so "
+            "this run could not write its output folder; fix its config.json"
+        )
+    try:
+        scratch = tempfile.mkdtemp(prefix="tokenizer-check-")
+    except OSError:  # no temporary folder to try it in: the end will tell
+        return
+    try:
+        tokenizer.save_pretrained(scratch)
+    except Exception as e:  # whatever stops it here stops the end too
+        fail(
+            f"--model_name_or_path {path}: its tokenizer cannot be saved ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:120]}), so this run could not write its output folder; fix its tokenizer "
+            "files, or pass a model whose tokenizer saves"
+        )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def check_causal_lm(path, **hub):
