@@ -155,14 +155,17 @@ class BestModel:
         os.remove(self.path)
         return True
 
-    def take(self):
-        """On the main process: the best weights, read back, their file removed (for a script that
-        writes its model itself)."""
+    def read(self):
+        """On the main process: the best weights, read back (for a script that writes its model itself).
+        Their file stays until drop(): should that write fail, the checkpoint saved then holds them."""
         from safetensors.torch import load_file
 
-        weights = load_file(self.path)
-        os.remove(self.path)
-        return weights
+        return load_file(self.path)
+
+    def drop(self):
+        """On the main process, once the model written from read()'s weights is in place."""
+        if self.step is not None and os.path.lexists(self.path):
+            os.remove(self.path)
 
     def results(self):
         if self.step is None:

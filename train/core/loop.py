@@ -12,11 +12,14 @@ no batch and goes down the same path, so it evaluates once and writes the same o
 """
 
 import math
+import os
 import time
 
 from tqdm.auto import tqdm
 
+from data.errors import fail
 from data.loader import ShardedLoader, check_loader, own_worker_seed
+from train.core.accelerator import gather_patiently
 from train.core.best_model import BestModel, resolve_metric
 from train.core.checkpoint import (
     CheckpointWriter,
@@ -26,13 +29,27 @@ from train.core.checkpoint import (
     model_weights,
     sharded_checkpoints,
 )
+from train.core.failures import error_line
 from train.core.loss_watch import LossWatch
-from train.core.output_dir import check_room, drop_replaced_run, release_output_dir, size_in_words
+from train.core.output_dir import (
+    check_room,
+    drop_replaced_run,
+    release_output_dir,
+    remove_written_since,
+    size_in_words,
+)
 from train.core.preemption import Preempted, Preemption
-from train.core.process import after_a_stop, on_teardown
+from train.core.process import after_a_stop, on_teardown, resume_command
 from train.core.resume import check_same_run
 from train.core.schedule import make_scheduler, plan_steps, warmup_steps
-from train.core.tracking import MetricsLog, format_metrics, plot_metrics, readable_by_others, save_final
+from train.core.tracking import (
+    MetricsLog,
+    format_metrics,
+    plot_metrics,
+    readable_by_others,
+    save_final,
+    save_weights,
+)
 
 
 class TrainingLoop:
@@ -402,13 +419,12 @@ class TrainingLoop:
             raise ValueError("a model with frozen weights needs save_model: the run's weights hold only what trains")
         # the best evaluation's weights (already on disk) or the last step's (a collective under FSDP2)
         weights = model_weights(self.model, trainable_only=self.frozen) if self.best.step is None else None
-        if self.accelerator.is_main_process and save_model is not None:
-            save_model(self.best.take() if weights is None else weights, self.output_dir)
-            readable_by_others(self.output_dir)  # the model folder's weights, whoever wrote them
-            weights = None
-        elif self.accelerator.is_main_process and weights is None:
-            self.best.finish(self.output_dir)
-        save_final(self.accelerator, weights, self.output_dir, results, vars(self.args))
+        failed = self._write_model(weights, save_model) if self.accelerator.is_main_process else None
+        # every rank waits for the main process's write, however long a large model takes, and hears how it went
+        failed = gather_patiently(self.accelerator, failed)[0]
+        if failed is not None:
+            self._keep_what_trained(failed)
+        save_final(self.accelerator, None, self.output_dir, results, vars(self.args))
         if self.accelerator.is_main_process:
             drop_replaced_run(self.output_dir)
             plot_metrics(self.output_dir, self.headline)  # on the main process only: a warning prints once
@@ -428,6 +444,39 @@ class TrainingLoop:
         state = self.accelerator.state  # not the accelerator: it holds each model prepare() took
         on_teardown(lambda: (state.wait_for_everyone(), state.destroy_process_group()))
         return results
+
+    def _write_model(self, weights, save_model):
+        """On the main process: the run's model into output_dir, by `save_model` (a Hugging Face folder,
+        say) or as model.safetensors. None when written; else the error's line, and what the failed
+        write added to the folder is gone."""
+        before = os.listdir(self.output_dir)
+        try:
+            if save_model is not None:
+                save_model(self.best.read() if weights is None else weights, self.output_dir)
+                readable_by_others(self.output_dir)  # the model folder's weights, whoever wrote them
+                self.best.drop()
+            elif weights is None:
+                self.best.finish(self.output_dir)
+            else:
+                save_weights(weights, os.path.join(self.output_dir, "model.safetensors"))
+        except Exception as e:  # whatever it is: the weights in memory must not go with it
+            remove_written_since(self.output_dir, before)
+            return error_line(e)
+        return None
+
+    def _keep_what_trained(self, failed):
+        """Writing the model failed after training (a full disk, a model that refuses to be saved):
+        every rank saves a checkpoint of this last step, unless there is one already, and stops
+        with one line that says how to finish. That resume trains nothing; it writes the model from
+        the checkpoint, bit for bit what this run would have written."""
+        path = self._last_save[1] if self._last_save[0] == self.step else self.save()
+        self.writer.wait()
+        self.preemption.close()  # the agent's SIGTERM after the first process exits ends the others quietly
+        fail(
+            f"trained to step {self.step}, but writing the model into {self.output_dir} failed ({failed}); "
+            f"the run's weights are in {path}; fix the cause, then finish with this command, which trains "
+            f"nothing and writes the model: {resume_command()}"
+        )
 
     def _release(self):
         """DDP's reducer holds gloo state: left for interpreter exit, it can abort a finished run

@@ -287,6 +287,25 @@ def check_room(accelerator, output_dir, parts, hint=""):
         fail(message)
 
 
+# the weights of a model save_pretrained writes in several files
+SHARDS = re.compile(r"model-\d+-of-\d+\.safetensors|model\.safetensors\.index\.json")
+
+
+def remove_written_since(output_dir, before):
+    """After the final write into output_dir failed: what it added of the run's entries (RUN_ENTRIES,
+    a sharded model's files, their .tmp halves; `before` lists the folder before it) removed, so that
+    half a model folder is not taken for a model and a full disk gets their space back."""
+    for name in sorted(set(os.listdir(output_dir)) - set(before)):
+        if name.removesuffix(".tmp") not in RUN_ENTRIES and not SHARDS.fullmatch(name):
+            continue
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+
+
 def drop_replaced_run(output_dir):
     """On the main process, once this run has a checkpoint or its final outputs: the replaced run goes."""
     aside = os.path.join(output_dir, REPLACED)
