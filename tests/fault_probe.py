@@ -5,6 +5,8 @@
     fault_probe.py sft --slow_prepare S -- SCRIPT_ARGS...     rank 0's tokenizing takes S seconds longer
     fault_probe.py SCRIPT --raise_at K [--rank R] [--user_error] -- SCRIPT_ARGS...   the K-th training
         loss on rank R raises ValueError (with --user_error: one of the project's one-line errors)
+    fault_probe.py SCRIPT --full_at_the_end -- SCRIPT_ARGS...   the final model.safetensors meets a full
+        disk on rank 0 (the one that writes it)
 
 The second is what a rank sees when a checkpoint lands between two ranks' looks at the folder:
 only the main process's answer may count. No hooks in the training code: public functions are
@@ -30,6 +32,7 @@ def main():
     parser.add_argument("--slow_prepare", type=float, default=None)
     parser.add_argument("--raise_at", type=int, default=None)
     parser.add_argument("--user_error", action="store_true")
+    parser.add_argument("--full_at_the_end", action="store_true")
     args = parser.parse_args(sys.argv[1:split])
     mine = int(os.environ.get("RANK", 0)) == args.rank
     if mine and args.nan_at:
@@ -55,6 +58,15 @@ def main():
             return real(*a, **k)
 
         F.mse_loss = mse_loss
+    if mine and args.full_at_the_end:
+        import errno
+
+        import train.core.loop
+
+        def save_weights(tensors, path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+        train.core.loop.save_weights = save_weights
     if mine and args.stale_latest:
         import train.core.checkpoint
 
