@@ -274,7 +274,10 @@ def check_room(accelerator, output_dir, parts, hint=""):
 
     message = None
     if accelerator.is_main_process:
-        free, need = shutil.disk_usage(output_dir).free, sum(count for _, count in parts)
+        disk = os.path.abspath(output_dir)
+        while not os.path.isdir(disk) and os.path.dirname(disk) != disk:  # a loop driven without start_run
+            disk = os.path.dirname(disk)
+        free, need = shutil.disk_usage(disk).free, sum(count for _, count in parts)
         if need > free:
             message = (
                 f"--output_dir {output_dir}: its disk has {size_in_words(free)} free, and this run writes about "
