@@ -225,7 +225,8 @@ def main(args):
     model, loading = load_pretrained(
         AutoModelForSequenceClassification, args, "a sequence classifier", **head, output_loading_info=True
     )
-    args.model_fingerprint = model_fingerprint(args.model_name_or_path, folder)  # in checkpoints: a resume needs it
+    # in checkpoints: a resume needs the same model (its weights' hashes remembered in --cache_dir)
+    args.model_fingerprint = model_fingerprint(args.model_name_or_path, folder, args.cache_dir)
     new = sorted({k.rsplit(".", 1)[0] for k in [*loading["missing_keys"], *(m[0] for m in loading["mismatched_keys"])]})
     relabelled = ""
     if trained_labels and [str(n) for n in trained_labels] != names:
