@@ -185,7 +185,8 @@ def run(main, args):
         message, code = disk_fault(e, getattr(args, "output_dir", None)), 1
     except RuntimeError as e:
         peer = lost_peer(e)  # a process of another node died, or the link to it: no traceback per rank
-        if peer and first_local_process():  # the agent's SIGTERM to the survivors must not cut off the line
+        # the first process under a launcher: the agent's SIGTERM to the survivors must not cut off its line
+        if peer and os.environ.get("LOCAL_RANK") == "0":
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         failed = first_failure() if peer else None  # or it raised, and said so before it exited
         if failed:
