@@ -126,7 +126,7 @@ def scored_tokens(tokenizer, examples, chat):
     tokens the tokenizer adds around a text (Llama's <s>, BERT's [CLS] and [SEP]) are not characters
     of it: those after the text end it and are targets, those before it are context. Outside a chat
     template (which writes its own) end-of-text follows, a target: the model learns where a response
-    stops."""
+    stops; a tokenizer with none, which adds no token after a text either, is refused."""
     if not getattr(tokenizer, "is_fast", False):
         raise DataError(
             f"the tokenizer ({type(tokenizer).__name__}) gives no character offsets, which tell the "
@@ -157,6 +157,12 @@ def scored_tokens(tokenizer, examples, chat):
         if end and ids[-1:] != end:  # unless the tokenizer ends a text with it already
             ids += end
             scored.append(True)
+        elif not chat and not end and encoded["special_tokens_mask"][i][-1:] != [1]:  # BERT's [SEP] ends one too
+            raise DataError(
+                "the tokenizer has no end-of-text token (eos_token) and ends a text with nothing, so the model "
+                "would never learn where a response stops; set eos_token in the model's tokenizer_config.json, "
+                "or train on conversations (the chat template ends each turn)"
+            )
         yield ids, scored
 
 

@@ -88,6 +88,7 @@ def parse_args(argv=None):
         "Evaluate the model before the first step too (a fresh run): the validation loss fine-tuning starts from.",
         train_batch_size=8,
         eval_batch_size=8,
+        disable_dropout=False,  # TRL's SFTTrainer keeps it too: a regularizer, and no reference to match
     )
     parser.set_defaults(output_dir="runs/sft")
     args = parser.parse_args(argv)

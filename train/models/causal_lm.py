@@ -4,6 +4,8 @@ trains (LoRA, gradient checkpointing, dropout, float32 master weights), its head
 output folder is written. Each script keeps its data, its step and its loop in view; the pieces here
 are plain functions it calls in order."""
 
+import copy
+
 from data.splits import check_inputs
 from train.core.cli import add_generation_args, add_optimizer_args, data_inputs, reading_workers, true_or_false
 from train.core.run import start_run
@@ -45,8 +47,8 @@ def add_causal_lm_args(
             nargs="?",
             const=True,
             default=disable_dropout,
-            help="Every dropout layer off while training, as in evaluation (TRL's name and default for this "
-            f"trainer). (default: {str(disable_dropout).lower()})",
+            help="Every dropout off while training, as in evaluation: the config's probabilities (attention_dropout, "
+            f"resid_pdrop, ...) and every nn.Dropout (TRL's name). (default: {str(disable_dropout).lower()})",
         )
     if generation:
         add_generation_args(parser)
@@ -99,18 +101,50 @@ def disable_dropout(model):
     return off
 
 
+def without_dropout(config):
+    """A copy of a model's `config` with every dropout probability at 0 (attention_dropout, resid_pdrop,
+    hidden_dropout_prob, layerdrop, ..., in its sub-configs too): Llama's attention dropout and OPT's
+    dropouts are numbers the modules read in training, not nn.Dropout layers that disable_dropout
+    finds. Returns (config, the names set to 0)."""
+    from transformers import PretrainedConfig
+
+    config, changed = copy.deepcopy(config), []
+
+    def clear(c, prefix):
+        for key, value in list(vars(c).items()):
+            if isinstance(value, PretrainedConfig):
+                clear(value, f"{prefix}{key}.")
+            elif (
+                any(word in key for word in ("dropout", "pdrop", "layerdrop"))
+                and isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and value > 0
+            ):
+                setattr(c, key, 0.0)
+                changed.append(f"{prefix}{key}")
+
+    clear(config, "")
+    return config, changed
+
+
 def load_causal_lm(args, accelerator, folder, check=None):
     """The model as it trains: loaded in --torch_dtype, its fingerprint in args (checkpoints hold it: a
-    resume needs the same model), `check(model)` (the script's own test of it), dropout off with
-    --disable_dropout, gradient checkpointing, LoRA adapters (the pretrained weights then stay as
-    they are), and the weights that train in float32 (master weights) unless --pure_low_precision."""
-    from transformers import AutoModelForCausalLM
+    resume needs the same model; its weights' hashes are remembered in --cache_dir), `check(model)`
+    (the script's own test of it), dropout off with --disable_dropout (the config's probabilities
+    and every nn.Dropout; --lora_dropout, asked for by name, stays), gradient checkpointing, LoRA
+    adapters (the pretrained weights then stay as they are), and the weights that train in float32
+    (master weights) unless --pure_low_precision."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = load_pretrained(AutoModelForCausalLM, args, "a causal LM")
-    args.model_fingerprint = model_fingerprint(args.model_name_or_path, folder)
+    off = getattr(args, "disable_dropout", False)
+    kwargs = {}
+    if off:  # the config's dropouts at 0 before the modules are built from it, and then every nn.Dropout
+        kwargs["config"] = without_dropout(AutoConfig.from_pretrained(args.model_name_or_path, **hub_kwargs(args)))[0]
+    model = load_pretrained(AutoModelForCausalLM, args, "a causal LM", **kwargs)
+    args.model_fingerprint = model_fingerprint(args.model_name_or_path, folder, getattr(args, "cache_dir", None))
     if check is not None:
         check(model)
-    if getattr(args, "disable_dropout", False):
+    if off:
         disable_dropout(model)
     if args.gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -140,7 +174,7 @@ def describe_model(accelerator, model, args, details=""):
 def model_saver(args, config, tokenizer):
     """save_model for TrainingLoop.finish: the run's weights into a Hugging Face folder in --save_dtype,
     the pretrained model rebuilt on the CPU to take them (under LoRA: the adapter in OUTPUT_DIR/adapter
-    and the merged model in OUTPUT_DIR), with the tokenizer."""
+    and the merged model in OUTPUT_DIR), with the tokenizer, set to pad on the left for generate()."""
     from transformers import AutoModelForCausalLM
 
     save_dtype = torch_dtype(args.save_dtype, config)
@@ -149,4 +183,9 @@ def model_saver(args, config, tokenizer):
         pretrained = load_pretrained(AutoModelForCausalLM, args, "a causal LM", save_dtype)
         return lora_model(pretrained, args, "CAUSAL_LM") if args.lora_r else pretrained
 
-    return lambda weights, out: save_model_folder(weights, out, build, tokenizer, args.lora_r, save_dtype)
+    # the folder's tokenizer pads on the left: batched generate() continues each prompt from its last
+    # token, where right padding would put pad tokens between a short prompt and its continuation
+    saved = copy.deepcopy(tokenizer)
+    saved.padding_side = "left"
+    saved.init_kwargs["padding_side"] = "left"  # what save_pretrained writes to tokenizer_config.json
+    return lambda weights, out: save_model_folder(weights, out, build, saved, args.lora_r, save_dtype)
