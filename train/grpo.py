@@ -34,6 +34,7 @@ answers go to OUTPUT_DIR/eval_completions.jsonl, and every --logging_steps a ste
 rewards and advantages to OUTPUT_DIR/completions.jsonl.
 """
 
+import inspect
 import json
 import os
 import sys
@@ -348,15 +349,21 @@ def padded_rows(prompts, completions, pad):
     return torch.tensor(ids), torch.tensor(attention), torch.tensor(labels)
 
 
-def logps_and_mask(net, rows, temperature, device=None):
-    """(log-probabilities of the completions' tokens, which positions predict one, logits) of padded_rows'
-    `rows` under `net`: position t holds the log-probability of token t + 1 (labels are aligned already)."""
+def logps_and_mask(net, rows, temperature, device=None, trim=True):
+    """(log-probabilities of the completions' tokens, which positions predict one, the logits at those
+    positions [scored tokens, vocabulary]) of padded_rows' `rows` under `net`: position t holds the
+    log-probability of token t + 1 (the labels are aligned already). With `trim` (models whose forward
+    takes logits_to_keep) the output layer runs only from the first position that predicts a completion
+    token: a prompt's positions would be a large share of its work over a big vocabulary, for nothing."""
     ids, attention, labels = (t.to(device) if device is not None else t for t in rows)
-    logits = net(input_ids=ids, attention_mask=attention, use_cache=False).logits
-    return token_logps(logits, labels, temperature), labels != -100, logits
-
-
-# ---------------------------------------------------------------------------------------------- the answers
+    mask = labels != -100
+    start = int(mask.any(0).nonzero()[0, 0]) if trim and mask.any() else 0
+    keep = {"logits_to_keep": labels.shape[1] - start} if start else {}
+    logits = net(input_ids=ids, attention_mask=attention, use_cache=False, **keep).logits
+    logits = logits[:, start:] if logits.shape[1] == labels.shape[1] else logits
+    scored = token_logps(logits, labels[:, start:], temperature)
+    logps = torch.cat([scored.new_zeros(scored.shape[0], start), scored], dim=1)
+    return logps, mask, logits[mask[:, start:]]
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -451,6 +458,8 @@ def main(args):
     optimizer = adamw(model, args.learning_rate, args.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
     policy = accelerator.unwrap_model(model)
+    base = policy.get_base_model() if args.lora_r else policy
+    takes_logits_to_keep = "logits_to_keep" in inspect.signature(base.forward).parameters
     synced = synced_generation(accelerator)
 
     # ---------------------------------------------------------------- answers and their rewards
@@ -495,7 +504,8 @@ def main(args):
         return completions, terminated, rewards, table
 
     def logps_of(net, prompts, completions):
-        return logps_and_mask(net, padded_rows(prompts, completions, pad), args.temperature, accelerator.device)
+        rows = padded_rows(prompts, completions, pad)
+        return logps_and_mask(net, rows, args.temperature, accelerator.device, trim=takes_logits_to_keep)
 
     def reference_logps(prompts, completions):
         if reference is not None:
@@ -648,9 +658,10 @@ class StepMetrics:
         self.steps.append(record)
         self.last = record
 
-    def tokens(self, logits, mask, stats, temperature):
+    def tokens(self, scored_logits, mask, stats, temperature):
+        """A micro-batch's token statistics: `scored_logits` [scored tokens, vocabulary] (logps_and_mask's)."""
         with torch.no_grad():
-            scored = logits[mask].float() / temperature
+            scored = scored_logits.float() / temperature
             logp = torch.log_softmax(scored, -1)
             entropy = -(logp.exp() * logp).sum(-1).sum()
             kl = (stats["kl"] * mask).sum() if stats["kl"] is not None else torch.zeros(())

@@ -72,6 +72,7 @@ def evaluate_answers(accelerator, model, tokenizer, prompts, scoring, max_new_to
             k = 0
             for _, answers, _, texts, asked in done:
                 for (_, ended), text, prompt in zip(answers, texts, asked, strict=True):
+                    text = text[-1]["content"] if isinstance(text, list) else text  # the answer's text alone
                     record = {"step": scoring.step, "prompt": prompt, "completion": text, "ended": ended}
                     record.update({name: table[k, i].item() for i, (name, _) in enumerate(scoring.funcs)})
                     f.write(json.dumps(record) + "\n")
