@@ -12,6 +12,7 @@ and bad input is one line each. The formulas against TRL's: tests/test_grpo_trl.
 
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -344,6 +345,8 @@ def bad(capsys, *args, code=1):
 
 
 def test_bad_input_is_one_line(data, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
     out = tmp_path / "out"
     common = ["--output_dir", out, "--max_train_steps", 1, "--max_completion_length", 4]
     gpt2 = ["--model_name_or_path", data["gpt2"], "--train_file", data["train"]]
@@ -362,6 +365,15 @@ def test_bad_input_is_one_line(data, tmp_path, capsys):
     assert "neither FILE.py:NAME nor a built-in reward" in line, line
     line = bad(capsys, *gpt2, *rewards, "--max_prompt_length", 2, "--long_examples", "error", *common)
     assert "tokens, over --max_prompt_length 2; pass a larger one" in line, line
+    no_system = tmp_path / "no_system"  # Gemma's kind: its template refuses a system turn
+    shutil.copytree(data["llama"], no_system)
+    tokenizer = AutoTokenizer.from_pretrained(no_system)
+    tokenizer.chat_template = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}"
+    tokenizer.save_pretrained(no_system)
+    turns = [{"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], "answer": "a"}]
+    system = write_jsonl(tmp_path / "system.jsonl", turns * 8)
+    line = bad(capsys, "--model_name_or_path", no_system, "--train_file", system, *rewards, *common)
+    assert "the model's chat template refuses the train prompt 'hi' (no system)" in line, line
     bert = ["--model_name_or_path", tiny_bert(tmp_path / "bert"), "--train_file", data["train"]]
     line = bad(capsys, *bert, *rewards, *common)
     assert "not a causal language model" in line, line

@@ -257,7 +257,15 @@ def read_prompts(args, tokenizer):
                     f"{args.prompt_column!r} in the {split} data holds {type(prompt).__name__} values, not text or "
                     "conversations; pass --prompt_column NAME"
                 )
-            tokens = prompt_ids(tokenizer, prompt, args.apply_chat_template)
+            try:
+                tokens = prompt_ids(tokenizer, prompt, args.apply_chat_template)
+            except Exception as e:  # jinja2's TemplateError, the template's own raise_exception(): a row it refuses
+                text = prompt[-1]["content"] if conversation and prompt else prompt
+                raise DataError(
+                    f"the model's chat template refuses the {split} prompt {first_words(text)} "
+                    f"({' '.join(str(e).split())[:120]}); drop or fix such rows, or pass a model whose template "
+                    "takes them"
+                ) from None
             if len(tokens) > args.max_prompt_length:
                 if args.long_examples == "error":
                     text = prompt[-1]["content"] if conversation else prompt
