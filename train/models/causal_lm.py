@@ -5,6 +5,7 @@ output folder is written. Each script keeps its data, its step and its loop in v
 are plain functions it calls in order."""
 
 import copy
+import os
 
 from data.splits import check_inputs
 from train.core.cli import add_generation_args, add_optimizer_args, data_inputs, reading_workers, true_or_false
@@ -141,7 +142,9 @@ def load_causal_lm(args, accelerator, folder, check=None):
     if off:  # the config's dropouts at 0 before the modules are built from it, and then every nn.Dropout
         kwargs["config"] = without_dropout(AutoConfig.from_pretrained(args.model_name_or_path, **hub_kwargs(args)))[0]
     model = load_pretrained(AutoModelForCausalLM, args, "a causal LM", **kwargs)
-    args.model_fingerprint = model_fingerprint(args.model_name_or_path, folder, getattr(args, "cache_dir", None))
+    # its weights' hashes kept in --cache_dir, or where the scripts keep tokens by default (grpo.py has no such flag)
+    cache = getattr(args, "cache_dir", None) or os.path.join("runs", "tokens")
+    args.model_fingerprint = model_fingerprint(args.model_name_or_path, folder, cache)
     if check is not None:
         check(model)
     if off:
