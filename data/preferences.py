@@ -12,9 +12,11 @@ example (the tokens holding the response's characters are scored, and end-of-tex
 response), and stored as one row per pair: chosen_input_ids, chosen_labels (shifted, -100 where
 nothing is scored), the same for rejected, `length` (the longer side, for batching by length) and
 each side's count of scored tokens. A side over --max_seq_length is cut at its end (`truncate`),
-or the pair is left out (`drop`) or refused (`error`); a prompt that fills the length alone is
-refused unless dropped. The reference model's log-probabilities of each side are added by the
-training script (train/dpo.py), beside this folder.
+or the pair is left out (`drop`) or refused (`error`); a pair whose prompt fills the length alone
+has nothing to score and is left out under `truncate` and `drop` (counted), refused under `error`.
+A pair whose chosen response is its rejected one has no preference to learn (its gradient is 0, and
+it would only dilute its step): it is left out and counted. The reference model's log-probabilities
+of each side are added by the training script (train/dpo.py), beside this folder.
 """
 
 import os
@@ -25,7 +27,7 @@ from data.padding import padded_length
 from data.prompt_response import LONG_EXAMPLES, example_row, scored_tokens
 from data.splits import inputs_key, load_splits, stem
 
-FORMAT = 1  # of the folder written here; a change makes every cached folder stale
+FORMAT = 2  # of the folder written here; a change makes every cached folder stale
 SIDES = ("chosen", "rejected")
 
 
@@ -54,6 +56,19 @@ def pair_segments(ds, split, columns, tokenizer):
     for i, (good, bad) in enumerate(zip(chosen, rejected, strict=True)):
         prompt = prompts[i] if prompts is not None else None
         where = f"the {split} pair {first_words(_prompt_text(prompt, good))}"
+        if prompt is not None and not isinstance(prompt, str) and not _is_conversation(prompt):
+            raise DataError(f"{where}: {columns['prompt']!r} holds {type(prompt).__name__}, not text or turns")
+        if conversational and isinstance(prompt, str):
+            raise DataError(
+                f"{where}: {columns['prompt']!r} holds text and {columns['chosen']!r} conversations; pass the "
+                "prompt as a list of {'role', 'content'} turns, or leave the prompt column out (the turns both "
+                "sides share at their start are then the prompt)"
+            )
+        if not conversational and isinstance(prompt, list):
+            raise DataError(
+                f"{where}: {columns['prompt']!r} holds conversation turns and {columns['chosen']!r} text; pass "
+                "the responses as lists of assistant turns, or the prompt as text"
+            )
         if not conversational:
             for name, text in (("chosen", good), ("rejected", bad)):
                 if not isinstance(text, str) or not text.strip():
@@ -103,14 +118,24 @@ def _rendered(tokenizer, prompt, response, where):
 
 
 def encode_pairs(tokenizer, pairs, max_seq_length, long_examples, split, chat):
-    """Rows (one per pair) and counts: pairs, rows, cut, dropped, tokens, same (pairs whose two sides are
-    one text: no preference to learn)."""
+    """Rows (one per pair) and counts: pairs, rows, cut, dropped (longer than max_seq_length, with
+    `drop`), long_prompts (left out: a prompt that fills max_seq_length alone), same (left out: the two
+    sides are one text, nothing to prefer)."""
     sides = {side: scored_tokens(tokenizer, [pair[k] for pair in pairs], chat) for k, side in enumerate(SIDES)}
     rows = {key: [] for side in SIDES for key in (f"{side}_input_ids", f"{side}_labels", f"{side}_targets")}
     rows["length"] = []
-    cut = dropped = same = 0
+    cut = dropped = long_prompts = same = 0
     for pair, chosen, rejected in zip(pairs, sides["chosen"], sides["rejected"], strict=True):
         what = f"the {split} pair {first_words(pair[0][0][0])}"
+        if chosen[0] == rejected[0]:
+            same += 1
+            continue
+        # its first scored token's position: a prompt of more than max_seq_length tokens leaves none to score
+        if long_examples != "error" and any(
+            True in scored and scored.index(True) > max_seq_length for _, scored in (chosen, rejected)
+        ):
+            long_prompts += 1
+            continue
         made = [
             example_row(*tokens, max_seq_length, long_examples, f"{what}'s {side} side")
             for side, tokens in zip(SIDES, (chosen, rejected), strict=True)
@@ -119,27 +144,28 @@ def encode_pairs(tokenizer, pairs, max_seq_length, long_examples, split, chat):
             dropped += 1
             continue
         cut += any(len(row[0]) < len(tokens[0]) - 1 for row, tokens in zip(made, (chosen, rejected), strict=True))
-        same += chosen[0] == rejected[0]
         for side, (ids, labels) in zip(SIDES, made, strict=True):
             rows[f"{side}_input_ids"].append(ids)
             rows[f"{side}_labels"].append(labels)
             rows[f"{side}_targets"].append(sum(label != -100 for label in labels))
         rows["length"].append(max(len(made[0][0]), len(made[1][0])))
-    if not rows["length"]:
-        raise DataError(
-            f"every pair of the {split} data is longer than --max_seq_length {max_seq_length} and was "
-            "dropped; raise --max_seq_length"
-        )
-    if same == len(rows["length"]):
+    if same == len(pairs):
         raise DataError(
             f"in every pair of the {split} data the chosen response is the rejected one: nothing to "
             "prefer; check --chosen_column and --rejected_column"
+        )
+    if not rows["length"]:
+        raise DataError(
+            f"every pair of the {split} data is longer than --max_seq_length {max_seq_length}"
+            + (f" ({long_prompts} of them in its prompt alone)" if long_prompts else "")
+            + " and was left out; raise --max_seq_length"
         )
     return rows, {
         "pairs": len(pairs),
         "rows": len(rows["length"]),
         "cut": cut,
         "dropped": dropped,
+        "long_prompts": long_prompts,
         "same": same,
         "tokens": sum(len(ids) for side in SIDES for ids in rows[f"{side}_input_ids"]),
     }

@@ -10,6 +10,8 @@ batch (sigmoid, ipo, robust). Then: SIGTERM and SIGKILL resumes are bit-identica
 only the last assistant turn, the folder generates, bad input is one line each."""
 
 import json
+import math
+import os
 import random
 
 import pytest
@@ -23,6 +25,7 @@ from test_checkpointing import (
     crash_during_save_and_resume,
     identical,
     largest_difference,
+    resume_copy,
     sigterm_at_step_one_and_resume,
     weights,
 )
@@ -97,8 +100,9 @@ def write_jsonl(path, records):
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("dpo")
     return {
-        "gpt2": tiny_causal_lm(root / "gpt2"),
-        "llama": tiny_causal_lm(root / "llama", "llama", chat=True),
+        # both ship dropout (GPT-2's layers, Llama's attention_dropout number): --disable_dropout's default removes it
+        "gpt2": tiny_causal_lm(root / "gpt2", dropout=0.1),
+        "llama": tiny_causal_lm(root / "llama", "llama", dropout=0.1, chat=True),
         "train": write_jsonl(root / "train.jsonl", preferences(96, 0)),
         "validation": write_jsonl(root / "validation.jsonl", preferences(N_VALIDATION, 1)),
         "chat": write_jsonl(root / "chat.jsonl", conversations(40, 2)),
@@ -131,6 +135,21 @@ def dpo_run(config, data, out, *extra, model="gpt2"):
 ACCUMULATED = ["--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2]
 
 
+def assert_rewards_start_at_0(results):
+    """An --eval_on_start run's all_results.json: before any step the policy is the reference, so every
+    reward is exactly 0 (no rounding of another precision, mode or batch shape), no pair is won (a tie,
+    as TRL counts it) and each pair's loss is log 2."""
+    for name in ("chosen", "rejected", "margins", "accuracies"):
+        assert results[f"eval_rewards/{name}_before"] == 0.0, (name, results)
+    assert results["eval_loss_before"] == pytest.approx(math.log(2), abs=1e-6)
+
+
+def first_step_loss(out):
+    """The training loss of step 1, as metrics.jsonl logs it (--logging_steps 1)."""
+    with open(out / "metrics.jsonl") as f:
+        return next(json.loads(line)["train_loss"] for line in f if '"train_loss"' in line)
+
+
 @pytest.fixture(scope="module")
 def one(data):
     """1 process x 8, in this process: the reference of the tests below."""
@@ -149,7 +168,7 @@ def one(data):
 def accumulated(data):
     """2 processes x 2 pairs x 2 accumulation steps, uninterrupted."""
     out = data["root"] / "accumulated"
-    dpo_run("cpu_2proc", data, out, *ACCUMULATED)
+    dpo_run("cpu_2proc", data, out, *ACCUMULATED, "--eval_on_start")
     return out
 
 
@@ -164,7 +183,8 @@ def test_one_process_and_two_with_accumulation_take_the_same_steps(data, one, ac
     assert all(r["eval_samples"] == N_VALIDATION for r in results)  # every validation pair once
     for metric in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen", "eval_rewards/accuracies"):
         assert abs(results[1][metric] - results[0][metric]) < 1e-4, metric
-    assert results[0]["eval_loss_before"] == pytest.approx(0.6931, abs=1e-4)  # log 2: the policy is the reference
+    for result in results:  # the policy is the reference: every reward 0, the loss log 2
+        assert_rewards_start_at_0(result)
     history = [h["eval_loss"] for h in results[0]["history"]]
     assert len(history) == 2 and history[-1] < history[0] < 0.6931  # the chosen side gains on the rejected one
     assert results[0]["eval_rewards/accuracies"] > 0.6, results[0]
@@ -308,10 +328,13 @@ def test_fsdp2_takes_the_steps_of_one_process_with_either_reference(data, one, l
     """2 FSDP2 processes x 4: the steps of 1 process x 8 with the precomputed reference, and LoRA's steps
     under DDP (the run above) with the adapters-off reference."""
     full = tmp_path / "full"
-    dpo_run("fsdp2_cpu_2proc", data, full, "--per_device_train_batch_size", 4)
+    proc = dpo_run("fsdp2_cpu_2proc", data, full, "--per_device_train_batch_size", 4, "--eval_on_start")
+    assert "no autocast, FSDP2, eval mode" in proc.stdout  # the reference computed by the sharded model
     adapters = tmp_path / "lora"
-    proc = dpo_run("fsdp2_cpu_2proc", data, adapters, *lora_args(data), model="llama")
+    proc = dpo_run("fsdp2_cpu_2proc", data, adapters, *lora_args(data), "--eval_on_start", model="llama")
     assert "fsdp2: fully_shard over 2 CPU processes" in proc.stdout
+    for out in (full, adapters):
+        assert_rewards_start_at_0(json.load(open(out / "all_results.json")))
     differences = [
         largest_difference(weights(full), weights(one)),
         largest_difference(weights(adapters), weights(lora[1])),
@@ -319,6 +342,142 @@ def test_fsdp2_takes_the_steps_of_one_process_with_either_reference(data, one, l
     with capsys.disabled():
         print(f"\n1x8 vs FSDP2 2x4 {differences[0]:.2e}; LoRA DDP vs FSDP2 {differences[1]:.2e}")
     assert max(differences) < 2e-5, differences
+
+
+# ------------------------------------------------------------------------------------ the start: every reward 0
+
+ONE_STEP = ["--max_train_steps", 1, "--logging_steps", 1, "--eval_on_start"]
+
+
+@pytest.mark.parametrize(
+    "config, model, extra",
+    [
+        ("cpu_2proc", "gpt2", ["--mixed_precision", "bf16"]),
+        ("fsdp2_cpu_2proc", "gpt2", ["--mixed_precision", "bf16"]),
+        ("cpu_2proc", "llama", ["--mixed_precision", "bf16", "--lora_r", 4]),
+        (None, "gpt2", ["--torch_dtype", "bfloat16", "--pure_low_precision"]),
+    ],
+    ids=["ddp-bf16-autocast", "fsdp2-bf16", "ddp-bf16-lora", "pure-bf16"],
+)
+def test_before_any_step_every_reward_is_0_in_every_precision(data, config, model, extra, tmp_path):
+    """bf16 autocast under DDP and under FSDP2 (bf16 parameters in the forward), LoRA (its reference the
+    base in the step), pure bf16 weights; fp32 under DDP and FSDP2, with and without LoRA, is checked by
+    the runs above. The models ship dropout: with it off (the default) the first step's loss, on
+    training batches of other shapes, is log 2 as well."""
+    out = tmp_path / "out"
+    args = [*args_for(data, "--per_device_train_batch_size", 4, *ONE_STEP, *extra, model=model), "--output_dir", out]
+    if config:
+        proc = launch(config, "dpo", *args)
+        assert proc.returncode == 0, output_of(proc)
+        assert "mixed_precision=bf16" in proc.stdout, output_of(proc)
+        assert ("fsdp2: fully_shard" in proc.stdout) == config.startswith("fsdp2"), output_of(proc)
+    else:
+        run_main("dpo", *args, through_run=True)  # one process; --mixed_precision no: bf16 weights compute in bf16
+    assert_rewards_start_at_0(json.load(open(out / "all_results.json")))
+    assert first_step_loss(out) == pytest.approx(math.log(2), abs=2e-4)
+
+
+def test_with_dropout_kept_the_header_says_so_and_the_first_step_is_noise(data, tmp_path, capsys):
+    """--disable_dropout false: the reference (eval mode) and the policy (dropout) differ from the first
+    training step on, and the header says why; evaluation, in eval mode, still starts at 0."""
+    out = tmp_path / "out"
+    proc = run_as_script(capsys, "dpo", *args_for(data, *ONE_STEP, "--disable_dropout", "false"), "--output_dir", out)
+    assert proc.returncode == 0, output_of(proc)
+    assert "dropout on (--disable_dropout false)" in proc.stdout and "reference is taken without dropout" in proc.stdout
+    assert_rewards_start_at_0(json.load(open(out / "all_results.json")))
+    assert abs(first_step_loss(out) - math.log(2)) > 5e-4, first_step_loss(out)
+
+
+def test_the_dropout_the_config_holds_is_off_too():
+    """Llama's attention_dropout and OPT's dropouts are numbers its modules read in training, which
+    no nn.Dropout carries: without_dropout sets them (sub-configs' too) to 0; the model's own config stays."""
+    from transformers import LlamaConfig, OPTConfig
+
+    from train.models.causal_lm import without_dropout
+
+    llama = LlamaConfig(attention_dropout=0.1)
+    config, names = without_dropout(llama)
+    assert names == ["attention_dropout"] and config.attention_dropout == 0.0 and llama.attention_dropout == 0.1
+    config, names = without_dropout(
+        OPTConfig(dropout=0.1, attention_dropout=0.1, activation_dropout=0.1, layerdrop=0.1)
+    )
+    assert sorted(names) == ["activation_dropout", "attention_dropout", "dropout", "layerdrop"], names
+
+
+# ------------------------------------------------------------------------------------ which model: its fingerprint
+
+
+def wide_llama(folder, middle=None):
+    """A 6-layer Llama whose weights file is a few MiB (so its first and last MiB leave the middle layers
+    out), with the tiny tokenizer; `middle`: a number added to one weight matrix of layer 2."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hf_models import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer(folder)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=1024,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    if middle is not None:
+        with torch.no_grad():
+            model.model.layers[2].mlp.gate_proj.weight.add_(middle)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def test_two_models_that_differ_in_a_middle_layer_have_two_references_and_a_resume_is_refused(data, tmp_path, capsys):
+    """Two folders alike but for layer 2 (a LoRA merged into one MLP, say): the same weights file size,
+    header, first and last MiB. Each run computes its own reference; a resume onto the other is refused."""
+    a, b = wide_llama(tmp_path / "a"), wide_llama(tmp_path / "b", middle=1e-3)
+    first, second = (open(os.path.join(m, "model.safetensors"), "rb").read() for m in (a, b))
+    mib = 1 << 20
+    assert len(first) == len(second) > 3 * mib and first != second
+    assert first[:mib] == second[:mib] and first[-mib:] == second[-mib:]  # what the old fingerprint read
+    tokens = tmp_path / "tokens"
+    common = [*args_for(data, "--max_train_steps", 1, "--checkpointing_steps", 1), "--cache_dir", tokens]
+    for model in (a, b):
+        out = tmp_path / f"out_{os.path.basename(model)}"
+        proc = run_as_script(capsys, "dpo", *common, "--model_name_or_path", model, "--output_dir", out)
+        assert proc.returncode == 0 and "pairs computed once" in proc.stdout, output_of(proc)
+    references = [f for _, _, files in os.walk(tokens) for f in files if f.startswith("reference-")]
+    assert len(references) == 2, references
+    resumed = resume_copy(tmp_path / "out_a", 1, str(tmp_path / "resumed"))
+    line = bad(
+        capsys, *common, "--model_name_or_path", b, "--output_dir", resumed, "--resume_from_checkpoint", "latest"
+    )
+    assert f"another pretrained model than --model_name_or_path {b}" in line, line
+
+
+def test_a_weights_files_hash_is_taken_once_and_again_when_the_file_changes(tmp_path, monkeypatch):
+    """model_fingerprint remembers each weights file's sha256 in CACHE_DIR/model_fingerprints.json by its
+    path and stat: a second start reads no weights; a file written again is hashed again."""
+    from train.models import hf
+
+    folder = wide_llama(tmp_path / "model")
+    read = []
+    sha256 = hf._sha256
+    monkeypatch.setattr(hf, "_sha256", lambda path: read.append(path) or sha256(path))
+    cache = tmp_path / "cache"
+    first = hf.model_fingerprint(folder, folder, cache)
+    assert hf.model_fingerprint(folder, folder, cache) == first and len(read) == 1
+    assert json.load(open(cache / hf.FINGERPRINTS))  # whole JSON, written through a temporary file
+    weights_file = os.path.join(folder, "model.safetensors")
+    content = open(weights_file, "rb").read()
+    with open(weights_file, "wb") as f:  # the same bytes written again: another mtime and ctime
+        f.write(content)
+    assert hf.model_fingerprint(folder, folder, cache) == first and len(read) == 2
+    assert hf.model_fingerprint(folder, folder) == first and len(read) == 3  # no cache: hashed each time
 
 
 # ------------------------------------------------------------------------------------ conversations, outputs
@@ -369,6 +528,35 @@ def test_llama_tunes_on_conversations_and_its_folder_answers_a_user_turn(data, t
     assert again.conversational is True and again.beta == 0.2
 
 
+def test_the_folders_tokenizer_pads_on_the_left_so_batched_generation_continues_each_prompt(one):
+    """generate() on a batch of prompts of different lengths, padded by the output folder's tokenizer,
+    scores each prompt's next token as that prompt alone does; padded on the right it would not."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(one)
+    model = AutoModelForCausalLM.from_pretrained(one).eval()
+    assert tokenizer.padding_side == "left"
+    prompts = ["define water", "define a quick small animal of the river stone"]
+
+    def next_token_scores(*texts):
+        inputs = tokenizer(list(texts), return_tensors="pt", padding=True)
+        with torch.no_grad():
+            out = model.generate(
+                **inputs,
+                max_new_tokens=1,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        return out.scores[0]
+
+    alone = torch.cat([next_token_scores(p) for p in prompts])
+    assert (next_token_scores(*prompts) - alone).abs().max() < 1e-5
+    tokenizer.padding_side = "right"  # the training batches' side: a pad token would come before the answer
+    assert (next_token_scores(*prompts) - alone).abs().max() > 1e-2
+
+
 # ------------------------------------------------------------------------------------ bad input, one line each
 
 
@@ -395,7 +583,8 @@ def test_bad_input_is_one_line_and_writes_no_run(data, tmp_path, capsys):
     line = bad(capsys, *gpt2, "--train_file", empty, "--validation_file", data["validation"], *common)
     assert "the train pair 'define tree' has an empty chosen response" in line, line
     line = bad(capsys, *gpt2, "--train_file", data["train"], "--max_seq_length", 3, *common)
-    assert "its prompt alone is" in line, line
+    assert "every pair of the train data is longer than --max_seq_length 3 (" in line, line
+    assert "of them in its prompt alone) and was left out; raise --max_seq_length" in line, line
     line = bad(capsys, "--model_name_or_path", tiny_bert(tmp_path / "bert"), "--train_file", data["train"], *common)
     assert "is a bert model (BertModel), not a causal language model" in line, line
     line = bad(capsys, *gpt2, "--train_file", data["train"], "--beta", 0, *common, code=2)
@@ -421,3 +610,71 @@ def test_the_recipe_and_the_sweep_file_pass_the_scripts_own_parser(monkeypatch):
 def test_a_pair_without_a_prompt_column_is_refused_unless_conversations():
     with pytest.raises(DataError, match=r"no column 'prompt' .* pass --prompt_column NAME"):
         pair_segments(_dataset([{"chosen": "a", "rejected": "b"}]), "train", COLUMNS, tokenizer=None)
+
+
+def test_label_smoothing_is_refused_where_the_loss_has_none_and_at_half_or_more(data, tmp_path, capsys):
+    common = ["--model_name_or_path", data["gpt2"], "--train_file", data["train"], "--output_dir", tmp_path / "out"]
+    for loss in ("ipo", "hinge"):
+        line = bad(capsys, *common, "--loss_type", loss, "--label_smoothing", 0.1, code=2)
+        assert f"the {loss} loss has no label smoothing (sigmoid and robust have)" in line, line
+    for loss in ("sigmoid", "robust"):
+        line = bad(capsys, *common, "--loss_type", loss, "--label_smoothing", 0.5, code=2)
+        assert "0.5 or more turns the preference around; pass less than 0.5" in line, line
+    from train import dpo
+
+    assert dpo.parse_args([*map(str, common), "--label_smoothing", "0.2"]).label_smoothing == 0.2
+
+
+def test_a_prompt_that_fills_the_length_leaves_its_pair_out_under_truncate_and_drop(data):
+    """Under truncate only the pair whose prompt alone fills --max_seq_length is left out, and counted;
+    the other long pairs are cut. Under drop those are dropped, and the prompt's pair counted apart."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(data["gpt2"])
+    records = preferences(30, 8)
+    wordy = {"prompt": "define " + " ".join(["water"] * 80) + "\n", "chosen": "a drink", "rejected": "a stone"}
+    pairs, chat = pair_segments(_dataset([*records, wordy]), "train", COLUMNS, tokenizer)
+    full, _ = encode_pairs(tokenizer, pairs[:-1], 1000, "error", "train", chat)
+    prompts = [next(i for i, t in enumerate(labels) if t != -100) + 1 for labels in full["chosen_labels"]]
+    limit = max(prompts) + 2  # room for every other prompt and a response token or two
+    longer = sum(n > limit for n in full["length"])
+    assert longer > 0 and len(tokenizer(wordy["prompt"])["input_ids"]) > limit + 1
+    rows, counts = encode_pairs(tokenizer, pairs, limit, "truncate", "train", chat)
+    assert counts["long_prompts"] == 1 and counts["cut"] == longer and counts["rows"] == 30 == len(rows["length"])
+    assert max(rows["length"]) == limit and counts["dropped"] == 0
+    rows, counts = encode_pairs(tokenizer, pairs, limit, "drop", "train", chat)
+    assert counts["long_prompts"] == 1 and counts["dropped"] == longer and counts["rows"] == 30 - longer
+    with pytest.raises(DataError, match="longer than --max_seq_length"):
+        encode_pairs(tokenizer, pairs, limit, "error", "train", chat)
+
+
+def test_pairs_whose_chosen_is_the_rejected_are_left_out_and_counted(data):
+    """Their loss is log 2 whatever the model does: no gradient, only a smaller share of the step for
+    the others."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(data["gpt2"])
+    records = preferences(10, 9)
+    for k in (3, 7):
+        records[k]["rejected"] = records[k]["chosen"]
+    pairs, chat = pair_segments(_dataset(records), "train", COLUMNS, tokenizer)
+    rows, counts = encode_pairs(tokenizer, pairs, 256, "truncate", "train", chat)
+    assert counts["same"] == 2 and counts["rows"] == 8 == len(rows["length"])
+    assert all(c != r for c, r in zip(rows["chosen_input_ids"], rows["rejected_input_ids"], strict=True))
+
+
+def test_a_tokenizer_without_end_of_text_and_a_prompt_of_the_other_kind_are_one_line_each(data):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(data["gpt2"])
+    tokenizer.eos_token = None
+    pairs, chat = pair_segments(_dataset(preferences(4, 10)), "train", COLUMNS, tokenizer)
+    with pytest.raises(DataError, match=r"no end-of-text token \(eos_token\) and ends a text with nothing"):
+        encode_pairs(tokenizer, pairs, 256, "truncate", "train", chat)
+    chat_tokenizer = AutoTokenizer.from_pretrained(data["llama"])
+    talks = [{**talk, "prompt": "hello there"} for talk in conversations(3, 5)]
+    with pytest.raises(DataError, match="'prompt' holds text and 'chosen' conversations; pass the prompt as a list"):
+        pair_segments(_dataset(talks), "train", COLUMNS, chat_tokenizer)
+    chat_tokenizer.eos_token = None  # conversations: the chat template ends each turn
+    pairs, chat = pair_segments(_dataset(conversations(3, 5)), "train", COLUMNS, chat_tokenizer)
+    assert encode_pairs(chat_tokenizer, pairs, 256, "truncate", "train", chat)[1]["rows"] == 3

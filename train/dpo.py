@@ -18,9 +18,11 @@ d = (r_chosen - r_rejected) / beta the loss of a pair is
     ipo:            (d' - 1 / (2 beta))^2, d' the same with each side's log-ratio divided by its token count
     hinge:          max(0, 1 - beta d)
 The reference is the model at the start: its log-probabilities of every pair are computed once before
-training (eval mode, no dropout, no autocast), kept beside the tokenized data and found again by a
-resume or a rerun, so training holds one model. With --lora_r the reference is the model with its
-adapters off, in eval mode, computed in the step.
+training by the model prepared as it trains (its dtype, autocast, FSDP2's sharding), in eval mode and
+in evaluation's own batches, so before any step every reward is exactly 0; they are kept beside the
+tokenized data and found again by a resume or a rerun, so training holds one model. With --lora_r the
+reference is the model with its adapters off, in eval mode, computed in the step. Dropout is off
+(--disable_dropout, TRL's default for DPO), so the policy trains as the reference computes.
 
 The loss of one optimizer step is the mean over its pairs on every process and micro-batch, counted
 from the data plan before the first backward (no communication): 1 process with batch 8, 2 with 4,
@@ -46,6 +48,7 @@ import torch.nn.functional as F
 from data.errors import fail
 from data.loader import sharded_loader
 from data.preferences import LONG_EXAMPLES, SIDES, PairBatch, prepare_preferences
+from data.sharding import ShardedIterableDataset
 from data.sources import DatasetsSource
 from train.core.accelerator import gather_patiently, main_process_first
 from train.core.cli import (
@@ -107,9 +110,11 @@ def parse_args(argv=None):
     add_causal_lm_args(
         parser,
         "A Hugging Face causal language model (train/sft.py's output, say)",
-        "Evaluate the model before the first step too (a fresh run): the log-probabilities tuning starts from.",
+        "Evaluate the model before the first step too (a fresh run): the log-probabilities tuning starts from, "
+        "every reward 0.",
         train_batch_size=8,
         eval_batch_size=8,
+        disable_dropout=True,
     )
     model = parser.groups["model"]
     model.add_argument(
@@ -128,15 +133,24 @@ def parse_args(argv=None):
         "--label_smoothing",
         type=fraction,
         default=0.0,
-        help="The share of pairs taken as flipped: conservative DPO (sigmoid) or robust DPO (robust, below 0.5).",
+        help="The share of pairs taken as flipped, below 0.5: conservative DPO (sigmoid) or robust DPO (robust); "
+        "ipo and hinge take none.",
     )
     parser.set_defaults(output_dir="runs/dpo")
     parser.recorded.add("conversational")  # derived in main() and recorded in args.json, which reruns a run
     args = parser.parse_args(argv)
     if args.prompt is None:
         check_training_inputs(parser, args, full_rate=1e-6, lora_rate=5e-5)  # TRL's default for a whole model
-        if args.loss_type == "robust" and args.label_smoothing >= 0.5:
-            parser.error(f"--label_smoothing {args.label_smoothing}: robust DPO takes a share below 0.5")
+        if args.label_smoothing and args.loss_type in ("ipo", "hinge"):
+            parser.error(
+                f"--label_smoothing {args.label_smoothing}: the {args.loss_type} loss has no label smoothing (sigmoid "
+                "and robust have); leave it out"
+            )
+        if args.label_smoothing >= 0.5:  # (1 - e) log s(beta d) + e log s(-beta d) prefers the rejected side then
+            parser.error(
+                f"--label_smoothing {args.label_smoothing}: a share of flipped pairs of 0.5 or more turns the "
+                "preference around; pass less than 0.5"
+            )
     return args
 
 
@@ -186,14 +200,37 @@ def pair_metrics(logps, ref_logps, targets, loss_type, beta, label_smoothing):
 # ---------------------------------------------------------------------------------------------- the reference
 
 
-def with_reference(accelerator, model, splits, folder, key, batch_size, max_length):
-    """`splits` with the columns ref_chosen and ref_rejected: the model's log-probabilities of each side
-    of each pair, as it is now (eval mode, no autocast, no gradient), computed once and kept in
-    FOLDER/reference-HASH.npz (HASH of `key`: the model, its dtype and the batch size), where a resume
-    or a rerun on the same tokens finds them. The pairs, sorted by length, are cut into batches the same
-    way for any process count, so the values are too; process r computes every world_size-th batch from
-    the r-th, and all of them receive the whole."""
-    from accelerate.utils import broadcast_object_list
+def reference_key(args, accelerator, model, tokenizer):
+    """What the reference's log-probabilities depend on besides the tokens (the folder they are kept
+    in): the model, the precision it computes in (the dtype asked, its weights' dtypes as they train,
+    autocast, FSDP2's bf16 compute), dropout, the batches' shapes, and the libraries' kernels."""
+    import transformers
+    from accelerate.utils import DistributedType
+
+    return {
+        "model": args.model_fingerprint,
+        "torch_dtype": args.torch_dtype,
+        "weights": "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})),
+        "mixed_precision": accelerator.mixed_precision,
+        "sharded": accelerator.distributed_type == DistributedType.FSDP or accelerator.cpu_fsdp2 is not None,
+        "disable_dropout": args.disable_dropout,
+        "batch_size": args.per_device_eval_batch_size,
+        "padding": f"data/padding.py buckets, pad {tokenizer.pad_token_id}, evaluation's plan",
+        "versions": [torch.__version__, transformers.__version__],
+    }
+
+
+def with_reference(accelerator, model, logps_of, splits, folder, key, batch_size, collate):
+    """`splits` with the columns ref_chosen and ref_rejected: the log-probabilities of each side of each
+    pair that `logps_of(batch)` gives now, with `model` as it starts, prepared as it trains (its
+    weights' dtype, autocast, FSDP2's bf16 compute) and in eval mode, without gradient. They are
+    computed once and kept in FOLDER/reference-HASH.npz (HASH of `key`: what changes the values),
+    where a resume or a rerun finds them. Each split is read as evaluation reads it: the pairs sorted
+    by length, cut into batches of `batch_size` (the plan of data/sharding.py, the same batches for
+    any process count, padded by `collate` the same way), every process as many batches (FSDP2's
+    forward needs them all), so before any step evaluation computes the policy's log-probabilities
+    of the validation pairs in the same shapes, bit for bit these: every reward is 0."""
+    from accelerate.utils import broadcast_object_list, send_to_device
 
     path = os.path.join(folder, f"reference-{hashlib.blake2b(json.dumps(key).encode(), digest_size=8).hexdigest()}.npz")
     found = [os.path.isfile(path)]
@@ -204,27 +241,33 @@ def with_reference(accelerator, model, splits, folder, key, batch_size, max_leng
         accelerator.print(f"reference: log-probabilities of every pair found in {path}")
     else:
         stored, rank, world = {}, accelerator.process_index, accelerator.num_processes
-        model.to(accelerator.device).eval()  # whole on every device, before FSDP would shard it
+        was_training = model.training
+        model.eval()
         with torch.no_grad():
             for split, ds in splits.items():
-                lengths = ds["length"]
-                order = sorted(range(len(ds)), key=lambda i: lengths[i])  # similar lengths pad little
-                values, collate = {}, PairBatch(0, max_length)
-                for start in range(rank * batch_size, len(order), world * batch_size):
-                    rows = order[start : start + batch_size]
-                    batch = collate(ds[rows])
-                    logits = model(
-                        input_ids=batch["input_ids"].to(accelerator.device),
-                        attention_mask=batch["attention_mask"].to(accelerator.device),
-                        use_cache=False,
-                    ).logits
-                    chosen, rejected = sequence_logps(logits, batch["labels"].to(accelerator.device)).cpu().chunk(2)
-                    values.update({i: (c, r) for i, c, r in zip(rows, chosen.tolist(), rejected.tolist(), strict=True)})
+                batches = ShardedIterableDataset(
+                    DatasetsSource(ds, transform=collate),
+                    batch_size * world,
+                    rank=rank,
+                    world_size=world,
+                    shuffle=False,
+                    policy="pad",
+                    lengths=list(ds["length"]),
+                )
+                values = {}
+                for batch in batches:
+                    chosen, rejected = logps_of(send_to_device(batch, accelerator.device)).cpu().chunk(2)
+                    ids, valid = batch["index"].tolist(), batch["valid"].tolist()
+                    # the padding plan's repeats (valid False) are computed, as every rank must, and left out
+                    rows = zip(ids, valid, chosen.tolist(), rejected.tolist(), strict=True)
+                    values.update({i: (c, r) for i, ok, c, r in rows if ok})
                 merged = {i: v for part in gather_patiently(accelerator, values) for i, v in part.items()}
                 for k, side in enumerate(SIDES):
                     stored[f"{split}_{side}"] = np.array([merged[i][k] for i in range(len(ds))], dtype=np.float32)
-        model.train()
+        model.train(was_training)
 
+        autocast = "no autocast" if key["mixed_precision"] == "no" else f"{key['mixed_precision']} autocast"
+        how = ", ".join([f"weights {key['weights']}", autocast, *(["FSDP2"] if key["sharded"] else []), "eval mode"])
         if accelerator.is_main_process:  # whole or not at all; another run may write the same file at once
             fd, tmp = tempfile.mkstemp(dir=folder, prefix=".reference-")
             with os.fdopen(fd, "wb") as f:
@@ -235,7 +278,7 @@ def with_reference(accelerator, model, splits, folder, key, batch_size, max_leng
             os.replace(tmp, path)
         accelerator.print(
             f"reference: log-probabilities of {', '.join(f'{len(ds):,} {s}' for s, ds in splits.items())} "
-            f"pairs computed once (eval mode, no autocast) -> {path}"
+            f"pairs computed once, as the policy computes them before any step ({how}) -> {path}"
         )
     return {
         split: ds.add_column("ref_chosen", stored[f"{split}_chosen"].tolist()).add_column(
@@ -276,40 +319,47 @@ def main(args):
             "tokens"
             + (f", {c['cut']:,} cut" if c["cut"] else "")
             + (f", {c['dropped']:,} dropped" if c["dropped"] else "")
-            + (f", {c['same']:,} with chosen = rejected" if c["same"] else "")
+            + (f", {c['long_prompts']:,} left out (the prompt alone fills max_seq_length)" if c["long_prompts"] else "")
+            + (f", {c['same']:,} left out (chosen = rejected)" if c["same"] else "")
             for s, c in counts.items()
         )
         + f"; max_seq_length {args.max_seq_length}"
     )
 
-    # ---------------------------------------------------------------- model, and the reference
+    # ---------------------------------------------------------------- model
     model = load_causal_lm(args, accelerator, folder)  # with --lora_r the pretrained model, frozen, is the reference
-    splits = {split: datasets.load_from_disk(os.path.join(tokens, split)) for split in ("train", "validation")}
-    if not args.lora_r:  # the reference is the model as it starts: once, before any step
-        splits = with_reference(
-            accelerator,
-            model,
-            splits,
-            tokens,
-            {
-                "model": args.model_fingerprint,
-                "dtype": str(next(model.parameters()).dtype),
-                "batch_size": args.per_device_eval_batch_size,
-                "padding": "data/padding.py buckets",  # the shapes the values were computed in
-            },
-            args.per_device_eval_batch_size,
-            args.max_seq_length,
-        )
     trainable, total = describe_model(
         accelerator,
         model,
         args,
         f"; {args.loss_type} loss, beta {args.beta}"
-        + (f", label smoothing {args.label_smoothing}" if args.label_smoothing else ""),
+        + (f", label smoothing {args.label_smoothing}" if args.label_smoothing else "")
+        + ("" if args.disable_dropout else "; the reference is taken without dropout, so the rewards start off 0"),
     )
+    optimizer = adamw(model, args.learning_rate, args.weight_decay)  # decay on weight matrices only
+    model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
+
+    def logps_of(batch):
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        return sequence_logps(logits, batch["labels"])
+
+    # ---------------------------------------------------------------- the reference, then the loaders
+    splits = {split: datasets.load_from_disk(os.path.join(tokens, split)) for split in ("train", "validation")}
+    collate = PairBatch(tokenizer.pad_token_id, args.max_seq_length)
+    if not args.lora_r:  # the reference is the model as it starts, as it computes in training: once, before any step
+        splits = with_reference(
+            accelerator,
+            model,
+            logps_of,
+            splits,
+            tokens,
+            reference_key(args, accelerator, model, tokenizer),
+            args.per_device_eval_batch_size,
+            collate,
+        )
     loaders = {
         split: sharded_loader(
-            DatasetsSource(ds, transform=PairBatch(tokenizer.pad_token_id, args.max_seq_length)),
+            DatasetsSource(ds, transform=collate),
             args.per_device_train_batch_size if split == "train" else args.per_device_eval_batch_size,
             rank=accelerator.process_index,
             world_size=accelerator.num_processes,
@@ -324,14 +374,8 @@ def main(args):
         )
         for split, ds in splits.items()
     }
-    optimizer = adamw(model, args.learning_rate, args.weight_decay)  # decay on weight matrices only
-    model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
 
     # ---------------------------------------------------------------- train
-    def logps_of(batch):
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-        return sequence_logps(logits, batch["labels"])
-
     def reference(batch):
         if not args.lora_r:
             return torch.cat([batch["ref_chosen"], batch["ref_rejected"]])
