@@ -71,7 +71,7 @@ def worker(args):
     from data.text import decode_windows
     from train import lm
     from train.core.accelerator import make_accelerator
-    from train.core.cli import reading_workers
+    from train.core.flags import reading_workers
     from train.core.loop import TrainingLoop
     from train.core.schedule import make_scheduler
     from train.core.tracking import matmul_peak

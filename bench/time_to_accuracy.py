@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.harness import REPO, child_env
-from train.core.cli import positive_int
+from train.core.parser import positive_int
 
 
 def make_run(out, make_vars, seed):

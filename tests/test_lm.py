@@ -217,7 +217,7 @@ def test_sft_fine_tunes_the_exported_gpt(two_process_run, tmp_path, capsys):
 
 def test_reading_workers_follow_the_runs_device_not_the_machine():
     from train import image_classification, lm
-    from train.core.cli import reading_workers
+    from train.core.flags import reading_workers
 
     # left open at parse time: `--cpu` on a GPU machine is a CPU run, with no workers
     assert lm.parse_args(["--output_dir", "x"]).dataloader_num_workers is None

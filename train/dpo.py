@@ -51,16 +51,10 @@ from data.preferences import LONG_EXAMPLES, SIDES, PairBatch, prepare_preference
 from data.sharding import ShardedIterableDataset
 from data.sources import DatasetsSource
 from train.core.accelerator import gather_patiently, main_process_first
-from train.core.cli import (
-    add_data_files_args,
-    add_tokenized_data_args,
-    data_inputs,
-    fraction,
-    make_parser,
-    positive_float,
-)
 from train.core.evaluation import evaluate_rows
+from train.core.flags import add_data_files_args, add_tokenized_data_args, data_inputs, make_parser
 from train.core.loop import TrainingLoop
+from train.core.parser import fraction, positive_float
 from train.core.run import run
 from train.core.tracking import readable_by_others
 from train.models.causal_lm import (

@@ -52,16 +52,9 @@ from data.sources import TensorSource
 from data.splits import load_splits
 from train.core.accelerator import main_process_first
 from train.core.answers import Prompts, Scoring, evaluate_answers
-from train.core.cli import (
-    add_data_files_args,
-    data_inputs,
-    make_parser,
-    non_negative_float,
-    positive_float,
-    positive_int,
-    true_or_false,
-)
+from train.core.flags import add_data_files_args, data_inputs, make_parser
 from train.core.loop import TrainingLoop
+from train.core.parser import non_negative_float, positive_float, positive_int, true_or_false
 from train.core.rewards import (
     RewardError,
     answer_texts,

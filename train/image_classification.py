@@ -23,10 +23,11 @@ from data.images import ImageFileSource, ImageFolderDataset, decode_for_predicti
 from data.loader import pinned, sharded_loader
 from data.workers import loader_workers
 from train.core.accelerator import main_process_first
-from train.core.cli import add_optimizer_args, make_parser, positive_float, positive_int, reading_workers
 from train.core.evaluation import evaluate_classifier
+from train.core.flags import add_optimizer_args, make_parser, reading_workers
 from train.core.fsdp import fsdp_launch
 from train.core.loop import TrainingLoop
+from train.core.parser import positive_float, positive_int
 from train.core.run import run, start_run
 from train.core.tracking import write_json
 from train.models.vision import build_classifier, check_model_args, load_pretrained, load_trained_classifier

@@ -29,9 +29,10 @@ from data.shards import read_manifest, shards_in
 from data.sources import ParquetSource
 from data.text import ByteTokenizer, decode_windows, load_tokenizer, prepare_gcide, prepare_text
 from train.core.accelerator import main_process_first
-from train.core.cli import add_data_files_args, add_optimizer_args, make_parser, positive_int, reading_workers
 from train.core.evaluation import evaluate_language_model
+from train.core.flags import add_data_files_args, add_optimizer_args, make_parser, reading_workers
 from train.core.loop import TrainingLoop
+from train.core.parser import positive_int
 from train.core.run import run, start_run
 from train.core.tracking import matmul_peak, peak_memory_mb
 from train.models.gpt import GPT, GPTConfig, next_token_loss

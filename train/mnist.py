@@ -28,10 +28,11 @@ from data.shards import shards_in
 from data.sources import ParquetSource
 from data.workers import loader_workers
 from train.core.accelerator import main_process_first
-from train.core.cli import add_optimizer_args, make_parser, positive_int
 from train.core.evaluation import evaluate_classifier
+from train.core.flags import add_optimizer_args, make_parser
 from train.core.fsdp import fsdp_launch
 from train.core.loop import TrainingLoop
+from train.core.parser import positive_int
 from train.core.run import run, start_run
 
 TASK = "mnist"  # the run's name in its checkpoints: another task's checkpoint is refused

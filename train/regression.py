@@ -22,8 +22,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from train.core.cli import make_parser, positive_float, positive_int
+from train.core.flags import make_parser
 from train.core.loop import TrainingLoop
+from train.core.parser import positive_float, positive_int
 from train.core.run import run, start_run
 
 TASK = "regression"  # the run's name in its checkpoints: another task's checkpoint is refused

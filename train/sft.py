@@ -34,9 +34,10 @@ from data.loader import sharded_loader
 from data.prompt_response import LONG_EXAMPLES, CausalBatch, prepare_prompt_response
 from data.sources import DatasetsSource
 from train.core.accelerator import main_process_first
-from train.core.cli import add_data_files_args, add_tokenized_data_args, data_inputs, make_parser, true_or_false
 from train.core.evaluation import evaluate_responses
+from train.core.flags import add_data_files_args, add_tokenized_data_args, data_inputs, make_parser
 from train.core.loop import TrainingLoop
+from train.core.parser import true_or_false
 from train.core.run import run
 from train.models.causal_lm import (
     add_causal_lm_args,

@@ -32,7 +32,9 @@ from data.loader import sharded_loader
 from data.sources import DatasetsSource
 from data.splits import check_inputs
 from train.core.accelerator import main_process_first
-from train.core.cli import (
+from train.core.confusion import draw_confusion
+from train.core.evaluation import evaluate_confusion
+from train.core.flags import (
     add_data_files_args,
     add_optimizer_args,
     add_tokenized_data_args,
@@ -40,8 +42,6 @@ from train.core.cli import (
     make_parser,
     reading_workers,
 )
-from train.core.confusion import draw_confusion
-from train.core.evaluation import evaluate_confusion
 from train.core.loop import TrainingLoop
 from train.core.run import run, start_run
 from train.models.hf import (

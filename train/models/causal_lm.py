@@ -8,7 +8,8 @@ import copy
 import os
 
 from data.splits import check_inputs
-from train.core.cli import add_generation_args, add_optimizer_args, data_inputs, reading_workers, true_or_false
+from train.core.flags import add_generation_args, add_optimizer_args, data_inputs, reading_workers
+from train.core.parser import true_or_false
 from train.core.run import start_run
 from train.models.hf import (
     add_lora_args,
