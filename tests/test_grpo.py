@@ -400,9 +400,14 @@ def test_a_reward_that_fails_on_one_rank_is_named_on_every_rank(data, tmp_path):
     assert "lost contact" not in output_of(proc)
 
 
-def test_the_sweep_and_config_files_pass_the_scripts_own_parser():
+def test_the_recipe_and_the_sweep_file_pass_the_scripts_own_parser(monkeypatch):
     from conftest import REPO
     from train import grpo
+    from train.study.space import check_against_script, load_script, read_sweep
 
-    args = grpo.parse_args(["--config", f"{REPO}/train/configs/grpo_sums.yaml", "--output_dir", "elsewhere"])
-    assert args.reward_funcs and args.num_generations >= 2
+    monkeypatch.chdir(REPO)
+    args = grpo.parse_args(["--config", "train/configs/grpo_sums.yaml"])
+    assert args.reward_funcs == ["answer_match"] and args.num_generations == 8 and args.eval_on_start
+    sweep = read_sweep("train/configs/sweep_grpo_sums.yaml", {"n_trials": None})
+    check_against_script(sweep, load_script(sweep["script"]))
+    assert sweep["metric"] == "eval_reward" and sweep["direction"] == "maximize"
