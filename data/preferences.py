@@ -149,7 +149,7 @@ def encode_pairs(tokenizer, pairs, max_seq_length, long_examples, split, chat):
             rows[f"{side}_labels"].append(labels)
             rows[f"{side}_targets"].append(sum(label != -100 for label in labels))
         rows["length"].append(max(len(made[0][0]), len(made[1][0])))
-    if same == len(pairs):
+    if pairs and same == len(pairs):
         raise DataError(
             f"in every pair of the {split} data the chosen response is the rejected one: nothing to "
             "prefer; check --chosen_column and --rejected_column"
