@@ -6,8 +6,10 @@ The promise tested first: 1 process with batch 8, 2 processes with batch 2 x 2 a
 pairs, counted before the backward passes), and the metrics are exact over the validation pairs. The
 reference's log-probabilities are computed once and found again by the restart; LoRA's reference is
 the model with its adapters off, under DDP and FSDP2. The formulas equal TRL's DPOTrainer's on one
-batch (sigmoid, ipo, robust). Then: SIGTERM and SIGKILL resumes are bit-identical, conversations score
-only the last assistant turn, the folder generates, bad input is one line each."""
+batch (sigmoid, ipo, robust). Before any step every reward is exactly 0 in every precision and layout
+(the models ship dropout, off by default); two models that differ in a middle layer are told apart.
+Then: SIGTERM and SIGKILL resumes are bit-identical, conversations score only the last assistant turn,
+the folder generates (in batches too), bad input is one line each."""
 
 import json
 import math
