@@ -363,6 +363,8 @@ def test_bad_input_is_one_line(data, tmp_path, capsys):
     assert "defines no function missing (its functions: brevity, constant, mentions, raises, too_few)" in line, line
     line = bad(capsys, *gpt2, "--reward_funcs", "correctness", *common)
     assert "neither FILE.py:NAME nor a built-in reward" in line, line
+    line = bad(capsys, *gpt2, "--reward_funcs", f"{data['file']}:brevity,constant", "--reward_weights", 1, *common)
+    assert "--reward_weights has 1 value(s) for 2 reward function(s) (brevity, constant)" in line, line
     line = bad(capsys, *gpt2, *rewards, "--max_prompt_length", 2, "--long_examples", "error", *common)
     assert "tokens, over --max_prompt_length 2; pass a larger one" in line, line
     no_system = tmp_path / "no_system"  # Gemma's kind: its template refuses a system turn

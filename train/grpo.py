@@ -51,7 +51,7 @@ from data.prompt_response import context_ids
 from data.sources import TensorSource
 from data.splits import load_splits
 from train.core.accelerator import main_process_first
-from train.core.answers import Prompts, Scoring, evaluate_answers
+from train.core.answers import Prompts, Scoring, evaluate_answers, keep_until
 from train.core.flags import add_data_files_args, data_inputs, make_parser
 from train.core.loop import TrainingLoop
 from train.core.parser import non_negative_float, positive_float, positive_int, true_or_false
@@ -60,6 +60,7 @@ from train.core.rewards import (
     answer_texts,
     load_reward_funcs,
     nanstd,
+    reward_weights,
     rewards_of,
     score,
     scored_everywhere,
@@ -189,11 +190,6 @@ def parse_args(argv=None):
         check_training_inputs(parser, args, full_rate=1e-6, lora_rate=1e-5)  # TRL's default for a whole model
         if not args.reward_funcs:
             parser.error("--reward_funcs is required: FILE.py:NAME of your own, or answer_match, number_only")
-        if args.reward_weights and len(args.reward_weights) != len(args.reward_funcs):
-            parser.error(
-                f"--reward_weights has {len(args.reward_weights)} value(s) for {len(args.reward_funcs)} "
-                "--reward_funcs; pass one per function"
-            )
         if args.num_generations < 2:
             parser.error("--num_generations 1: an answer alone has no group to be compared with; pass 2 or more")
         if isinstance(args.checkpointing_steps, int) and args.checkpointing_steps % args.num_iterations:
@@ -372,7 +368,7 @@ def logps_and_mask(net, rows, temperature, device=None, trim=True):
 
 def main(args):
     funcs = load_reward_funcs(args.reward_funcs)  # before anything is written
-    weights = args.reward_weights or [1.0] * len(funcs)
+    weights = reward_weights(funcs, args.reward_weights)
     accelerator, folder, config, tokenizer = start_causal_lm(args, TASK)
     world, accumulation = accelerator.num_processes, args.gradient_accumulation_steps
     completions_per_step = args.per_device_train_batch_size * world * accumulation
@@ -684,16 +680,6 @@ class StepMetrics:
         )
         self.steps, self.sums = [], torch.zeros_like(self.sums)
         return record
-
-
-def keep_until(path, step):
-    """A jsonl of records with a "step" as it stood at `step`: a resumed run's later lines go."""
-    if os.path.isfile(path):
-        with open(path) as f:
-            kept = [line for line in f if json.loads(line)["step"] <= step]
-        with open(path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(path + ".tmp", path)
 
 
 def show_completions(accelerator, records, step):

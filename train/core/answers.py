@@ -8,6 +8,7 @@ person can read, one line per prompt, with the step."""
 
 import json
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -78,3 +79,13 @@ def evaluate_answers(accelerator, model, tokenizer, prompts, scoring, max_new_to
                     f.write(json.dumps(record) + "\n")
                     k += 1
     return metrics
+
+
+def keep_until(path, step):
+    """A jsonl of records with a "step" as it stood at `step`: a resumed run's later lines go."""
+    if os.path.isfile(path):
+        with open(path) as f:
+            kept = [line for line in f if json.loads(line)["step"] <= step]
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)

@@ -99,6 +99,17 @@ def load_reward_funcs(specs, flag="--reward_funcs"):
     return funcs
 
 
+def reward_weights(funcs, weights, flag="--reward_weights"):
+    """The weight of each of `funcs` (load_reward_funcs'): `weights` (1 each where None), or one line unless
+    there is one per function, counted once loaded (a.py:f,g is two)."""
+    if weights is None:
+        return [1.0] * len(funcs)
+    if len(weights) != len(funcs):
+        names = ", ".join(n for n, _ in funcs) or "no --reward_funcs"
+        fail(f"{flag} has {len(weights)} value(s) for {len(funcs)} reward function(s) ({names}); pass one per function")
+    return list(weights)
+
+
 def score(funcs, prompts, completions, completion_ids, columns):
     """Per function, one float per completion (NaN where it returned None). Raises RewardError with the
     one line to show when a function raises or answers in the wrong shape."""
