@@ -25,11 +25,13 @@ from train.core.process import first_local_process, on_failure
 MARKER = "run.json"
 REPLACED = "replaced_run"
 # every entry a run writes in its output folder (labels.json: image_classification.py's class names; the
-# second line: a Hugging Face model folder, text_classification.py's, config, adapter and the tokenizer's files)
+# completions: answers of grpo.py, sft.py; then a Hugging Face model folder: config, adapter, the tokenizer's files)
 RUN_ENTRIES = (
     "checkpoints",
     "tensorboard",
     "metrics.jsonl",
+    "completions.jsonl",
+    "eval_completions.jsonl",
     "curves.png",
     "all_results.json",
     "model.safetensors",
