@@ -181,6 +181,31 @@ def context_ids(tokenizer, prompt):
     return ids[: read[-1] + 1] if read else ids
 
 
+def validation_prompts(inputs, tokenizer, columns, room):
+    """The validation split's rows (load_splits of the same inputs: the rows prepare_prompt_response
+    holds out, each once) as prompts for the model to answer: {"ids": what the model reads before it
+    writes a response, as training presents it (a text through context_ids; a conversation's turns
+    before its last assistant turn through the chat template, the assistant's turn opened), the start
+    cut to `room` tokens; "prompts": the texts, or those turns; "columns": every other column by name,
+    the response's included; "conversational"; "cut": how many prompts were cut}."""
+    ds = load_splits(inputs)[0]["validation"]
+    name = columns.get("messages") or columns["prompt"]
+    if "messages" in columns:
+        prompts = [turns[: max(i for i, t in enumerate(turns) if t["role"] == "assistant")] for turns in ds[name]]
+        texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+        ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    else:
+        prompts = [p or "" for p in ds[name]]
+        ids = [context_ids(tokenizer, p) for p in prompts]
+    return {
+        "ids": [i[-room:] for i in ids],
+        "prompts": prompts,
+        "columns": {c: ds[c] for c in ds.column_names if c != name},
+        "conversational": "messages" in columns,
+        "cut": sum(len(i) > room for i in ids),
+    }
+
+
 def example_row(tokens, scored, max_seq_length, long_examples, what):
     """(input_ids, labels) of one example's tokens (labels shifted: the token each position predicts,
     -100 where nothing is scored), cut to max_seq_length; None when it is longer and long_examples is

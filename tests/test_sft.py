@@ -7,11 +7,14 @@ its response tokens divided by their count, counted before the backward passes),
 exactly the validation set's response tokens. Then: the output folder loads with from_pretrained and
 generates; SIGKILL (LoRA) and SIGTERM (full, with accumulation) then resume are bit-identical; FSDP2's
 sharded checkpoint resumes in 1 process; packing keeps examples apart; chat turns render with the
-template and only assistant turns are scored; bad input is one line each."""
+template and only assistant turns are scored; with --reward_funcs every validation prompt is answered
+and scored once per evaluation, the same on 1 and 2 processes, and a resume cuts the answers back to
+its checkpoint; bad input is one line each."""
 
 import json
 import os
 import random
+import re
 
 import numpy as np
 import pytest
@@ -79,6 +82,29 @@ def conversations(n, seed):
     ]
 
 
+REWARDS = """
+def names_the_word(prompts, completions, response, **kwargs):
+    # each prompt comes with its own row's columns: its response defines the prompt's word
+    words = [prompt.split()[1] for prompt in prompts]
+    assert all(r.startswith(w + " means") for w, r in zip(words, response, strict=True)), (prompts, response)
+    return [float(w in c.split()) for w, c in zip(words, completions, strict=True)]
+
+
+def characters(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def length(completion_ids, **kwargs):
+    return [float(len(ids)) for ids in completion_ids]
+
+
+def turn_words(prompts, completions, **kwargs):
+    # conversations: the turns before the last assistant turn, and an assistant turn back
+    assert all(p[-1]["role"] == "user" and c[0]["role"] == "assistant" for p, c in zip(prompts, completions))
+    return [float(len(c[0]["content"].split())) for c in completions]
+"""
+
+
 def write_jsonl(path, records):
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
@@ -95,8 +121,23 @@ def data(tmp_path_factory):
         "validation": write_jsonl(root / "validation.jsonl", pairs(N_VALIDATION, 1)),
         "chat": write_jsonl(root / "chat.jsonl", conversations(48, 2)),
         "cache": str(root / "tokens"),
+        "rewards": write_text(root / "rewards.py", REWARDS),
         "root": root,
     }
+
+
+def write_text(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def scored(data, *names):
+    """--reward_funcs of the module's reward file, greedy answers of 6 tokens at most."""
+    return ["--reward_funcs", f"{data['rewards']}:{','.join(names)}", "--max_new_tokens", 6]
+
+
+def records(path):
+    return [json.loads(line) for line in open(path)]
 
 
 def args_for(data, *extra, model="gpt2"):
@@ -123,6 +164,8 @@ def sft_run(config, data, out, *extra, model="gpt2"):
 
 
 ACCUMULATED = ["--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2]
+# the two runs' answers too, from the start: the sigterm run below, which has none, must train the same
+SCORED = lambda data: [*scored(data, "names_the_word", "characters"), "--reward_weights", 1, 0.01, "--eval_on_start"]  # noqa: E731
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +173,7 @@ def accumulated(data):
     """2 processes x 2 rows x 2 accumulation steps: the reference of the tests below (2 processes
     without accumulation: the FSDP2 run, 2 x 4)."""
     out = data["root"] / "accumulated"
-    sft_run("cpu_2proc", data, out, *ACCUMULATED)
+    sft_run("cpu_2proc", data, out, *ACCUMULATED, *SCORED(data))
     return out
 
 
@@ -138,7 +181,9 @@ def accumulated(data):
 def one(data):
     """1 process x 8, in this process: the same 6 steps."""
     out = data["root"] / "one"
-    run_main("sft", *args_for(data, "--per_device_train_batch_size", 8), "--output_dir", out, through_run=True)
+    run_main(
+        "sft", *args_for(data, "--per_device_train_batch_size", 8, *SCORED(data)), "--output_dir", out, through_run=True
+    )
     return out
 
 
@@ -154,6 +199,45 @@ def test_one_process_and_two_with_accumulation_take_the_same_steps(data, one, ac
     assert abs(results[1]["eval_loss"] - results[0]["eval_loss"]) < 1e-5
     history = [h["eval_loss"] for h in results[0]["history"]]
     assert len(history) == 2 and history[-1] < history[0]  # the mid-run evaluation's loss, then a lower one
+
+
+def test_answers_are_scored_once_each_and_the_same_on_one_process_and_two(data, one, accumulated, capsys):
+    """--reward_funcs: every validation prompt answered once per evaluation (--eval_on_start's included),
+    in the validation file's order; the metrics are the means of the answers' rewards in
+    eval_completions.jsonl; before any step (the same weights) 1 and 2 processes answer alike."""
+    prompts = [r["prompt"] for r in records(data["validation"])]
+    results, answers = {}, {}
+    for name, folder in (("one", one), ("two", accumulated)):
+        result = results[name] = json.load(open(folder / "all_results.json"))
+        before = {k.removesuffix("_before"): v for k, v in result.items() if k.endswith("_before")}
+        evaluations = [{"step": 0, **before}] + result["history"]
+        lines = answers[name] = records(folder / "eval_completions.jsonl")
+        assert [(r["step"], r["prompt"]) for r in lines] == [(e["step"], p) for e in evaluations for p in prompts]
+        for e in evaluations:
+            mine = [r for r in lines if r["step"] == e["step"]]
+            reward = mean_of(mine, lambda r: r["names_the_word"] + 0.01 * r["characters"])
+            assert e["eval_reward"] == pytest.approx(reward)
+            assert e["eval_rewards/names_the_word/mean"] == pytest.approx(mean_of(mine, lambda r: r["names_the_word"]))
+            assert e["eval_rewards/characters/mean"] == pytest.approx(mean_of(mine, lambda r: r["characters"]))
+            assert 0 < e["eval_completions/mean_length"] <= 6  # --max_new_tokens
+        assert result["eval_samples"] == N_VALIDATION and "eval_loss_before" in result
+        logged = [r for r in records(folder / "metrics.jsonl") if "eval_reward" in r]
+        assert [r["eval_reward"] for r in logged] == [e["eval_reward"] for e in result["history"]]
+    start = [{k: r[k] for k in ("prompt", "completion", "ended")} for r in answers["one"] if r["step"] == 0]
+    assert start == [{k: r[k] for k in ("prompt", "completion", "ended")} for r in answers["two"] if r["step"] == 0]
+    assert results["one"]["eval_reward_before"] == results["two"]["eval_reward_before"]
+    later = [a["completion"] != b["completion"] for a, b in zip(answers["one"], answers["two"], strict=True)]
+    with capsys.disabled():
+        print(
+            f"\neval_reward before/after: 1 process {results['one']['eval_reward_before']:.4f}/"
+            f"{results['one']['eval_reward']:.4f}, 2 processes {results['two']['eval_reward_before']:.4f}/"
+            f"{results['two']['eval_reward']:.4f}; {sum(later)} of {len(later)} answers differ"
+        )
+    assert results["one"]["eval_reward"] == results["two"]["eval_reward"]
+
+
+def mean_of(lines, value):
+    return sum(value(r) for r in lines) / len(lines)
 
 
 def test_the_usual_mean_per_micro_batch_would_take_another_step(data, capsys):
@@ -226,11 +310,13 @@ def test_the_output_folder_loads_with_from_pretrained_and_generates(data, accumu
 def test_sigkill_then_resume_is_bit_identical_with_lora(data, tmp_path):
     """LoRA on the Llama, with adapter dropout: its draws must come back too. The full fine-tuning's
     resume: after SIGTERM, below."""
-    extra = ["--per_device_train_batch_size", 4, "--lora_r", 4, "--lora_dropout", 0.1]
+    extra = ["--per_device_train_batch_size", 4, "--lora_r", 4, "--lora_dropout", 0.1, *scored(data, "length")]
     proc, crashed = crash_during_save_and_resume(
         "cpu_2proc", "sft", 6, tmp_path, *args_for(data, *extra, model="llama")
     )
     assert f"resumed from {crashed}/checkpoints/step_00000003" in proc.stdout
+    # the killed attempt had answered at step 6 too: the resume cut those answers, then answered again
+    assert [r["step"] for r in records(crashed / "eval_completions.jsonl")] == [3] * N_VALIDATION + [6] * N_VALIDATION
     # checkpoints hold the adapters only; the folder holds the merged model and the adapter
     saved = weights(crashed / "checkpoints" / "step_00000006")
     assert saved and all("lora_" in k for k in saved), sorted(saved)[:4]
@@ -331,10 +417,21 @@ def test_llama_trains_packed_and_on_chat_turns(data, tmp_path, capsys):
         "--cache_dir",
         data["cache"],
         *STEPS,
+        *scored(data, "turn_words"),
+        "--eval_on_start",
+        "--metric_for_best_model",
+        "eval_reward",
         "--output_dir",
         chat,
     )
     assert proc.returncode == 0, output_of(proc)
+    # the held-out conversations answered once per evaluation, the one before any step included
+    held_out = int(re.search(r"validation \(10% of --train_file held out\) (\d+) examples", proc.stdout)[1])
+    result = json.load(open(chat / "all_results.json"))
+    assert result["eval_samples"] == held_out and result["best_model"]["metric"] == "eval_reward"
+    steps = [r["step"] for r in records(chat / "eval_completions.jsonl")]
+    assert steps == [s for s in [0] + [h["step"] for h in result["history"]] for _ in range(held_out)], steps
+    assert re.search(r"^before fine-tuning: eval_loss=\S+ eval_perplexity=\S+ eval_reward=", proc.stdout, re.M)
     proc = run_as_script(capsys, "sft", "--output_dir", chat, "--prompt", "quick animal", "--max_new_tokens", 3)
     assert proc.returncode == 0 and proc.stdout.startswith("quick animal\t"), output_of(proc)
 
@@ -541,6 +638,12 @@ def test_bad_input_is_one_line_and_writes_no_run(data, tmp_path, capsys):
     assert "--train_file nope.jsonl: no such file or folder" in bad(
         capsys, "--model_name_or_path", data["gpt2"], "--train_file", "nope.jsonl", *common
     )
+    line = bad(capsys, *gpt2, "--reward_funcs", "nope.py:right", *common)
+    assert line.endswith(
+        "--reward_funcs nope.py:right: no such file nope.py; pass FILE.py:NAME of a Python file that defines NAME"
+    ), line
+    line = bad(capsys, *gpt2, *scored(data, "names_the_word", "length"), "--reward_weights", 1, *common)
+    assert "--reward_weights has 1 value(s) for 2 reward function(s) (names_the_word, length)" in line, line
     assert not out.exists() or not (out / "all_results.json").exists()
 
 

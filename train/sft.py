@@ -18,6 +18,11 @@ data plan (no communication): 1 process with batch 8 and 2 processes with batch 
 steps take the same step. Validation loss and perplexity are per response token over exactly the
 validation set. OUTPUT_DIR is a Hugging Face folder in the source checkpoint's dtype (with --lora_r:
 the merged model, and adapter/).
+
+With --reward_funcs, each evaluation also answers every validation prompt greedily (--max_new_tokens)
+and scores the answers with those functions, called as TRL calls reward functions (the validation
+rows' other columns, the response's included, by name): eval_reward and eval_rewards/NAME/mean, exact
+over the validation set on any process count; the answers go to OUTPUT_DIR/eval_completions.jsonl.
 """
 
 import os
@@ -31,13 +36,15 @@ import torch
 
 from data.errors import fail
 from data.loader import sharded_loader
-from data.prompt_response import LONG_EXAMPLES, CausalBatch, prepare_prompt_response
+from data.prompt_response import LONG_EXAMPLES, CausalBatch, prepare_prompt_response, validation_prompts
 from data.sources import DatasetsSource
 from train.core.accelerator import main_process_first
+from train.core.answers import Prompts, Scoring, evaluate_answers, keep_until
 from train.core.evaluation import evaluate_responses
 from train.core.flags import add_data_files_args, add_tokenized_data_args, data_inputs, make_parser
 from train.core.loop import TrainingLoop
 from train.core.parser import true_or_false
+from train.core.rewards import load_reward_funcs, reward_weights
 from train.core.run import run
 from train.models.causal_lm import (
     add_causal_lm_args,
@@ -49,7 +56,7 @@ from train.models.causal_lm import (
 )
 from train.models.generation import generate
 from train.models.gpt import next_token_loss
-from train.models.hf import adamw
+from train.models.hf import adamw, max_positions
 
 TASK = "sft"  # the run's name in its checkpoints: another task's checkpoint is refused
 METRICS = ["eval_loss", "eval_perplexity"]  # its evaluation's metrics, the headline first
@@ -91,6 +98,17 @@ def parse_args(argv=None):
         eval_batch_size=8,
         disable_dropout=False,  # TRL's SFTTrainer keeps it too: a regularizer, and no reference to match
     )
+    model = parser.groups["model"]
+    model.add_argument(
+        "--reward_funcs",
+        nargs="+",
+        default=None,
+        help="Also score greedy answers to the validation prompts at each evaluation (eval_reward): FILE.py:NAME"
+        "[,NAME...] of your own, or built-ins (answer_match, number_only). (default: no answers, no generation)",
+    )
+    model.add_argument(
+        "--reward_weights", type=float, nargs="+", default=None, help="One weight per reward function (default 1)."
+    )
     parser.set_defaults(output_dir="runs/sft")
     args = parser.parse_args(argv)
     if args.prompt is None:
@@ -121,6 +139,8 @@ def check_packing(model, vocab_size):
 
 
 def main(args):
+    funcs = load_reward_funcs(args.reward_funcs) if args.reward_funcs else []  # before anything is written
+    weights = reward_weights(funcs, args.reward_weights)
     accelerator, folder, config, tokenizer = start_causal_lm(args, TASK, MAX_LENGTH)  # and args.max_seq_length
 
     # ---------------------------------------------------------------- data: tokenized once, then sharded
@@ -185,6 +205,24 @@ def main(args):
             else f"{counts['train']['tokens'] / counts['train']['rows']:.0f} tokens per example"
         )
     )
+    asked = None  # --reward_funcs: the validation prompts, answered at each evaluation
+    if funcs:
+        limit = max_positions(config, tokenizer, 1 << 20)
+        if args.max_new_tokens >= limit:
+            fail(
+                f"--max_new_tokens {args.max_new_tokens} leaves no room for a prompt in the {limit} tokens "
+                f"{args.model_name_or_path} reads; pass a smaller one"
+            )
+        room = limit - args.max_new_tokens  # a longer prompt's start is cut: the end is what is answered
+        read = main_process_first(
+            accelerator, lambda: validation_prompts(data_inputs(args), tokenizer, columns, room), share=True
+        )
+        asked = Prompts(read["ids"], read["prompts"], read["columns"], read["conversational"])
+        accelerator.print(
+            f"rewards: {', '.join(f'{n} x {w:g}' for (n, _), w in zip(funcs, weights, strict=True))} of greedy "
+            f"answers to the {len(asked.ids):,} validation prompts, at most {args.max_new_tokens} tokens each"
+            + (f"; {read['cut']:,} prompts cut at the start to {room} tokens" if read["cut"] else "")
+        )
 
     # ---------------------------------------------------------------- model
     packing = (lambda m: check_packing(m, config.vocab_size)) if args.packing else None
@@ -192,6 +230,7 @@ def main(args):
     trainable, total = describe_model(accelerator, model, args)
     optimizer = adamw(model, args.learning_rate, args.weight_decay)  # decay on weight matrices only
     model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
+    policy = accelerator.unwrap_model(model)  # answers come from the model itself, not its DDP wrapper
 
     # ---------------------------------------------------------------- train
     def logits(batch):
@@ -201,6 +240,16 @@ def main(args):
     # accelerate divides each micro-batch's loss by the accumulation steps and DDP averages over processes:
     # this factor undoes both, so the step's gradient is that of (sum of token losses) / (step's tokens)
     scale = accelerator.num_processes * args.gradient_accumulation_steps
+    answers = os.path.join(args.output_dir, "eval_completions.jsonl")
+
+    def evaluate():
+        metrics = evaluate_responses(accelerator, model, loaders["validation"], logits)
+        if asked is not None:
+            scoring = Scoring(funcs, weights, answers, loop.step)
+            chunk = args.per_device_eval_batch_size
+            metrics |= evaluate_answers(accelerator, policy, tokenizer, asked, scoring, args.max_new_tokens, chunk)
+        return metrics
+
     loop = TrainingLoop(
         accelerator,
         args,
@@ -209,17 +258,16 @@ def main(args):
         optimizer,
         loaders["train"],
         headline=METRICS[0],
-        metrics=METRICS,
-        evaluate=lambda: evaluate_responses(accelerator, model, loaders["validation"], logits),
+        metrics=METRICS + (["eval_reward"] + [f"eval_rewards/{n}/mean" for n, _ in funcs] if funcs else []),
+        evaluate=evaluate,
     )
+    if accelerator.is_main_process:  # a resumed run answers the steps after its checkpoint again
+        keep_until(answers, loop.step)
     before = {}
     if args.eval_on_start and loop.step == 0:
-        before = evaluate_responses(accelerator, model, loaders["validation"], logits)
+        before = {k: v for k, v in evaluate().items() if k not in ("eval_tokens", "eval_samples")}
         if accelerator.is_main_process:  # above the progress bar, as the loop's own evaluation lines
-            loop.progress.write(
-                f"before fine-tuning: eval_loss={before['eval_loss']:.4f} "
-                f"eval_perplexity={before['eval_perplexity']:.4f}"
-            )
+            loop.progress.write("before fine-tuning: " + " ".join(f"{k}={v:.4f}" for k, v in before.items()))
     for batch in loop.batches():
         with accelerator.accumulate(model):
             nats = next_token_loss(logits(batch), batch["labels"], reduction="sum")
@@ -239,7 +287,7 @@ def main(args):
             "parameters": total,
             "train_examples": train["examples"],
             "train_tokens_per_second": tokens_per_second,
-            **{f"{k}_before": v for k, v in before.items() if k != "eval_tokens"},
+            **{f"{k}_before": v for k, v in before.items()},
         },
         save_model=model_saver(args, config, tokenizer),
     )
