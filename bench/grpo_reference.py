@@ -11,7 +11,8 @@ requirements.txt for the tests). Equal: the model (default make smollm2's runs/m
 the prompts (python -m data.arithmetic's two-digit sums as chat turns, exactly --max_train_steps x
 --prompts_per_step of them, so each side answers every prompt once, in its own order), the rewards
 (train/core/rewards.py's answer_match x 1 + number_only x 0.5, the same functions passed to TRL), answers
-per prompt, completions per process (TRL's per_device_train_batch_size counts completions too), tokens per
+per prompt, completions per process generated in one batch (TRL's per_device_train_batch_size counts completions
+too; ours --generation_batch_size, a whole number of groups), tokens per
 answer, temperature, learning rate with a constant schedule and no warmup, loss type dapo, beta 0 (no
 reference model), epsilon 0.2, one pass per step's answers, clipping at 1.0, no weight decay, fused AdamW,
 seed, 2 processes, fp32 (ours: --mixed_precision no; TRL: bf16=False, which GRPOConfig turns on), no
@@ -214,6 +215,9 @@ def command(name, args, data, out):
         "--validation_file",
         data["validation"],
         "--per_device_train_batch_size",
+        str(args.per_device_train_batch_size),
+        # each process generates its completions in one batch, as TRL does (whole groups: checked at parse)
+        "--generation_batch_size",
         str(args.per_device_train_batch_size),
         "--per_device_eval_batch_size",
         str(VALIDATION_ROWS // WORLD),

@@ -131,6 +131,7 @@ def grpo_run(config, data, out, *extra, model="gpt2"):
 
 
 ACCUMULATED = ["--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2]
+TOGETHER = ["--generation_batch_size", 8]  # a step's two groups in one batch (the prompts padded to one length)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +140,7 @@ def one(data):
     out = data["root"] / "one"
     run_main(
         "grpo",
-        *args_for(data, "--per_device_train_batch_size", 8, "--eval_on_start"),
+        *args_for(data, "--per_device_train_batch_size", 8, "--eval_on_start", *TOGETHER),
         "--output_dir",
         out,
         through_run=True,
@@ -151,7 +152,7 @@ def one(data):
 def accumulated(data):
     """2 processes x 2 completions x 2 accumulation steps, uninterrupted."""
     out = data["root"] / "accumulated"
-    grpo_run("cpu_2proc", data, out, *ACCUMULATED)
+    grpo_run("cpu_2proc", data, out, *ACCUMULATED, *TOGETHER)
     return out
 
 
@@ -192,7 +193,7 @@ def test_one_process_and_two_with_accumulation_take_the_same_steps(data, one, ac
 
 def test_fsdp2_takes_the_steps_of_one_process(data, one, tmp_path, capsys):
     out = tmp_path / "fsdp2"
-    proc = grpo_run("fsdp2_cpu_2proc", data, out, "--per_device_train_batch_size", 4)
+    proc = grpo_run("fsdp2_cpu_2proc", data, out, "--per_device_train_batch_size", 4, *TOGETHER)
     assert "fsdp2: fully_shard over 2 CPU processes" in proc.stdout
     difference = largest_difference(weights(out), weights(one))
     with capsys.disabled():
@@ -263,21 +264,25 @@ def test_micro_batch_shares_add_up_to_the_steps_loss(loss_type):
     assert whole.item() == pytest.approx(expected.item(), rel=1e-6)
 
 
-def test_a_groups_answers_do_not_depend_on_what_else_is_generated(data):
+def test_a_groups_answers_depend_on_its_seed_alone(data):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from train.models.rollout import end_ids, sample_group
+    from train.models.rollout import end_ids, sample_groups
 
     model = AutoModelForCausalLM.from_pretrained(data["gpt2"]).eval()
     tokenizer = AutoTokenizer.from_pretrained(data["gpt2"])
     eos = end_ids(model, tokenizer)
-    prompt = tokenizer("quick brown")["input_ids"]
-    first = sample_group(model, prompt, 4, 12, eos, eos[0], 1.0, seed=7)
-    sample_group(model, tokenizer("another one")["input_ids"], 4, 12, eos, eos[0], 1.0, seed=8)  # in between
+    prompts = [tokenizer("quick brown")["input_ids"], tokenizer("water")["input_ids"]]
+
+    def draw(seeds, which=prompts):
+        return sample_groups(model, which, 4, 12, eos, eos[0], 1.0, seeds)
+
+    first = draw([7, 8])
+    draw([1, 2], [tokenizer("another one")["input_ids"]] * 2)  # in between
     torch.manual_seed(123)  # the global generator plays no part
-    assert sample_group(model, prompt, 4, 12, eos, eos[0], 1.0, seed=7) == first
-    assert len({tuple(ids) for ids, _ in first}) > 1  # sampled: the group's answers differ
-    assert sample_group(model, prompt, 4, 12, eos, eos[0], 1.0, seed=9) != first
+    assert draw([7, 8]) == first
+    assert len({tuple(ids) for ids, _ in first[:4]}) > 1  # sampled: a group's answers differ
+    assert draw([7, 9])[:4] == first[:4] and draw([7, 9])[4:] != first[4:]  # each group's noise is its own
 
 
 # ------------------------------------------------------------------------------------ resume, LoRA, the folder

@@ -76,7 +76,7 @@ from train.models.causal_lm import (
 )
 from train.models.generation import generate
 from train.models.hf import adamw, load_pretrained, max_positions
-from train.models.rollout import end_ids, group_seed, round_robin, sample_group, synced_generation
+from train.models.rollout import end_ids, group_seed, round_robin, sample_groups, synced_generation
 
 TASK = "grpo"  # the run's name in its checkpoints: another task's checkpoint is refused
 LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo")
@@ -150,6 +150,13 @@ def parse_args(argv=None):
         "--num_generations", type=positive_int, default=8, help="Answers per prompt: the group compared."
     )
     model.add_argument("--max_completion_length", type=positive_int, default=256, help="Tokens per answer.")
+    model.add_argument(
+        "--generation_batch_size",
+        type=positive_int,
+        default=None,
+        help="Answers generated in one batch, whole groups (default: one group's). The same value gives the "
+        "same answers on any layout; more keeps a processor busier, fewer keeps more processes generating.",
+    )
     model.add_argument("--temperature", type=positive_float, default=1.0, help="Sampling temperature.")
     model.add_argument("--top_p", type=positive_float, default=1.0, help="Sample from this top probability mass.")
     model.add_argument("--top_k", type=int, default=0, help="Sample from the k likeliest tokens (0: all).")
@@ -192,6 +199,12 @@ def parse_args(argv=None):
             parser.error("--reward_funcs is required: FILE.py:NAME of your own, or answer_match, number_only")
         if args.num_generations < 2:
             parser.error("--num_generations 1: an answer alone has no group to be compared with; pass 2 or more")
+        args.generation_batch_size = args.generation_batch_size or args.num_generations
+        if args.generation_batch_size % args.num_generations:
+            parser.error(
+                f"--generation_batch_size {args.generation_batch_size} is not whole groups of --num_generations "
+                f"{args.num_generations}; pass a multiple of it"
+            )
         if isinstance(args.checkpointing_steps, int) and args.checkpointing_steps % args.num_iterations:
             parser.error(
                 f"--checkpointing_steps {args.checkpointing_steps} is not a multiple of --num_iterations "
@@ -463,19 +476,21 @@ def main(args):
     def rollout(rows, step):
         """Every answer of the step's prompts `rows`, on every process: (prompt ids, completion ids,
         terminated, rewards, reward table, group of each), groups in the order of `rows`."""
-        parts = []
+        parts, n = [], args.num_generations
+        per_batch = args.generation_batch_size // n  # prompts generated together: the same on any layout
+        batches = [rows[u : u + per_batch] for u in range(0, len(rows), per_batch)]
         try:
-            for j in round_robin(len(rows), accelerator):
-                row = rows[0] if j is None else rows[j]  # None: a round in step with the others, discarded
-                answers = sample_group(
+            for j in round_robin(len(batches), accelerator):
+                these = batches[0] if j is None else batches[j]  # None: a round in step with the others, discarded
+                answers = sample_groups(
                     policy,
-                    data["train"]["ids"][row],
-                    args.num_generations,
+                    [data["train"]["ids"][row] for row in these],
+                    n,
                     args.max_completion_length,
                     eos,
                     pad,
                     args.temperature,
-                    group_seed(args.seed, step, row),
+                    [group_seed(args.seed, step, row) for row in these],
                     args.top_k,
                     args.top_p,
                     synced,
@@ -483,10 +498,9 @@ def main(args):
                 if j is None:
                     continue
                 ids = [a for a, _ in answers]
-                n = args.num_generations
-                columns = {k: [v[row]] * n for k, v in extra["train"].items()}
-                prompt = data["train"]["columns"][args.prompt_column][row]
-                scores = score(funcs, [prompt] * n, answer_texts(tokenizer, ids, conversational), ids, columns)
+                columns = {k: [v[row] for row in these for _ in range(n)] for k, v in extra["train"].items()}
+                prompts = [data["train"]["columns"][args.prompt_column][row] for row in these for _ in range(n)]
+                scores = score(funcs, prompts, answer_texts(tokenizer, ids, conversational), ids, columns)
                 parts.append((j, answers, scores))
         except RewardError as e:
             parts = str(e)
@@ -575,7 +589,7 @@ def main(args):
             for m, idx in enumerate(mine):
                 p, c = [prompts[i] for i in idx], [completions[i] for i in idx]
                 with accelerator.accumulate(model):
-                    logps, mask, logits = logps_of(model, p, c)
+                    logps, mask, logits = logps_of(model, p, c)  # logits: the scored positions only
                     mask = mask & mask_rows[idx].to(mask.device).unsqueeze(1).bool()
                     old = olds[m] if m in olds else logps.detach()  # one pass: the ratio is exactly 1
                     token_loss, stats = policy_loss(
@@ -598,16 +612,19 @@ def main(args):
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                 logged.tokens(logits, mask, stats, args.temperature)
-                if loop.after_batch(loss) and loop.step % args.logging_steps == 0:
-                    record = logged.flush(loop.step)
-                    loop.metrics.log({"step": loop.step, **record})
+                if accelerator.sync_gradients and (loop.step + 1) % args.logging_steps == 0:
+                    # before after_batch, which may stop the run at this step (SIGTERM) with its checkpoint
+                    step = loop.step + 1
+                    record = logged.flush(step)
+                    loop.metrics.log({"step": step, **record})
                     if accelerator.is_main_process:
                         loop.progress.set_postfix(reward=f"{record['reward']:.3f}", refresh=False)
                         lines = write_completions(
-                            args, loop.step, rows, data, completions, rewards, table, advantages, funcs, tokenizer
+                            args, step, rows, data, completions, rewards, table, advantages, funcs, tokenizer
                         )
                         if args.with_tracking:
-                            show_completions(accelerator, lines, loop.step)
+                            show_completions(accelerator, lines, step)
+                loop.after_batch(loss)
                 if loop.finished():
                     break
             if loop.finished():

@@ -1,9 +1,9 @@
-"""Answers of a causal LM to prompts, drawn so that they depend only on what they should: the prompt,
-the weights and a seed, never on which process or which batch generated them.
+"""Answers of a causal LM to prompts, drawn so that they depend only on what they should: the prompts
+generated together, the weights and a seed, never on which process generated them.
 
-A group (one prompt, n answers) is generated alone, as one batch of n copies of the prompt, so its
-shapes and therefore its arithmetic are the same on any layout. Each answer's tokens are drawn by
-the Gumbel-max trick from a generator seeded for the group: argmax(logits / temperature + g), with
+A generation batch (the groups of a fixed run of a step's prompts, n answers each) is the same batch
+on any layout, so its shapes and therefore its arithmetic are too. Each answer's tokens are drawn by
+the Gumbel-max trick from a generator seeded for its group: argmax(logits / temperature + g), with
 g standard Gumbel noise, is a draw from softmax(logits / temperature), the distribution whose
 log-probabilities the loss then uses. top_k and top_p narrow the draw first (transformers' own
 warpers); the log-probabilities stay those of the whole tempered distribution, as TRL computes
@@ -22,19 +22,21 @@ import torch
 
 class GumbelSampler:
     """A logits processor for generate(do_sample=False): each row's next token becomes a draw from
-    its tempered (and top-k/top-p narrowed) distribution, by noise from `generator` alone."""
+    its tempered (and top-k/top-p narrowed) distribution, by noise from its group's generator alone
+    (`generators`: one per block of `rows_each` consecutive rows)."""
 
-    def __init__(self, temperature, generator, top_k=0, top_p=1.0):
+    def __init__(self, temperature, generators, rows_each, top_k=0, top_p=1.0):
         from transformers import TopKLogitsWarper, TopPLogitsWarper
 
-        self.temperature, self.generator = temperature, generator
+        self.temperature, self.generators, self.rows_each = temperature, generators, rows_each
         self.warpers = ([TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1 else [])
 
     def __call__(self, input_ids, scores):
         scores = scores.float() / self.temperature
         for warp in self.warpers:
             scores = warp(input_ids, scores)
-        uniform = torch.rand(scores.shape, generator=self.generator, device=self.generator.device)
+        shape = (self.rows_each, scores.shape[1])
+        uniform = torch.cat([torch.rand(shape, generator=g, device=g.device) for g in self.generators])
         gumbel = -torch.log(-torch.log(uniform.clamp(min=1e-20, max=1 - 1e-7)))
         return scores + gumbel
 
@@ -95,12 +97,14 @@ def complete(model, prompts, max_new_tokens, eos, pad, sampler=None, synced=Fals
     return answers
 
 
-def sample_group(model, prompt, n, max_new_tokens, eos, pad, temperature, seed, top_k=0, top_p=1.0, synced=False):
-    """`n` answers to one prompt (its ids), drawn with a generator of `seed` alone."""
+def sample_groups(model, prompts, n, max_new_tokens, eos, pad, temperature, seeds, top_k=0, top_p=1.0, synced=False):
+    """`n` answers to each of `prompts` (their ids), generated as one batch, each group's drawn with a
+    generator of its seed (in `seeds`) alone: n copies of the first prompt's answers, then the next's."""
     device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
-    sampler = GumbelSampler(temperature, generator, top_k, top_p)
-    return complete(model, [prompt] * n, max_new_tokens, eos, pad, sampler, synced)
+    generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+    sampler = GumbelSampler(temperature, generators, n, top_k, top_p)
+    rows = [prompt for prompt in prompts for _ in range(n)]
+    return complete(model, rows, max_new_tokens, eos, pad, sampler, synced)
 
 
 def round_robin(count, accelerator):
