@@ -679,7 +679,9 @@ class StepMetrics:
             logp = torch.log_softmax(scored, -1)
             entropy = -(logp.exp() * logp).sum(-1).sum()
             kl = (stats["kl"] * mask).sum() if stats["kl"] is not None else torch.zeros(())
-            self.sums += torch.stack([mask.sum(), kl, entropy, stats["low"].sum(), stats["high"].sum()]).double().cpu()
+            # kept on the device: a copy to the host here would wait for the step every micro-batch
+            part = torch.stack([mask.sum(), kl, entropy, stats["low"].sum(), stats["high"].sum()]).double()
+            self.sums = self.sums.to(part.device) + part
 
     def flush(self, step):
         sums = self.accelerator.reduce(self.sums.to(self.accelerator.device), reduction="sum").cpu()
