@@ -24,10 +24,18 @@ import os
 from data.errors import DataError
 from data.labelled_text import cached_folder, first_words, tokenizer_files_hash
 from data.padding import padded_length
-from data.prompt_response import LONG_EXAMPLES, example_row, scored_tokens
+from data.prompt_response import (
+    LONG_EXAMPLES,
+    check_chat_template,
+    example_row,
+    render_turns,
+    scored_tokens,
+    special_texts,
+    turn_and_separator,
+)
 from data.splits import inputs_key, load_splits, stem
 
-FORMAT = 2  # of the folder written here; a change makes every cached folder stale
+FORMAT = 3  # of the folder written here; a change makes every cached folder stale
 SIDES = ("chosen", "rejected")
 
 
@@ -43,9 +51,10 @@ def _column(ds, column, split, flag):
     return ds[column]
 
 
-def pair_segments(ds, split, columns, tokenizer):
+def pair_segments(ds, split, columns, tokenizer, template=False):
     """Per pair: the (text, is_target) segments of its chosen side and of its rejected side, and
-    whether the data is conversations."""
+    whether they went through the chat template (conversations, or with `template` plain text as a
+    user turn and an assistant turn)."""
     chosen = _column(ds, columns["chosen"], split, "--chosen_column")
     rejected = _column(ds, columns["rejected"], split, "--rejected_column")
     conversational = _is_conversation(chosen[0]) if chosen else False
@@ -73,7 +82,13 @@ def pair_segments(ds, split, columns, tokenizer):
             for name, text in (("chosen", good), ("rejected", bad)):
                 if not isinstance(text, str) or not text.strip():
                     raise DataError(f"{where} has an empty {name} response; fill it in or drop the pair")
-            pairs.append(tuple([(prompt or "", False), (text, True)] for text in (good, bad)))
+            if template:
+                user = [{"role": "user", "content": prompt or ""}]
+                pairs.append(
+                    tuple(_rendered(tokenizer, user, [{"role": "assistant", "content": t}], where) for t in (good, bad))
+                )
+            else:
+                pairs.append(tuple([(prompt or "", False), (text, True)] for text in (good, bad)))
             continue
         if not (_is_conversation(good) and _is_conversation(bad)):
             raise DataError(
@@ -89,7 +104,7 @@ def pair_segments(ds, split, columns, tokenizer):
             if not any((t["content"] or "").strip() for t in turns):
                 raise DataError(f"{where} has an empty {name} response; fill it in or drop the pair")
         pairs.append(tuple(_rendered(tokenizer, prompt, turns, where) for turns in (good, bad)))
-    return pairs, conversational
+    return pairs, conversational or template
 
 
 def _prompt_text(prompt, response):
@@ -101,20 +116,18 @@ def _prompt_text(prompt, response):
 
 def _rendered(tokenizer, prompt, response, where):
     """The segments of prompt turns then response turns, rendered by the chat template: the prompt with
-    the generation prompt is context, what the response's turns add after it is the target."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError(
-            "the preference data are conversations and the model's tokenizer has no chat template to "
-            "render them; pass plain-text columns, or add a chat_template to its tokenizer_config.json"
-        )
-    before = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    after = tokenizer.apply_chat_template(prompt + response, tokenize=False)
+    the generation prompt is context, what the response's turns add after it is the target, less the
+    separator the template writes after its last end-of-turn token (data/prompt_response.py)."""
+    check_chat_template(tokenizer, "the preference data are conversations")
+    before = render_turns(tokenizer, prompt, where, add_generation_prompt=True)
+    after = render_turns(tokenizer, prompt + response, where)
     if not after.startswith(before):
         raise DataError(
             f"{where}: the chat template renders the prompt differently once the response follows, so "
             "the response cannot be found; pass the pairs as plain-text prompt/chosen/rejected columns"
         )
-    return [(before, False), (after[len(before) :], True)]
+    turn, separator = turn_and_separator(after[len(before) :], special_texts(tokenizer))
+    return [(before, False), (turn, True), (separator, False)]
 
 
 def encode_pairs(tokenizer, pairs, max_seq_length, long_examples, split, chat):
@@ -172,10 +185,18 @@ def encode_pairs(tokenizer, pairs, max_seq_length, long_examples, split, chat):
 
 
 def prepare_preferences(
-    inputs, model_dir, tokenizer, columns, max_seq_length, long_examples="truncate", cache_root="runs/tokens"
+    inputs,
+    model_dir,
+    tokenizer,
+    columns,
+    max_seq_length,
+    long_examples="truncate",
+    cache_root="runs/tokens",
+    template=False,
 ):
     """The tokenized folder for these inputs (data.splits.DataInputs; written if missing) and its
-    info.json as a dict. `columns`: {"prompt": NAME, "chosen": NAME, "rejected": NAME}."""
+    info.json as a dict. `columns`: {"prompt": NAME, "chosen": NAME, "rejected": NAME}; `template`:
+    plain-text pairs as a user turn and an assistant turn of the chat template."""
     import datasets
 
     if long_examples not in LONG_EXAMPLES:
@@ -185,6 +206,8 @@ def prepare_preferences(
         "format": FORMAT,
         **inputs_key(inputs),
         "tokenizer": tokenizer_files_hash(model_dir),
+        "chat_template": tokenizer.chat_template,  # --chat_template_path's too
+        "template": template,
         "columns": columns,
         "max_seq_length": max_seq_length,
         "long_examples": long_examples,
@@ -195,7 +218,7 @@ def prepare_preferences(
         info = {"columns": columns, "validation": where, "max_seq_length": max_seq_length, "splits": {}}
         for split, ds in splits.items():
             name = split if split == "train" else f"validation ({where})"
-            pairs, chat = pair_segments(ds, name, columns, tokenizer)
+            pairs, chat = pair_segments(ds, name, columns, tokenizer, template)
             rows, counts = encode_pairs(tokenizer, pairs, max_seq_length, long_examples, name, chat)
             datasets.Dataset.from_dict(rows).save_to_disk(os.path.join(tmp, split))
             info["splits"][split] = counts

@@ -4,8 +4,11 @@ read once, tokenized once, kept as memory-mapped Arrow (the cache of data/labell
 An example is the tokenizer's tokens of its whole text, prompt then response, as the model meets it
 at inference, and the end-of-text token: the tokens that hold the response's characters (character
 offsets) and that last token are the targets, the prompt is context only. A chat conversation (a
-column of [{"role", "content"}, ...] turns) is rendered with the tokenizer's own chat template and
-tokenized whole, and every assistant turn is a target. A row stores the model's input and, beside
+column of [{"role", "content"}, ...] turns, or with --apply_chat_template a prompt as a user turn and
+its response as the assistant's) is rendered with the tokenizer's chat template and tokenized whole,
+and every assistant turn is a target up to and with the special token that ends it (ChatML's
+<|im_end|>, Llama 3's <|eot_id|>, Gemma's <end_of_turn>), not the newline some templates write after
+it: the model learns to write the end of its turn, which is where its answers stop. A row stores the model's input and, beside
 it, the token each position predicts (`labels`, already shifted; -100 where nothing is scored), so
 an example of n tokens is a row of n - 1 positions, each scored response token predicted exactly
 once. `targets` counts a row's scored positions: the training loop divides the loss by their sum
@@ -28,7 +31,7 @@ from data.labelled_text import cached_folder, first_words, tokenizer_files_hash
 from data.padding import padded_length
 from data.splits import inputs_key, load_splits, stem
 
-FORMAT = 2  # of the folder written here; a change makes every cached folder stale
+FORMAT = 3  # of the folder written here; a change makes every cached folder stale
 LONG_EXAMPLES = ("truncate", "drop", "error")
 
 
@@ -62,32 +65,76 @@ def prompt_response_segments(ds, split, prompt_column, response_column):
     return [[(p or "", False), (r, True)] for p, r in zip(prompts, responses, strict=True)]
 
 
+def check_chat_template(tokenizer, why):
+    """A DataError unless the tokenizer has a chat template: `why` says what needs it."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"{why}: the model's tokenizer has no chat template; give it one (--chat_template_path FILE.jinja, "
+            "or a chat_template in its tokenizer_config.json), or pass plain text without --apply_chat_template"
+        )
+
+
+def special_texts(tokenizer):
+    """The texts of the tokenizer's special tokens (<|im_end|>, <end_of_turn>, <|eot_id|>, </s>, ...)."""
+    texts = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    return texts | set(tokenizer.all_special_tokens)
+
+
+def turn_and_separator(text, specials):
+    """An assistant turn as the template renders it, split in two: the turn, up to and with its last
+    special token (the end-of-turn the model learns to write, and stops at), and the whitespace the
+    template puts after it before the next turn (ChatML's and Gemma's newline), which the model never
+    writes. A turn that ends in no special token is all turn: its end is whatever the template writes."""
+    body = text.rstrip()
+    if body != text and any(body.endswith(s) for s in specials):
+        return body, text[len(body) :]
+    return text, ""
+
+
+def render_turns(tokenizer, turns, where, **kwargs):
+    """The chat template's text of `turns`; a DataError naming `where` when the template refuses them."""
+    try:
+        return tokenizer.apply_chat_template(turns, tokenize=False, **kwargs)
+    except Exception as e:  # jinja2's TemplateError, the template's own raise_exception(): a row it refuses
+        raise DataError(
+            f"the model's chat template refuses {where} ({' '.join(str(e).split())[:120]}); drop or fix "
+            "such rows, or pass a model whose template takes them"
+        ) from None
+
+
+def conversation_segments(tokenizer, turns, where, specials):
+    """A conversation's text as the chat template renders it, cut into (text, is_assistant) pieces: each
+    assistant turn is the text the template adds to the conversation before it (rendered with the
+    generation prompt) when that turn is added, less the separator after its end-of-turn token."""
+    text = render_turns(tokenizer, turns, where)
+    segments, done = [], 0
+    for i, turn in enumerate(turns):
+        if turn["role"] != "assistant":
+            continue
+        before = render_turns(tokenizer, turns[:i], where, add_generation_prompt=True)
+        after = render_turns(tokenizer, turns[: i + 1], where)
+        if not (after.startswith(before) and text.startswith(after) and len(before) >= done):
+            raise DataError(
+                f"{where}: the chat template does not render the conversation one turn after another (an "
+                "earlier turn's text changes when a turn is added, as Qwen3's drops earlier thinking), so its "
+                "assistant turns cannot be told apart; pass each assistant turn as its own conversation "
+                "(the turns before it, then it), or the pairs as --prompt_column/--response_column"
+            )
+        turn_text, separator = turn_and_separator(after[len(before) :], specials)
+        segments += [(text[done : len(before)], False), (turn_text, True)]
+        done = len(before) + len(turn_text)
+    return segments + [(text[done:], False)]
+
+
 def chat_segments(ds, split, column, tokenizer):
-    """Per conversation: its text as rendered by the chat template, cut into (text, is_assistant) pieces:
-    each assistant turn is the text the template adds to the conversation before it (rendered with
-    the generation prompt) when that turn is added."""
+    """Per conversation (a column of [{"role", "content"}, ...] turns): conversation_segments."""
     if column not in ds.column_names:
         raise DataError(
             f"no column {column!r} in the {split} data (columns: {', '.join(ds.column_names)}); "
             "pass --messages_column NAME"
         )
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError(
-            f"--messages_column {column}: the model's tokenizer has no chat template to render "
-            "conversations with; pass --prompt_column and --response_column instead, or add a "
-            "chat_template to its tokenizer_config.json"
-        )
-
-    def render(turns, where, **kwargs):
-        try:
-            return tokenizer.apply_chat_template(turns, tokenize=False, **kwargs)
-        except Exception as e:  # jinja2's TemplateError, the template's own raise_exception(): a row it refuses
-            raise DataError(
-                f"the model's chat template refuses {where} ({' '.join(str(e).split())[:120]}); drop or fix "
-                "such rows, or pass a model whose template takes them"
-            ) from None
-
-    out = []
+    check_chat_template(tokenizer, f"--messages_column {column} holds conversations")
+    specials, out = special_texts(tokenizer), []
     for turns in ds[column]:
         if not isinstance(turns, list) or not all(isinstance(t, dict) and {"role", "content"} <= set(t) for t in turns):
             raise DataError(
@@ -97,22 +144,41 @@ def chat_segments(ds, split, column, tokenizer):
         where = f"the {split} conversation {first_words(turns[0]['content'] or '') if turns else '[]'}"
         if not any(t["role"] == "assistant" and (t["content"] or "").strip() for t in turns):
             raise DataError(f"{where} has no assistant turn with text: nothing to learn from; drop it")
-        text = render(turns, where)
-        segments, done = [], 0
-        for i, turn in enumerate(turns):
-            if turn["role"] != "assistant":
-                continue
-            before, after = render(turns[:i], where, add_generation_prompt=True), render(turns[: i + 1], where)
-            if not (after.startswith(before) and text.startswith(after) and len(before) >= done):
-                raise DataError(
-                    f"{where}: the chat template does not render the conversation one turn after "
-                    "another (an earlier turn's text changes when a turn is added), so the assistant "
-                    "turns cannot be found; pass the pairs as --prompt_column/--response_column"
-                )
-            segments += [(text[done : len(before)], False), (after[len(before) :], True)]
-            done = len(after)
-        out.append(segments + [(text[done:], False)])
+        out.append(conversation_segments(tokenizer, turns, where, specials))
     return out
+
+
+def templated_segments(examples, split, tokenizer):
+    """prompt_response_segments' examples with --apply_chat_template: each prompt a user turn and its
+    response the assistant's turn, rendered by the chat template (conversation_segments)."""
+    check_chat_template(tokenizer, "--apply_chat_template")
+    specials = special_texts(tokenizer)
+    return [
+        conversation_segments(
+            tokenizer,
+            [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}],
+            f"the {split} example {first_words(prompt)}",
+            specials,
+        )
+        for (prompt, _), (response, _) in examples
+    ]
+
+
+def turn_end_id(tokenizer):
+    """The token that ends an assistant turn in the tokenizer's chat template (ChatML's <|im_end|>,
+    Llama 3's <|eot_id|>, Gemma's <end_of_turn>), or None: no template, or a turn that ends in text."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    turns = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4"}]
+    try:
+        segments = conversation_segments(tokenizer, turns, "a probe", special_texts(tokenizer))
+    except DataError:
+        return None
+    ids = tokenizer(segments[1][0], add_special_tokens=False)["input_ids"]
+    if not ids:
+        return None
+    added = tokenizer.added_tokens_decoder.get(ids[-1])
+    return ids[-1] if ids[-1] in tokenizer.all_special_ids or (added and added.special) else None
 
 
 def scored_tokens(tokenizer, examples, chat):
@@ -181,27 +247,37 @@ def context_ids(tokenizer, prompt):
     return ids[: read[-1] + 1] if read else ids
 
 
-def validation_prompts(inputs, tokenizer, columns, room):
+def prompt_ids(tokenizer, prompt, template=False):
+    """The ids a model reads before it answers `prompt`: a conversation (or, with `template`, a text as a
+    user turn) through the chat template with the assistant's turn opened; a text as context_ids."""
+    if isinstance(prompt, list) or template:
+        turns = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return context_ids(tokenizer, prompt)
+
+
+def validation_prompts(inputs, tokenizer, columns, room, template=False):
     """The validation split's rows (load_splits of the same inputs: the rows prepare_prompt_response
     holds out, each once) as prompts for the model to answer: {"ids": what the model reads before it
-    writes a response, as training presents it (a text through context_ids; a conversation's turns
-    before its last assistant turn through the chat template, the assistant's turn opened), the start
-    cut to `room` tokens; "prompts": the texts, or those turns; "columns": every other column by name,
-    the response's included; "conversational"; "cut": how many prompts were cut}."""
+    writes a response, as training presents it (prompt_ids: the prompt column's text or turns, or
+    without one the turns of columns["messages"] before its last assistant turn; a text with
+    `template` as a user turn), the start cut to `room` tokens; "prompts": the texts, or those turns;
+    "columns": every other column by name, the response's included; "conversational"; "cut": how many
+    prompts were cut}."""
     ds = load_splits(inputs)[0]["validation"]
-    name = columns.get("messages") or columns["prompt"]
-    if "messages" in columns:
-        prompts = [turns[: max(i for i, t in enumerate(turns) if t["role"] == "assistant")] for turns in ds[name]]
-        texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
-        ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
-    else:
+    if columns.get("prompt") in ds.column_names:  # a text, or turns (dpo.py's conversational prompts)
+        name = columns["prompt"]
         prompts = [p or "" for p in ds[name]]
-        ids = [context_ids(tokenizer, p) for p in prompts]
+    else:  # without a prompt column: the turns before the conversation's last assistant turn
+        name = columns["messages"]
+        prompts = [turns[: max(i for i, t in enumerate(turns) if t["role"] == "assistant")] for turns in ds[name]]
+    ids = [prompt_ids(tokenizer, p, template) for p in prompts]
     return {
         "ids": [i[-room:] for i in ids],
         "prompts": prompts,
         "columns": {c: ds[c] for c in ds.column_names if c != name},
-        "conversational": "messages" in columns,
+        "conversational": any(isinstance(p, list) for p in prompts),
         "cut": sum(len(i) > room for i in ids),
     }
 
@@ -295,19 +371,22 @@ def prepare_prompt_response(
     long_examples="truncate",
     packing=False,
     cache_root="runs/tokens",
+    template=False,
 ):
     """The tokenized folder for these inputs (data.splits.DataInputs; written if missing) and its
-    info.json as a dict. `columns`: {"prompt": NAME, "response": NAME} or {"messages": NAME}."""
+    info.json as a dict. `columns`: {"prompt": NAME, "response": NAME} or {"messages": NAME};
+    `template`: prompt/response pairs as a user turn and an assistant turn of the chat template."""
     import datasets
 
     if long_examples not in LONG_EXAMPLES:
         raise DataError(f"--long_examples {long_examples}: pass one of {', '.join(LONG_EXAMPLES)}")
     datasets.disable_progress_bars()
-    chat = "messages" in columns
+    chat = "messages" in columns or template
     key = {
         "format": FORMAT,
         **inputs_key(inputs),
         "tokenizer": tokenizer_files_hash(model_dir),
+        "chat_template": tokenizer.chat_template if chat else None,  # --chat_template_path's too
         "columns": columns,
         "max_seq_length": max_seq_length,
         "long_examples": long_examples,
@@ -318,6 +397,7 @@ def prepare_prompt_response(
         splits, where = load_splits(inputs)
         info = {
             "columns": columns,
+            "chat_template": chat,
             "validation": where,
             "max_seq_length": max_seq_length,
             "packing": packing,
@@ -325,11 +405,12 @@ def prepare_prompt_response(
         }
         for split, ds in splits.items():
             name = split if split == "train" else f"validation ({where})"
-            examples = (
-                chat_segments(ds, name, columns["messages"], tokenizer)
-                if chat
-                else prompt_response_segments(ds, name, columns["prompt"], columns["response"])
-            )
+            if "messages" in columns:
+                examples = chat_segments(ds, name, columns["messages"], tokenizer)
+            else:
+                examples = prompt_response_segments(ds, name, columns["prompt"], columns["response"])
+                if template:
+                    examples = templated_segments(examples, name, tokenizer)
             rows, counts = encode(tokenizer, examples, max_seq_length, long_examples, name, chat)
             if packing and split == "train":
                 rows = pack(rows, max_seq_length)

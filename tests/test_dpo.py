@@ -92,6 +92,17 @@ def conversations(n, seed):
     return out
 
 
+REWARDS = """
+def names_the_word(prompts, completions, chosen, **kwargs):
+    # the chosen response's first word (the prompt's word) in the answer: the data's other columns by name
+    return [float(c.split()[:1] == ch.split()[:1]) for c, ch in zip(completions, chosen)]
+
+
+def characters(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+"""
+
+
 def write_jsonl(path, records):
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
@@ -101,6 +112,7 @@ def write_jsonl(path, records):
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("dpo")
+    (root / "rewards.py").write_text(REWARDS)
     return {
         # both ship dropout (GPT-2's layers, Llama's attention_dropout number): --disable_dropout's default removes it
         "gpt2": tiny_causal_lm(root / "gpt2", dropout=0.1),
@@ -109,8 +121,18 @@ def data(tmp_path_factory):
         "validation": write_jsonl(root / "validation.jsonl", preferences(N_VALIDATION, 1)),
         "chat": write_jsonl(root / "chat.jsonl", conversations(40, 2)),
         "cache": str(root / "tokens"),
+        "rewards": str(root / "rewards.py"),
         "root": root,
     }
+
+
+# greedy answers to the validation prompts at each evaluation, scored by two functions of the data's columns
+def scored(data):
+    return ["--reward_funcs", f"{data['rewards']}:names_the_word,characters", "--reward_weights", 1, 0.01]
+
+
+def records(path):
+    return [json.loads(line) for line in open(path)]
 
 
 def args_for(data, *extra, model="gpt2"):
@@ -158,7 +180,7 @@ def one(data):
     out = data["root"] / "one"
     run_main(
         "dpo",
-        *args_for(data, "--per_device_train_batch_size", 8, "--eval_on_start"),
+        *args_for(data, "--per_device_train_batch_size", 8, "--eval_on_start", *scored(data), "--max_new_tokens", 6),
         "--output_dir",
         out,
         through_run=True,
@@ -170,8 +192,33 @@ def one(data):
 def accumulated(data):
     """2 processes x 2 pairs x 2 accumulation steps, uninterrupted."""
     out = data["root"] / "accumulated"
-    dpo_run("cpu_2proc", data, out, *ACCUMULATED, "--eval_on_start")
+    dpo_run("cpu_2proc", data, out, *ACCUMULATED, "--eval_on_start", *scored(data), "--max_new_tokens", 6)
     return out
+
+
+def test_answers_are_scored_once_each_and_the_same_on_one_process_and_two(data, one, accumulated):
+    """--reward_funcs: every validation prompt answered greedily once per evaluation (--eval_on_start's
+    too), scored with the data's other columns; the metrics are the means of eval_completions.jsonl's
+    rewards, and equal on 1 process and on 2 with accumulation."""
+    prompts = [r["prompt"] for r in records(data["validation"])]
+    results = {}
+    for name, folder in (("one", one), ("two", accumulated)):
+        result = results[name] = json.load(open(folder / "all_results.json"))
+        before = {k.removesuffix("_before"): v for k, v in result.items() if k.endswith("_before")}
+        evaluations = [{"step": 0, **before}] + result["history"]
+        lines = records(folder / "eval_completions.jsonl")
+        assert [(r["step"], r["prompt"]) for r in lines] == [(e["step"], p) for e in evaluations for p in prompts]
+        for e in evaluations:
+            mine = [r for r in lines if r["step"] == e["step"]]
+            assert e["eval_reward"] == pytest.approx(
+                sum(r["names_the_word"] + 0.01 * r["characters"] for r in mine) / len(mine)
+            )
+            assert e["eval_rewards/names_the_word/mean"] == pytest.approx(
+                sum(r["names_the_word"] for r in mine) / len(mine)
+            )
+        assert e["eval_samples"] == N_VALIDATION and "eval_rewards/accuracies" in e  # beside DPO's own metrics
+    for key in ("eval_reward_before", "eval_reward", "eval_rewards/characters/mean"):
+        assert results["one"][key] == results["two"][key], key
 
 
 def test_one_process_and_two_with_accumulation_take_the_same_steps(data, one, accumulated, capsys):
@@ -497,9 +544,10 @@ def test_conversations_score_only_the_last_assistant_turn(data):
         for side in ("chosen", "rejected"):
             whole = tokenizer.apply_chat_template(talk[side], tokenize=False)
             ids, labels = rows[f"{side}_input_ids"][k], rows[f"{side}_labels"][k]
-            assert tokenizer.decode(ids + [labels[-1]]) == whole  # the rendering, shifted by one
+            assert tokenizer.decode(ids) + "\n" == whole  # the rendering, less its last newline (never scored)
             scored = tokenizer.decode([t for t in labels if t != -100])
-            assert scored == f"{talk[side][-1]['content']}<|im_end|>\n"  # the earlier assistant turn is prompt
+            # the earlier assistant turn is prompt; the template's newline after <|im_end|> is not the answer's
+            assert scored == f"{talk[side][-1]['content']}<|im_end|>"
 
 
 def test_llama_tunes_on_conversations_and_its_folder_answers_a_user_turn(data, tmp_path, capsys):
@@ -592,7 +640,7 @@ def test_bad_input_is_one_line_and_writes_no_run(data, tmp_path, capsys):
     line = bad(capsys, *gpt2, "--train_file", data["train"], "--beta", 0, *common, code=2)
     assert "--beta: must be a positive number, got 0" in line, line
     line = bad(capsys, *gpt2, "--train_file", data["chat"], *common)
-    assert "has no chat template to render them" in line, line
+    assert "the preference data are conversations: the model's tokenizer has no chat template" in line, line
     assert not out.exists() or not (out / "all_results.json").exists()
 
 

@@ -283,10 +283,12 @@ def test_the_usual_mean_per_micro_batch_would_take_another_step(data, capsys):
     assert ours < 1e-5 < 1e-4 < mean
 
 
-def encoded(data, split):
+def encoded(data, split, newest=False):
+    """The tokenized `split` of the module's training data: its first folder, or the newest one."""
     import datasets
 
-    folder = next(os.path.join(data["cache"], f) for f in sorted(os.listdir(data["cache"])) if f.startswith("train-"))
+    found = [os.path.join(data["cache"], f) for f in os.listdir(data["cache"]) if f.startswith("train-")]
+    folder = max(found, key=os.path.getmtime) if newest else min(found)
     return datasets.load_from_disk(os.path.join(folder, split))
 
 
@@ -404,6 +406,7 @@ def test_llama_trains_packed_and_on_chat_turns(data, tmp_path, capsys):
     out = tmp_path / "packed"
     proc = run_as_script(capsys, "sft", *args_for(data, "--packing", model="llama"), "--output_dir", out)
     assert proc.returncode == 0 and "packed into" in proc.stdout, output_of(proc)
+    assert "filled; text without the chat template (--apply_chat_template uses it)" in proc.stdout
     chat = tmp_path / "chat"
     proc = run_as_script(
         capsys,
@@ -436,6 +439,54 @@ def test_llama_trains_packed_and_on_chat_turns(data, tmp_path, capsys):
     assert proc.returncode == 0 and proc.stdout.startswith("quick animal\t"), output_of(proc)
 
 
+def test_a_base_model_given_a_chat_template_learns_text_pairs_as_turns_and_stops_at_the_end_of_turn(
+    data, tmp_path, capsys
+):
+    """A model whose tokenizer has ChatML's tokens but no template (a base model's) and an end-of-text that
+    is not <|im_end|>: --chat_template_path gives it ChatML, --apply_chat_template makes each text pair a
+    user turn and the assistant's; the scored tokens are the response and <|im_end|>, the validation
+    prompts are asked as user turns, and the output folder keeps the template and stops at <|im_end|>."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from hf_models import CHATML
+
+    base = tiny_causal_lm(tmp_path / "base", "llama", chat=True)
+    os.remove(os.path.join(base, "chat_template.jinja"))
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHATML)
+    args = ["--model_name_or_path", base, *args_for(data)[2:], "--output_dir", tmp_path / "out"]
+    line = bad(capsys, *args, "--apply_chat_template")
+    assert line.endswith(
+        "--apply_chat_template: " + base + "'s tokenizer has no chat template; give it one (--chat_template_path "
+        "FILE.jinja), or leave the flag out to train on the text as it is"
+    ), line
+    (tmp_path / "empty.jinja").write_text("  \n")
+    line = bad(capsys, *args, "--chat_template_path", tmp_path / "empty.jinja")
+    assert "--chat_template_path " + str(tmp_path / "empty.jinja") + " holds no chat template" in line, line
+
+    out = tmp_path / "out"
+    proc = run_as_script(
+        capsys, "sft", *args, "--chat_template_path", template, "--apply_chat_template", *scored(data, "characters")
+    )
+    assert proc.returncode == 0 and "tokens per example; chat template\n" in proc.stdout, output_of(proc)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tokenizer.chat_template == CHATML and end != tokenizer.eos_token_id
+    assert end in GenerationConfig.from_pretrained(out).eos_token_id  # generate() stops at the end of the turn
+    rows = encoded(data, "train", newest=True)
+    pair = {r["prompt"]: r["response"] for r in records(data["train"])}
+    for ids, labels in zip(rows["input_ids"][:5], rows["labels"][:5], strict=True):
+        text = tokenizer.decode(ids)  # the template's last newline is never scored, so no row holds it
+        prompt = text.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+        assert text == f"<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n{pair[prompt]}<|im_end|>"
+        assert tokenizer.decode([t for t in labels if t != -100]) == f"{pair[prompt]}<|im_end|>"
+    asked = [r["prompt"] for r in records(out / "eval_completions.jsonl")]
+    assert asked[: len(records(data["validation"]))] == [r["prompt"] for r in records(data["validation"])]
+    assert json.load(open(out / "args.json"))["apply_chat_template"] is True
+    proc = run_as_script(capsys, "sft", "--output_dir", out, "--prompt", "quick animal", "--max_new_tokens", 3)
+    assert proc.returncode == 0 and proc.stdout.startswith("quick animal\t"), output_of(proc)
+
+
 def test_only_the_assistant_turns_are_scored(data):
     from transformers import AutoTokenizer
 
@@ -446,9 +497,10 @@ def test_only_the_assistant_turns_are_scored(data):
     )
     for talk, ids, labels in zip(talks, rows["input_ids"], rows["labels"], strict=True):
         whole = tokenizer.apply_chat_template(talk["messages"], tokenize=False)
-        assert tokenizer.decode(ids + [labels[-1]]) == whole  # the rendering, shifted by one
+        assert tokenizer.decode(ids) + "\n" == whole  # the rendering, less its last newline (never scored)
         scored = tokenizer.decode([t for t in labels if t != -100])
-        assert scored == "".join(f"{m['content']}<|im_end|>\n" for m in talk["messages"] if m["role"] == "assistant")
+        # each turn up to its <|im_end|>: the template's newline after it is not the answer's
+        assert scored == "".join(f"{m['content']}<|im_end|>" for m in talk["messages"] if m["role"] == "assistant")
 
 
 def boundary_pairs(n, seed):

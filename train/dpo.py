@@ -7,8 +7,10 @@ with Hugging Face Accelerate: the step after supervised fine-tuning.
     python train/dpo.py --output_dir runs/my_dpo --prompt "Define: serendipity\\n"
 
 Any AutoModelForCausalLM, a folder (sft.py's output) or a Hub id; pairs of a prompt and two responses,
-the chosen and the rejected, as string columns or conversations (data/preferences.py), from files or
---dataset_name. Each side is tokenized whole and its response tokens scored, as sft.py does.
+the chosen and the rejected, as string columns (with --apply_chat_template: a user turn and the
+assistant's) or conversations (data/preferences.py), from files or --dataset_name. Each side is
+tokenized whole and its response tokens scored, as sft.py does. With --reward_funcs each evaluation
+also answers the validation prompts greedily and scores the answers, as sft.py does.
 
 With log p(y|x) the sum of the log-probabilities of a response's tokens, the policy's and the
 reference's, the implicit reward of a response is r = beta * (log p(y|x) - log p_ref(y|x)), and with
@@ -48,13 +50,23 @@ import torch.nn.functional as F
 from data.errors import fail
 from data.loader import sharded_loader
 from data.preferences import LONG_EXAMPLES, SIDES, PairBatch, prepare_preferences
+from data.prompt_response import validation_prompts
 from data.sharding import ShardedIterableDataset
 from data.sources import DatasetsSource
 from train.core.accelerator import gather_patiently, main_process_first
+from train.core.answers import (
+    Scoring,
+    add_reward_args,
+    evaluate_answers,
+    keep_until,
+    read_validation_prompts,
+    reward_metrics,
+)
 from train.core.evaluation import evaluate_rows
 from train.core.flags import add_data_files_args, add_tokenized_data_args, data_inputs, make_parser
 from train.core.loop import TrainingLoop
 from train.core.parser import fraction, positive_float
+from train.core.rewards import load_reward_funcs, reward_weights
 from train.core.run import run
 from train.core.tracking import readable_by_others
 from train.models.causal_lm import (
@@ -64,10 +76,11 @@ from train.models.causal_lm import (
     load_causal_lm,
     model_saver,
     start_causal_lm,
+    template_note,
 )
 from train.models.generation import generate
 from train.models.gpt import next_token_loss
-from train.models.hf import adamw
+from train.models.hf import adamw, max_positions
 
 TASK = "dpo"  # the run's name in its checkpoints: another task's checkpoint is refused
 # its evaluation's metrics (TRL's names), the headline first
@@ -130,6 +143,7 @@ def parse_args(argv=None):
         help="The share of pairs taken as flipped, below 0.5: conservative DPO (sigmoid) or robust DPO (robust); "
         "ipo and hinge take none.",
     )
+    add_reward_args(parser)
     parser.set_defaults(output_dir="runs/dpo")
     parser.recorded.add("conversational")  # derived in main() and recorded in args.json, which reruns a run
     args = parser.parse_args(argv)
@@ -286,6 +300,8 @@ def with_reference(accelerator, model, logps_of, splits, folder, key, batch_size
 
 
 def main(args):
+    funcs = load_reward_funcs(args.reward_funcs) if args.reward_funcs else []  # before anything is written
+    weights = reward_weights(funcs, args.reward_weights)
     accelerator, folder, config, tokenizer = start_causal_lm(args, TASK, MAX_LENGTH)  # and args.max_seq_length
 
     # ---------------------------------------------------------------- data: tokenized once, then sharded
@@ -293,7 +309,14 @@ def main(args):
     tokens, info = main_process_first(
         accelerator,
         lambda: prepare_preferences(
-            data_inputs(args), folder, tokenizer, columns, args.max_seq_length, args.long_examples, args.cache_dir
+            data_inputs(args),
+            folder,
+            tokenizer,
+            columns,
+            args.max_seq_length,
+            args.long_examples,
+            args.cache_dir,
+            args.apply_chat_template,
         ),
         share=True,
     )
@@ -318,10 +341,24 @@ def main(args):
             for s, c in counts.items()
         )
         + f"; max_seq_length {args.max_seq_length}"
+        + template_note(tokenizer, info["conversational"])
     )
+    asked = None  # --reward_funcs: the validation prompts, answered at each evaluation
+    if funcs:
+        asked = read_validation_prompts(
+            accelerator,
+            args,
+            lambda room: validation_prompts(
+                data_inputs(args), tokenizer, columns | {"messages": args.chosen_column}, room, args.apply_chat_template
+            ),
+            max_positions(config, tokenizer, 1 << 20),
+            Scoring(funcs, weights),
+        )
 
     # ---------------------------------------------------------------- model
-    model = load_causal_lm(args, accelerator, folder)  # with --lora_r the pretrained model, frozen, is the reference
+    model = load_causal_lm(
+        args, accelerator, folder, tokenizer
+    )  # with --lora_r the pretrained model, frozen, is the reference
     trainable, total = describe_model(
         accelerator,
         model,
@@ -332,6 +369,7 @@ def main(args):
     )
     optimizer = adamw(model, args.learning_rate, args.weight_decay)  # decay on weight matrices only
     model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
+    policy = accelerator.unwrap_model(model)  # answers come from the model itself, not its DDP wrapper
 
     def logps_of(batch):
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
@@ -388,6 +426,16 @@ def main(args):
     # accelerate divides each micro-batch's loss by the accumulation steps and DDP averages over processes:
     # this factor undoes both, so the step's gradient is that of (sum of pair losses) / (step's pairs)
     scale = accelerator.num_processes * args.gradient_accumulation_steps
+    answers = os.path.join(args.output_dir, "eval_completions.jsonl")
+
+    def evaluate():
+        metrics = evaluate_rows(accelerator, model, loaders["validation"], per_pair)
+        if asked is not None:
+            scoring = Scoring(funcs, weights, answers, loop.step)
+            chunk = args.per_device_eval_batch_size
+            metrics |= evaluate_answers(accelerator, policy, tokenizer, asked, scoring, args.max_new_tokens, chunk)
+        return metrics
+
     loop = TrainingLoop(
         accelerator,
         args,
@@ -396,12 +444,14 @@ def main(args):
         optimizer,
         loaders["train"],
         headline=METRICS[0],
-        metrics=METRICS,
-        evaluate=lambda: evaluate_rows(accelerator, model, loaders["validation"], per_pair),
+        metrics=METRICS + reward_metrics(funcs),
+        evaluate=evaluate,
     )
+    if accelerator.is_main_process:  # a resumed run answers the steps after its checkpoint again
+        keep_until(answers, loop.step)
     before = {}
     if args.eval_on_start and loop.step == 0:
-        before = evaluate_rows(accelerator, model, loaders["validation"], per_pair)
+        before = evaluate()
         if accelerator.is_main_process:  # above the progress bar, as the loop's own evaluation lines
             loop.progress.write(
                 "before tuning: " + " ".join(f"{k}={v:.4f}" for k, v in before.items() if isinstance(v, float))
@@ -426,7 +476,7 @@ def main(args):
             "parameters": total,
             "train_pairs": counts["train"]["rows"],
             "train_pairs_per_second": loop.samples_per_second(),
-            **{f"{k}_before": v for k, v in before.items() if k != "eval_samples"},
+            **{f"{k}_before": v for k, v in before.items() if k not in ("eval_samples", "eval_tokens")},
         },
         save_model=model_saver(args, config, tokenizer),
     )

@@ -47,7 +47,7 @@ import torch
 from data.errors import DataError, fail
 from data.labelled_text import first_words
 from data.loader import sharded_loader
-from data.prompt_response import context_ids
+from data.prompt_response import prompt_ids
 from data.sources import TensorSource
 from data.splits import load_splits
 from train.core.accelerator import main_process_first
@@ -73,6 +73,7 @@ from train.models.causal_lm import (
     load_causal_lm,
     model_saver,
     start_causal_lm,
+    template_note,
 )
 from train.models.generation import generate
 from train.models.hf import adamw, load_pretrained, max_positions
@@ -96,15 +97,6 @@ def parse_args(argv=None):
     )
     data.add_argument(
         "--prompt_column", default="prompt", help="The prompt: text, or conversation turns [{role, content}]."
-    )
-    data.add_argument(
-        "--apply_chat_template",
-        type=true_or_false,
-        nargs="?",
-        const=True,
-        default=False,
-        help="Text prompts as a user turn in the tokenizer's chat template (conversations always are). "
-        "(default: false)",
     )
     data.add_argument(
         "--max_prompt_length",
@@ -217,16 +209,6 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------------------------------------- the prompts
 
 
-def prompt_ids(tokenizer, prompt, chat):
-    """The ids the model reads before it answers `prompt`: a conversation (or, with `chat`, a text as
-    a user turn) through the chat template with the assistant's turn opened; a text as sft.py reads it."""
-    if isinstance(prompt, list) or chat:
-        turns = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return context_ids(tokenizer, prompt)
-
-
 def read_prompts(args, tokenizer):
     """{split: {"columns": {name: values}, "ids": [prompt ids]}}, the validation split's source, whether
     the prompts are conversations, and per split the prompts cut and dropped (--long_examples)."""
@@ -240,11 +222,6 @@ def read_prompts(args, tokenizer):
             )
         columns = {name: ds[name] for name in ds.column_names}
         prompts = columns[args.prompt_column]
-        if args.apply_chat_template and not getattr(tokenizer, "chat_template", None):
-            raise DataError(
-                f"--apply_chat_template: {args.model_name_or_path}'s tokenizer has no chat template; leave the flag "
-                "out (prompts are read as text), or give the model a chat_template in its tokenizer_config.json"
-            )
         keep, ids, cut = [], [], 0
         for i, prompt in enumerate(prompts):
             conversation = isinstance(prompt, list)
@@ -425,11 +402,7 @@ def main(args):
         train=True,
         last_batch_syncs=False,  # a batch is whole optimizer steps: accumulate() counts its micro-batches
     )
-    template = (
-        ""
-        if not getattr(tokenizer, "chat_template", None)
-        else ("; chat template" if chat else "; text prompts without the chat template (--apply_chat_template uses it)")
-    )
+    template = template_note(tokenizer, chat)
     accelerator.print(
         "data: "
         + "; ".join(
@@ -442,7 +415,7 @@ def main(args):
     )
 
     # ---------------------------------------------------------------- model, and the reference
-    model = load_causal_lm(args, accelerator, folder)
+    model = load_causal_lm(args, accelerator, folder, tokenizer)
     eos, pad = end_ids(model, tokenizer), tokenizer.pad_token_id
     reference = None
     if args.beta and not args.lora_r:  # with LoRA the reference is the model with its adapters off

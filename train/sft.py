@@ -8,8 +8,10 @@ fine-tuning), with Hugging Face Accelerate.
 
 Any AutoModelForCausalLM, a local folder (train/lm.py's output is one) or a Hub id, with its own
 tokenizer; your files or a dataset (--dataset_name). Columns `prompt` and `response` (--prompt_column,
---response_column), or --messages_column with chat turns rendered by the tokenizer's chat template;
-each example is tokenized whole and only the response's tokens are scored. Tokenized once into
+--response_column), as text or with --apply_chat_template as a user turn and the assistant's turn, or
+--messages_column with chat turns; turns are rendered by the tokenizer's chat template (or
+--chat_template_path's) and each assistant turn is scored up to its end-of-turn token. Each example is
+tokenized whole and only the response's tokens are scored. Tokenized once into
 runs/tokens (data/prompt_response.py) and read through the exactly-once sharded path.
 
 The loss of one optimizer step is the sum over every response token of every micro-batch on every
@@ -39,7 +41,14 @@ from data.loader import sharded_loader
 from data.prompt_response import LONG_EXAMPLES, CausalBatch, prepare_prompt_response, validation_prompts
 from data.sources import DatasetsSource
 from train.core.accelerator import main_process_first
-from train.core.answers import Prompts, Scoring, evaluate_answers, keep_until
+from train.core.answers import (
+    Scoring,
+    add_reward_args,
+    evaluate_answers,
+    keep_until,
+    read_validation_prompts,
+    reward_metrics,
+)
 from train.core.evaluation import evaluate_responses
 from train.core.flags import add_data_files_args, add_tokenized_data_args, data_inputs, make_parser
 from train.core.loop import TrainingLoop
@@ -53,6 +62,7 @@ from train.models.causal_lm import (
     load_causal_lm,
     model_saver,
     start_causal_lm,
+    template_note,
 )
 from train.models.generation import generate
 from train.models.gpt import next_token_loss
@@ -98,17 +108,7 @@ def parse_args(argv=None):
         eval_batch_size=8,
         disable_dropout=False,  # TRL's SFTTrainer keeps it too: a regularizer, and no reference to match
     )
-    model = parser.groups["model"]
-    model.add_argument(
-        "--reward_funcs",
-        nargs="+",
-        default=None,
-        help="Also score greedy answers to the validation prompts at each evaluation (eval_reward): FILE.py:NAME"
-        "[,NAME...] of your own, or built-ins (answer_match, number_only). (default: no answers, no generation)",
-    )
-    model.add_argument(
-        "--reward_weights", type=float, nargs="+", default=None, help="One weight per reward function (default 1)."
-    )
+    add_reward_args(parser)
     parser.set_defaults(output_dir="runs/sft")
     args = parser.parse_args(argv)
     if args.prompt is None:
@@ -160,6 +160,7 @@ def main(args):
             args.long_examples,
             args.packing,
             args.cache_dir,
+            args.apply_chat_template,
         ),
         share=True,
     )
@@ -204,29 +205,22 @@ def main(args):
             if args.packing
             else f"{counts['train']['tokens'] / counts['train']['rows']:.0f} tokens per example"
         )
+        + template_note(tokenizer, info["chat_template"])
     )
     asked = None  # --reward_funcs: the validation prompts, answered at each evaluation
     if funcs:
         limit = max_positions(config, tokenizer, 1 << 20)
-        if args.max_new_tokens >= limit:
-            fail(
-                f"--max_new_tokens {args.max_new_tokens} leaves no room for a prompt in the {limit} tokens "
-                f"{args.model_name_or_path} reads; pass a smaller one"
-            )
-        room = limit - args.max_new_tokens  # a longer prompt's start is cut: the end is what is answered
-        read = main_process_first(
-            accelerator, lambda: validation_prompts(data_inputs(args), tokenizer, columns, room), share=True
-        )
-        asked = Prompts(read["ids"], read["prompts"], read["columns"], read["conversational"])
-        accelerator.print(
-            f"rewards: {', '.join(f'{n} x {w:g}' for (n, _), w in zip(funcs, weights, strict=True))} of greedy "
-            f"answers to the {len(asked.ids):,} validation prompts, at most {args.max_new_tokens} tokens each"
-            + (f"; {read['cut']:,} prompts cut at the start to {room} tokens" if read["cut"] else "")
+        asked = read_validation_prompts(
+            accelerator,
+            args,
+            lambda room: validation_prompts(data_inputs(args), tokenizer, columns, room, args.apply_chat_template),
+            limit,
+            Scoring(funcs, weights),
         )
 
     # ---------------------------------------------------------------- model
     packing = (lambda m: check_packing(m, config.vocab_size)) if args.packing else None
-    model = load_causal_lm(args, accelerator, folder, check=packing)  # LoRA, float32 master weights
+    model = load_causal_lm(args, accelerator, folder, tokenizer, check=packing)  # LoRA, float32 master weights
     trainable, total = describe_model(accelerator, model, args)
     optimizer = adamw(model, args.learning_rate, args.weight_decay)  # decay on weight matrices only
     model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
@@ -258,7 +252,7 @@ def main(args):
         optimizer,
         loaders["train"],
         headline=METRICS[0],
-        metrics=METRICS + (["eval_reward"] + [f"eval_rewards/{n}/mean" for n, _ in funcs] if funcs else []),
+        metrics=METRICS + reward_metrics(funcs),
         evaluate=evaluate,
     )
     if accelerator.is_main_process:  # a resumed run answers the steps after its checkpoint again
@@ -295,4 +289,9 @@ def main(args):
 
 if __name__ == "__main__":
     arguments = parse_args()
-    run((lambda a: generate(a, "train/sft.py", chat="messages_column")) if arguments.prompt else main, arguments)
+    run(
+        (lambda a: generate(a, "train/sft.py", chat=("messages_column", "apply_chat_template")))
+        if arguments.prompt
+        else main,
+        arguments,
+    )

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from data.errors import fail
+from train.core.accelerator import main_process_first
 from train.core.rewards import RewardError, answer_texts, rewards_of, score, scored_everywhere
 from train.models.rollout import complete, end_ids, round_robin, synced_generation
 
@@ -89,3 +91,44 @@ def keep_until(path, step):
         with open(path + ".tmp", "w") as f:
             f.writelines(kept)
         os.replace(path + ".tmp", path)
+
+
+def add_reward_args(parser):
+    """--reward_funcs and --reward_weights of a script that trains on answers given (sft.py, dpo.py): its
+    evaluation then also answers the validation prompts and scores the answers."""
+    model = parser.groups["model"]
+    model.add_argument(
+        "--reward_funcs",
+        nargs="+",
+        default=None,
+        help="Also score greedy answers to the validation prompts at each evaluation (eval_reward): FILE.py:NAME"
+        "[,NAME...] of your own, or built-ins (answer_match, number_only). (default: no answers, no generation)",
+    )
+    model.add_argument(
+        "--reward_weights", type=float, nargs="+", default=None, help="One weight per reward function (default 1)."
+    )
+
+
+def reward_metrics(funcs):
+    """The metrics evaluate_answers adds for the reward functions `funcs` ([(name, function)])."""
+    return ["eval_reward"] + [f"eval_rewards/{name}/mean" for name, _ in funcs] if funcs else []
+
+
+def read_validation_prompts(accelerator, args, read, limit, scoring):
+    """The validation prompts that evaluate_answers answers (`read(room)`: data/prompt_response.py's
+    validation_prompts of the script's data, each prompt cut at its start to `room` tokens), after one
+    line unless --max_new_tokens leaves room for a prompt in the `limit` tokens the model reads."""
+    if args.max_new_tokens >= limit:
+        fail(
+            f"--max_new_tokens {args.max_new_tokens} leaves no room for a prompt in the {limit} tokens "
+            f"{args.model_name_or_path} reads; pass a smaller one"
+        )
+    room = limit - args.max_new_tokens  # a longer prompt's start is cut: the end is what is answered
+    got = main_process_first(accelerator, lambda: read(room), share=True)
+    named = ", ".join(f"{n} x {w:g}" for (n, _), w in zip(scoring.funcs, scoring.weights, strict=True))
+    accelerator.print(
+        f"rewards: {named} of greedy answers to the {len(got['ids']):,} validation prompts, at most "
+        f"{args.max_new_tokens} tokens each"
+        + (f"; {got['cut']:,} prompts cut at the start to {room} tokens" if got["cut"] else "")
+    )
+    return Prompts(got["ids"], got["prompts"], got["columns"], got["conversational"])

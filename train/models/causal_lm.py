@@ -7,6 +7,7 @@ are plain functions it calls in order."""
 import copy
 import os
 
+from data.errors import fail
 from data.splits import check_inputs
 from train.core.flags import add_generation_args, add_optimizer_args, data_inputs, reading_workers
 from train.core.parser import true_or_false
@@ -41,6 +42,21 @@ def add_causal_lm_args(
     flag of the same name. `model_fingerprint` is recorded in args.json, which reruns a run."""
     model = parser.groups["model"]
     add_pretrained_args(parser, what)
+    model.add_argument(
+        "--chat_template_path",
+        default=None,
+        help="A chat template for the model's tokenizer (a .jinja file, or a tokenizer folder holding one), "
+        "used in place of its own and saved with the output. (default: the tokenizer's own)",
+    )
+    parser.groups["data"].add_argument(
+        "--apply_chat_template",
+        type=true_or_false,
+        nargs="?",
+        const=True,
+        default=False,
+        help="Text prompts (and responses) as a user turn (and the assistant's turn) of the tokenizer's chat "
+        "template, as the model meets them in a chat; conversations always are. (default: false)",
+    )
     model.add_argument("--eval_on_start", action="store_true", help=eval_on_start)
     if disable_dropout is not None:
         model.add_argument(
@@ -86,8 +102,57 @@ def start_causal_lm(args, task, max_length=None):
     if hasattr(args, "dataloader_num_workers"):
         args.dataloader_num_workers = reading_workers(args.dataloader_num_workers, accelerator.device, on_gpu=2)
     tokenizer = causal_lm_tokenizer(args, config, max_length)
+    if args.chat_template_path:
+        tokenizer.chat_template = read_chat_template(args.chat_template_path)
+    if args.apply_chat_template and not getattr(tokenizer, "chat_template", None):
+        fail(
+            f"--apply_chat_template: {args.model_name_or_path}'s tokenizer has no chat template; give it one "
+            "(--chat_template_path FILE.jinja), or leave the flag out to train on the text as it is"
+        )
     check_savable(args.model_name_or_path, config, tokenizer)  # what the run's end writes, checked before it trains
     return accelerator, folder, config, tokenizer
+
+
+def read_chat_template(path):
+    """The chat template in `path`: a Jinja file, or a tokenizer folder's chat_template.jinja or the
+    chat_template of its tokenizer_config.json; one line and exit 1 when there is none."""
+    import json
+
+    file = os.path.join(path, "chat_template.jinja") if os.path.isdir(path) else path
+    if os.path.isfile(file):
+        with open(file, encoding="utf-8") as f:
+            template = f.read()
+    elif os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            template = json.load(f).get("chat_template")
+    else:
+        template = None
+    if not isinstance(template, str) or not template.strip():
+        fail(
+            f"--chat_template_path {path} holds no chat template; pass a .jinja file, or a tokenizer folder "
+            "with chat_template.jinja or a chat_template in its tokenizer_config.json"
+        )
+    return template
+
+
+def template_note(tokenizer, used):
+    """The data line's word on the chat template: whether it is used, and the flag that would use it."""
+    if not getattr(tokenizer, "chat_template", None):
+        return ""
+    return "; chat template" if used else "; text without the chat template (--apply_chat_template uses it)"
+
+
+def stop_at_turn_end(model, tokenizer):
+    """The chat template's end-of-turn token (<|im_end|>, <|eot_id|>, <end_of_turn>) among the ids that end
+    the model's answers (its generation config, which the output folder keeps), where it is not yet
+    one: a base model given a chat template would otherwise write the next turn after its own."""
+    from data.prompt_response import turn_end_id
+
+    end = turn_end_id(tokenizer)
+    ids = model.generation_config.eos_token_id
+    ids = list(ids) if isinstance(ids, (list, tuple)) else [ids] if ids is not None else []
+    if end is not None and end not in ids:
+        model.generation_config.eos_token_id = ids + [end]
 
 
 def disable_dropout(model):
@@ -129,13 +194,13 @@ def without_dropout(config):
     return config, changed
 
 
-def load_causal_lm(args, accelerator, folder, check=None):
+def load_causal_lm(args, accelerator, folder, tokenizer, check=None):
     """The model as it trains: loaded in --torch_dtype, its fingerprint in args (checkpoints hold it: a
     resume needs the same model; its weights' hashes are remembered in --cache_dir), `check(model)`
     (the script's own test of it), dropout off with --disable_dropout (the config's probabilities
     and every nn.Dropout; --lora_dropout, asked for by name, stays), gradient checkpointing, LoRA
     adapters (the pretrained weights then stay as they are), and the weights that train in float32
-    (master weights) unless --pure_low_precision."""
+    (master weights) unless --pure_low_precision; its answers end at the chat template's end of turn."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     off = getattr(args, "disable_dropout", False)
@@ -146,6 +211,7 @@ def load_causal_lm(args, accelerator, folder, check=None):
     # its weights' hashes kept in --cache_dir, or where the scripts keep tokens by default (grpo.py has no such flag)
     cache = getattr(args, "cache_dir", None) or os.path.join("runs", "tokens")
     args.model_fingerprint = model_fingerprint(args.model_name_or_path, folder, cache)
+    stop_at_turn_end(model, tokenizer)
     if check is not None:
         check(model)
     if off:
@@ -185,6 +251,7 @@ def model_saver(args, config, tokenizer):
 
     def build():
         pretrained = load_pretrained(AutoModelForCausalLM, args, "a causal LM", save_dtype)
+        stop_at_turn_end(pretrained, tokenizer)
         return lora_model(pretrained, args, "CAUSAL_LM") if args.lora_r else pretrained
 
     # the folder's tokenizer pads on the left: batched generate() continues each prompt from its last

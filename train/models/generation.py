@@ -28,7 +28,7 @@ def check_causal_head(folder, script, **hub):
 def generate(args, script, chat):
     """Print each of --prompt's continuation (prompt<TAB>continuation, newlines as \\n) with the causal LM
     in --output_dir, a finished run of `script`; a prompt is a user turn when that run's args.json sets
-    `chat` (the key of the flag that made it train on conversations)."""
+    `chat` (the key, or keys, of the flags that made it train on conversations)."""
     import json
 
     import torch
@@ -56,7 +56,9 @@ def generate(args, script, chat):
         else {"do_sample": False}
     )
     for prompt in (p.replace("\\n", "\n") for p in args.prompt):
-        if trained.get(chat):  # a chat model: the prompt is a user turn
+        if any(
+            trained.get(key) for key in ((chat,) if isinstance(chat, str) else chat)
+        ):  # a chat model: the prompt is a user turn
             ids = tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt", return_dict=True
             )["input_ids"]
