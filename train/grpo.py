@@ -71,11 +71,12 @@ from train.models.causal_lm import (
     check_training_inputs,
     describe_model,
     load_causal_lm,
+    max_positions,
     model_saver,
     start_causal_lm,
 )
 from train.models.generation import generate
-from train.models.hf import adamw, load_pretrained, max_positions
+from train.models.hf import adamw, load_pretrained
 from train.models.rollout import end_ids, group_seed, round_robin, sample_groups, synced_generation
 
 TASK = "grpo"  # the run's name in its checkpoints: another task's checkpoint is refused

@@ -444,39 +444,6 @@ def save_model_folder(weights, output_dir, build, tokenizer, lora, dtype):
     tokenizer.save_pretrained(output_dir)
 
 
-def causal_lm_tokenizer(args, config, cap):
-    """--model_name_or_path's tokenizer for a causal LM's batches (padding with end-of-text where it has
-    no padding token, on the right; padding is never scored), with args.max_seq_length resolved: the
-    model's limit, at most `cap`, unless given; one line when given beyond the model's limit. With `cap`
-    None the script decides its lengths itself (max_positions)."""
-    tokenizer = load_tokenizer(args.model_name_or_path, **hub_kwargs(args))
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(0)
-    tokenizer.padding_side = "right"
-    if cap is None:  # the script sets its lengths itself
-        return tokenizer
-    limit = min(
-        getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or cap,
-        tokenizer.model_max_length,
-    )
-    if args.max_seq_length and args.max_seq_length > limit:
-        fail(
-            f"--max_seq_length {args.max_seq_length} is more than {args.model_name_or_path} takes ({limit} tokens); "
-            f"pass --max_seq_length {limit} or less"
-        )
-    args.max_seq_length = args.max_seq_length or min(cap, limit)
-    return tokenizer
-
-
-def max_positions(config, tokenizer, cap):
-    """The most tokens the model reads in one sequence: its position limit and its tokenizer's, at most `cap`."""
-    return min(
-        getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or cap,
-        tokenizer.model_max_length,
-        cap,
-    )
-
-
 def check_savable(path, config, tokenizer):
     """Before the first step, one line for what would stop the run's end from writing its output
     folder: a config with a quantization method (transformers refuses save_pretrained of a model
@@ -521,24 +488,3 @@ def check_savable(path, config, tokenizer):
         )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-def check_causal_lm(path, **hub):
-    """The model's config, if its model type has a causal LM head in transformers (or its own code maps
-    one); else one line."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-    )
-
-    config = AutoConfig.from_pretrained(path, **hub)
-    # BERT and its kind have a causal head in transformers too, for decoders built from them (is_decoder)
-    encoder = config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
-    custom = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})  # --trust_remote_code's own class
-    if (config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or encoder) and not custom:
-        fail(
-            f"--model_name_or_path {path} is a {config.model_type} model ({', '.join(config.architectures or [])}), "
-            "not a causal language model; pass a decoder such as GPT-2, Llama or Qwen (train/lm.py's output is one)"
-        )
-    return config
