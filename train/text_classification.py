@@ -48,7 +48,6 @@ from train.models.hf import (
     adamw,
     add_lora_args,
     add_pretrained_args,
-    check_savable,
     default_model_folder,
     describe_dtypes,
     describe_trainable,
@@ -60,10 +59,10 @@ from train.models.hf import (
     model_fingerprint,
     quiet_transformers,
     resolve_model,
-    save_model_folder,
     set_training_dtype,
     torch_dtype,
 )
+from train.models.saving import check_savable, save_model_folder
 
 TASK = "text_classification"  # the run's name in its checkpoints: another task's checkpoint is refused
 METRICS = ["eval_accuracy", "eval_f1", "eval_loss"]  # its evaluation's metrics, the headline first

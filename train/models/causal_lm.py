@@ -16,7 +16,6 @@ from train.core.run import start_run
 from train.models.hf import (
     add_lora_args,
     add_pretrained_args,
-    check_savable,
     describe_dtypes,
     describe_trainable,
     hub_kwargs,
@@ -26,10 +25,10 @@ from train.models.hf import (
     model_fingerprint,
     quiet_transformers,
     resolve_model,
-    save_model_folder,
     set_training_dtype,
     torch_dtype,
 )
+from train.models.saving import check_savable, save_model_folder
 
 
 def add_causal_lm_args(
