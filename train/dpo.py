@@ -67,7 +67,7 @@ from train.models.causal_lm import (
 )
 from train.models.generation import generate
 from train.models.gpt import next_token_loss
-from train.models.hf import adamw
+from train.models.trainable import adamw
 
 TASK = "dpo"  # the run's name in its checkpoints: another task's checkpoint is refused
 # its evaluation's metrics (TRL's names), the headline first

@@ -76,8 +76,9 @@ from train.models.causal_lm import (
     start_causal_lm,
 )
 from train.models.generation import generate
-from train.models.hf import adamw, load_pretrained
+from train.models.hf import load_pretrained
 from train.models.rollout import end_ids, group_seed, round_robin, sample_groups, synced_generation
+from train.models.trainable import adamw
 
 TASK = "grpo"  # the run's name in its checkpoints: another task's checkpoint is refused
 LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo")

@@ -57,7 +57,7 @@ from train.models.causal_lm import (
 )
 from train.models.generation import generate
 from train.models.gpt import next_token_loss
-from train.models.hf import adamw
+from train.models.trainable import adamw
 
 TASK = "sft"  # the run's name in its checkpoints: another task's checkpoint is refused
 METRICS = ["eval_loss", "eval_perplexity"]  # its evaluation's metrics, the headline first

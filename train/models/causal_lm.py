@@ -14,21 +14,17 @@ from train.core.flags import add_generation_args, add_optimizer_args, data_input
 from train.core.parser import true_or_false
 from train.core.run import start_run
 from train.models.hf import (
-    add_lora_args,
     add_pretrained_args,
-    describe_dtypes,
-    describe_trainable,
     hub_kwargs,
     load_pretrained,
     load_tokenizer,
-    lora_model,
     model_fingerprint,
     quiet_transformers,
     resolve_model,
-    set_training_dtype,
     torch_dtype,
 )
 from train.models.saving import check_savable, save_model_folder
+from train.models.trainable import add_lora_args, describe_dtypes, describe_trainable, lora_model, set_training_dtype
 
 
 def add_causal_lm_args(
