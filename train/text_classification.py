@@ -44,13 +44,13 @@ from train.core.flags import (
 )
 from train.core.loop import TrainingLoop
 from train.core.run import run, start_run
+from train.models.fingerprint import model_fingerprint
 from train.models.hf import (
     add_pretrained_args,
     default_model_folder,
     hub_kwargs,
     load_pretrained,
     load_tokenizer,
-    model_fingerprint,
     quiet_transformers,
     resolve_model,
     torch_dtype,

@@ -13,12 +13,12 @@ from data.splits import check_inputs
 from train.core.flags import add_generation_args, add_optimizer_args, data_inputs, reading_workers
 from train.core.parser import true_or_false
 from train.core.run import start_run
+from train.models.fingerprint import model_fingerprint
 from train.models.hf import (
     add_pretrained_args,
     hub_kwargs,
     load_pretrained,
     load_tokenizer,
-    model_fingerprint,
     quiet_transformers,
     resolve_model,
     torch_dtype,
