@@ -76,7 +76,7 @@ from train.models.causal_lm import (
     start_causal_lm,
 )
 from train.models.generation import generate
-from train.models.hf import load_pretrained
+from train.models.pretrained import load_pretrained
 from train.models.rollout import end_ids, group_seed, round_robin, sample_groups, synced_generation
 from train.models.trainable import adamw
 

@@ -45,7 +45,7 @@ from train.core.flags import (
 from train.core.loop import TrainingLoop
 from train.core.run import run, start_run
 from train.models.fingerprint import model_fingerprint
-from train.models.hf import (
+from train.models.pretrained import (
     add_pretrained_args,
     default_model_folder,
     hub_kwargs,

@@ -14,7 +14,7 @@ from train.core.flags import add_generation_args, add_optimizer_args, data_input
 from train.core.parser import true_or_false
 from train.core.run import start_run
 from train.models.fingerprint import model_fingerprint
-from train.models.hf import (
+from train.models.pretrained import (
     add_pretrained_args,
     hub_kwargs,
     load_pretrained,

@@ -1,13 +1,11 @@
-"""Pretrained Hugging Face models by folder or Hub id, the precision they train and are saved in,
-LoRA adapters through peft, and the run's output as a Hugging Face folder (`from_pretrained(OUTPUT_DIR)`
-loads it, no peft needed).
+"""Pretrained Hugging Face models by folder or Hub id: where one comes from, the flags that name it,
+and how it loads (the model in its dtype, its tokenizer).
 
 --model_name_or_path takes what from_pretrained takes: a local folder, or a Hub id resolved through
 the Hugging Face cache (downloaded when the machine is online; HF_HUB_OFFLINE=1, the user's choice,
-keeps to the cache). Precision: the model is loaded in --torch_dtype (default float32); the weights
-that train are kept in float32 (master weights, whatever the checkpoint's dtype) unless
---pure_low_precision trains them in --torch_dtype itself; the weights that stay frozen (LoRA's base)
-stay in --torch_dtype. The output folder is written in --save_dtype (default: the checkpoint's own).
+keeps to the cache). The model is loaded in --torch_dtype (default float32; auto: the checkpoint's
+own). Which weights then train, and in what, is train/models/trainable.py's; the output folder,
+written in --save_dtype, train/models/saving.py's.
 """
 
 import os
