@@ -70,7 +70,7 @@ def main(argv=None):
     for path in (args.model_name_or_path, args.pairs_dir):
         if not os.path.exists(os.path.join(REPO, path)):
             sys.exit(f"error: {path} is missing; run {SFT_DEMO['make']} first")
-    from train.models.hf import default_model_folder
+    from train.models.pretrained import default_model_folder
 
     text_model = args.text_model or default_model_folder()
     pairs = os.path.join(REPO, args.pairs_dir, "train.jsonl")

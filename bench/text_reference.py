@@ -196,7 +196,7 @@ def main(argv=None):
             "examples/pytorch/text-classification/run_glue_no_trainer.py"
         )
     if args.model_name_or_path is None:
-        from train.models.hf import default_model_folder  # os and data.errors only: no torch in this process
+        from train.models.pretrained import default_model_folder  # os and data.errors only: no torch in this process
 
         args.model_name_or_path = default_model_folder()
         if args.model_name_or_path is None:

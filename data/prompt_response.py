@@ -3,17 +3,17 @@ read once, tokenized once, kept as memory-mapped Arrow (the cache of data/labell
 
 An example is the tokenizer's tokens of its whole text, prompt then response, as the model meets it
 at inference, and the end-of-text token: the tokens that hold the response's characters (character
-offsets) and that last token are the targets, the prompt is context only. A chat conversation (a
-column of [{"role", "content"}, ...] turns, or with --apply_chat_template a prompt as a user turn and
-its response as the assistant's) is rendered with the tokenizer's chat template and tokenized whole,
-and every assistant turn is a target up to and with the special token that ends it (ChatML's
-<|im_end|>, Llama 3's <|eot_id|>, Gemma's <end_of_turn>), not the newline some templates write after
-it: the model learns to write the end of its turn, which is where its answers stop. A row stores the model's input and, beside
-it, the token each position predicts (`labels`, already shifted; -100 where nothing is scored), so
-an example of n tokens is a row of n - 1 positions, each scored response token predicted exactly
-once. `targets` counts a row's scored positions: the training loop divides the loss by their sum
-over every row of an optimizer step (data/sharding.py: step weights), so a token counts the same on
-any process count.
+offsets) and that last token are the targets, the prompt is context only. A chat conversation (a column
+of [{"role", "content"}, ...] turns, or with --apply_chat_template a prompt as a user turn and its
+response as the assistant's) is rendered with the tokenizer's chat template and tokenized whole, and
+every assistant turn is a target up to and with the special token that ends it (ChatML's <|im_end|>,
+Llama 3's <|eot_id|>, Gemma's <end_of_turn>), not the newline some templates write after it: the model
+learns to write the end of its turn, which is where its answers stop. A row stores the model's input
+and, beside it, the token each position predicts (`labels`, already shifted; -100 where nothing is
+scored), so an example of n tokens is a row of n - 1 positions, each scored response token predicted
+exactly once. `targets` counts a row's scored positions: the training loop divides the loss by their sum
+over every row of an optimizer step (data/sharding.py: step weights), so a token counts the same on any
+process count.
 
 Examples longer than --max_seq_length are cut at the end of the response (`truncate`), left out
 (`drop`) or refused (`error`); one whose prompt alone fills the length is refused unless dropped.

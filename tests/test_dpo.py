@@ -511,22 +511,22 @@ def test_two_models_that_differ_in_a_middle_layer_have_two_references_and_a_resu
 def test_a_weights_files_hash_is_taken_once_and_again_when_the_file_changes(tmp_path, monkeypatch):
     """model_fingerprint remembers each weights file's sha256 in CACHE_DIR/model_fingerprints.json by its
     path and stat: a second start reads no weights; a file written again is hashed again."""
-    from train.models import hf
+    from train.models import fingerprint
 
     folder = wide_llama(tmp_path / "model")
     read = []
-    sha256 = hf._sha256
-    monkeypatch.setattr(hf, "_sha256", lambda path: read.append(path) or sha256(path))
+    sha256 = fingerprint._sha256
+    monkeypatch.setattr(fingerprint, "_sha256", lambda path: read.append(path) or sha256(path))
     cache = tmp_path / "cache"
-    first = hf.model_fingerprint(folder, folder, cache)
-    assert hf.model_fingerprint(folder, folder, cache) == first and len(read) == 1
-    assert json.load(open(cache / hf.FINGERPRINTS))  # whole JSON, written through a temporary file
+    first = fingerprint.model_fingerprint(folder, folder, cache)
+    assert fingerprint.model_fingerprint(folder, folder, cache) == first and len(read) == 1
+    assert json.load(open(cache / fingerprint.FINGERPRINTS))  # whole JSON, written through a temporary file
     weights_file = os.path.join(folder, "model.safetensors")
     content = open(weights_file, "rb").read()
     with open(weights_file, "wb") as f:  # the same bytes written again: another mtime and ctime
         f.write(content)
-    assert hf.model_fingerprint(folder, folder, cache) == first and len(read) == 2
-    assert hf.model_fingerprint(folder, folder) == first and len(read) == 3  # no cache: hashed each time
+    assert fingerprint.model_fingerprint(folder, folder, cache) == first and len(read) == 2
+    assert fingerprint.model_fingerprint(folder, folder) == first and len(read) == 3  # no cache: hashed each time
 
 
 # ------------------------------------------------------------------------------------ conversations, outputs

@@ -117,7 +117,7 @@ def test_a_revision_missing_from_the_cache_is_named(hub):
     from conftest import REPO, clean_env
 
     code = (
-        "from data.errors import UserError\nfrom train.models.hf import resolve_model\n"
+        "from data.errors import UserError\nfrom train.models.pretrained import resolve_model\n"
         "try:\n    resolve_model('org/tiny-bert', revision='v2')\nexcept UserError as e:\n    print(e)"
     )
     env = clean_env(HF_HOME=hub["home"], HF_HUB_OFFLINE="1", PYTHONPATH=REPO)  # read when huggingface_hub loads

@@ -150,7 +150,7 @@ def test_a_tokenizer_that_cannot_be_saved_is_refused(data):
     from transformers import AutoConfig
 
     from data.errors import UserError
-    from train.models.hf import check_savable
+    from train.models.saving import check_savable
 
     config = AutoConfig.from_pretrained(data["gpt2"])
 
@@ -245,7 +245,7 @@ def test_the_start_checks_of_smollm2_cost_under_a_second():
         pytest.skip("no runs/models/SmolLM2-135M-Instruct (make smollm2 writes it)")
     from transformers import AutoConfig, AutoTokenizer
 
-    from train.models.hf import check_savable
+    from train.models.saving import check_savable
 
     config, tokenizer = AutoConfig.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
     start = time.perf_counter()

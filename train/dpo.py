@@ -74,13 +74,14 @@ from train.models.causal_lm import (
     check_training_inputs,
     describe_model,
     load_causal_lm,
+    max_positions,
     model_saver,
     start_causal_lm,
     template_note,
 )
 from train.models.generation import generate
 from train.models.gpt import next_token_loss
-from train.models.hf import adamw, max_positions
+from train.models.trainable import adamw
 
 TASK = "dpo"  # the run's name in its checkpoints: another task's checkpoint is refused
 # its evaluation's metrics (TRL's names), the headline first

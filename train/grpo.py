@@ -71,13 +71,15 @@ from train.models.causal_lm import (
     check_training_inputs,
     describe_model,
     load_causal_lm,
+    max_positions,
     model_saver,
     start_causal_lm,
     template_note,
 )
 from train.models.generation import generate
-from train.models.hf import adamw, load_pretrained, max_positions
+from train.models.pretrained import load_pretrained
 from train.models.rollout import end_ids, group_seed, round_robin, sample_groups, synced_generation
+from train.models.trainable import adamw
 
 TASK = "grpo"  # the run's name in its checkpoints: another task's checkpoint is refused
 LOSS_TYPES = ("grpo", "dapo", "bnpo", "dr_grpo")

@@ -44,25 +44,26 @@ from train.core.flags import (
 )
 from train.core.loop import TrainingLoop
 from train.core.run import run, start_run
-from train.models.hf import (
-    adamw,
-    add_lora_args,
+from train.models.fingerprint import model_fingerprint
+from train.models.pretrained import (
     add_pretrained_args,
-    check_savable,
     default_model_folder,
-    describe_dtypes,
-    describe_trainable,
-    fresh_head,
     hub_kwargs,
     load_pretrained,
     load_tokenizer,
-    lora_model,
-    model_fingerprint,
     quiet_transformers,
     resolve_model,
-    save_model_folder,
-    set_training_dtype,
     torch_dtype,
+)
+from train.models.saving import check_savable, save_model_folder
+from train.models.trainable import (
+    adamw,
+    add_lora_args,
+    describe_dtypes,
+    describe_trainable,
+    fresh_head,
+    lora_model,
+    set_training_dtype,
 )
 
 TASK = "text_classification"  # the run's name in its checkpoints: another task's checkpoint is refused

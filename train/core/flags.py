@@ -298,7 +298,7 @@ def add_tokenized_data_args(parser, row, max_length, long_examples=None):
 
 
 def add_generation_args(parser):
-    """--prompt and its sampling flags, for the scripts that train a causal LM (train.models.hf.generate)."""
+    """--prompt and its sampling flags, for the scripts that train a causal LM (train.models.generation.generate)."""
     g = parser.groups["model"]
     g.add_argument(
         "--prompt",

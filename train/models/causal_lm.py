@@ -1,8 +1,9 @@
 """The setup that train/sft.py, train/dpo.py and train/grpo.py share around a pretrained causal LM: their
-common flags, the checks and the run's start (inputs, model, accelerator, tokenizer), the model as it
-trains (LoRA, gradient checkpointing, dropout, float32 master weights), its header line, and how its
-output folder is written. Each script keeps its data, its step and its loop in view; the pieces here
-are plain functions it calls in order."""
+common flags, the checks and the run's start (inputs, a model with a causal LM head, accelerator, the
+tokenizer and the longest sequence the model reads), the model as it trains (LoRA, gradient
+checkpointing, dropout, float32 master weights), its header line, and how its output folder is
+written. Each script keeps its data, its step and its loop in view; the pieces here are plain
+functions it calls in order."""
 
 import copy
 import os
@@ -12,24 +13,18 @@ from data.splits import check_inputs
 from train.core.flags import add_generation_args, add_optimizer_args, data_inputs, reading_workers
 from train.core.parser import true_or_false
 from train.core.run import start_run
-from train.models.hf import (
-    add_lora_args,
+from train.models.fingerprint import model_fingerprint
+from train.models.pretrained import (
     add_pretrained_args,
-    causal_lm_tokenizer,
-    check_causal_lm,
-    check_savable,
-    describe_dtypes,
-    describe_trainable,
     hub_kwargs,
     load_pretrained,
-    lora_model,
-    model_fingerprint,
+    load_tokenizer,
     quiet_transformers,
     resolve_model,
-    save_model_folder,
-    set_training_dtype,
     torch_dtype,
 )
+from train.models.saving import check_savable, save_model_folder
+from train.models.trainable import add_lora_args, describe_dtypes, describe_trainable, lora_model, set_training_dtype
 
 
 def add_causal_lm_args(
@@ -87,6 +82,60 @@ def check_training_inputs(parser, args, full_rate, lora_rate):
         parser.error("--train_file or --dataset_name is required (or --prompt TEXT with a trained --output_dir)")
     if args.learning_rate is None:
         args.learning_rate = lora_rate if args.lora_r else full_rate
+
+
+def check_causal_lm(path, **hub):
+    """The model's config, if its model type has a causal LM head in transformers (or its own code maps
+    one); else one line."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    config = AutoConfig.from_pretrained(path, **hub)
+    # BERT and its kind have a causal head in transformers too, for decoders built from them (is_decoder)
+    encoder = config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
+    custom = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})  # --trust_remote_code's own class
+    if (config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or encoder) and not custom:
+        fail(
+            f"--model_name_or_path {path} is a {config.model_type} model ({', '.join(config.architectures or [])}), "
+            "not a causal language model; pass a decoder such as GPT-2, Llama or Qwen (train/lm.py's output is one)"
+        )
+    return config
+
+
+def causal_lm_tokenizer(args, config, cap):
+    """--model_name_or_path's tokenizer for a causal LM's batches (padding with end-of-text where it has
+    no padding token, on the right; padding is never scored), with args.max_seq_length resolved: the
+    model's limit, at most `cap`, unless given; one line when given beyond the model's limit. With `cap`
+    None the script decides its lengths itself (max_positions)."""
+    tokenizer = load_tokenizer(args.model_name_or_path, **hub_kwargs(args))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.convert_ids_to_tokens(0)
+    tokenizer.padding_side = "right"
+    if cap is None:  # the script sets its lengths itself
+        return tokenizer
+    limit = min(
+        getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or cap,
+        tokenizer.model_max_length,
+    )
+    if args.max_seq_length and args.max_seq_length > limit:
+        fail(
+            f"--max_seq_length {args.max_seq_length} is more than {args.model_name_or_path} takes ({limit} tokens); "
+            f"pass --max_seq_length {limit} or less"
+        )
+    args.max_seq_length = args.max_seq_length or min(cap, limit)
+    return tokenizer
+
+
+def max_positions(config, tokenizer, cap):
+    """The most tokens the model reads in one sequence: its position limit and its tokenizer's, at most `cap`."""
+    return min(
+        getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or cap,
+        tokenizer.model_max_length,
+        cap,
+    )
 
 
 def start_causal_lm(args, task, max_length=None):

@@ -4,7 +4,7 @@ causal LM the run saved, read the way training read its prompts (data/prompt_res
 import os
 
 from data.errors import fail
-from train.models.hf import load_tokenizer, quiet_transformers
+from train.models.pretrained import load_tokenizer, quiet_transformers
 
 
 def check_causal_head(folder, script, **hub):

@@ -147,7 +147,7 @@ def hf_tokenizer(tokenizer, block_size):
 def save_gpt2_folder(weights, output_dir, config, tokenizer):
     """Our weights (our names) as a GPT-2 folder in output_dir: config.json, generation_config.json,
     model.safetensors, tokenizer.json, tokenizer_config.json, all written by save_pretrained."""
-    from train.models.hf import quiet_transformers
+    from train.models.pretrained import quiet_transformers
 
     quiet_transformers()
     from transformers import GPT2LMHeadModel
