@@ -27,6 +27,7 @@ SCRIPTS = (
     "sft",
     "dpo",
     "grpo",
+    "sample_pairs",
     "regression",
     "sweep",
     "check_config",
