@@ -76,7 +76,9 @@ from train.models.causal_lm import (
     load_causal_lm,
     max_positions,
     model_saver,
+    response_logits,
     start_causal_lm,
+    takes_logits_to_keep,
     template_note,
 )
 from train.models.generation import generate
@@ -372,9 +374,11 @@ def main(args):
     model, optimizer = accelerator.prepare(model, optimizer)  # the loaders are sharded already
     policy = accelerator.unwrap_model(model)  # answers come from the model itself, not its DDP wrapper
 
+    trim = takes_logits_to_keep(policy)  # the output layer only from the batch's first response token
+
     def logps_of(batch):
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-        return sequence_logps(logits, batch["labels"])
+        logits = response_logits(model, batch, trim)
+        return sequence_logps(logits, batch["labels"][:, -logits.shape[1] :])
 
     # ---------------------------------------------------------------- the reference, then the loaders
     splits = {split: datasets.load_from_disk(os.path.join(tokens, split)) for split in ("train", "validation")}

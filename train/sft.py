@@ -62,7 +62,9 @@ from train.models.causal_lm import (
     load_causal_lm,
     max_positions,
     model_saver,
+    response_logits,
     start_causal_lm,
+    takes_logits_to_keep,
     template_note,
 )
 from train.models.generation import generate
@@ -228,9 +230,10 @@ def main(args):
     policy = accelerator.unwrap_model(model)  # answers come from the model itself, not its DDP wrapper
 
     # ---------------------------------------------------------------- train
+    trim = takes_logits_to_keep(policy)  # the output layer only from the batch's first response token
+
     def logits(batch):
-        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
-        return model(**inputs, use_cache=False).logits
+        return response_logits(model, batch, trim)
 
     # accelerate divides each micro-batch's loss by the accumulation steps and DDP averages over processes:
     # this factor undoes both, so the step's gradient is that of (sum of token losses) / (step's tokens)
@@ -265,7 +268,8 @@ def main(args):
             loop.progress.write("before fine-tuning: " + " ".join(f"{k}={v:.4f}" for k, v in before.items()))
     for batch in loop.batches():
         with accelerator.accumulate(model):
-            nats = next_token_loss(logits(batch), batch["labels"], reduction="sum")
+            scored = logits(batch)
+            nats = next_token_loss(scored, batch["labels"][:, -scored.shape[1] :], reduction="sum")
             loss = nats * (scale / batch["step_weight"]).float()
             accelerator.backward(loss)
             if accelerator.sync_gradients and args.max_grad_norm > 0:

@@ -84,13 +84,16 @@ def evaluate_confusion(accelerator, model, loader, num_labels, logits_of):
 def token_loss(accelerator, model, loader, logits_of):
     """(nats, tokens): the next-token loss summed over every scored label (not -100) of the evaluation
     set once, for any process count: the sharded loader's padded repeats (valid=False) are left out,
-    and one reduce adds every rank's sums. logits_of(batch) gives the logits."""
+    and one reduce adds every rank's sums. logits_of(batch) gives the logits, of every position or of
+    the last ones (response_logits), which are then scored against the last labels."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
     with torch.no_grad():
         for batch in loader:
             labels = batch["labels"].masked_fill(~batch["valid"][:, None], -100)
-            nats = next_token_loss(logits_of(batch), labels, reduction="sum")
+            logits = logits_of(batch)  # the last positions' only, where it leaves out a prompt's
+            labels = labels[:, labels.shape[1] - logits.shape[1] :]
+            nats = next_token_loss(logits, labels, reduction="sum")
             totals += torch.stack([nats.double(), (labels != -100).sum().double()])
     model.train()
     nats, tokens = accelerator.reduce(totals, reduction="sum").tolist()

@@ -204,6 +204,30 @@ def stop_at_turn_end(model, tokenizer):
         model.generation_config.eos_token_id = ids + [end]
 
 
+def takes_logits_to_keep(model):
+    """Whether the model's forward can compute its output layer at its last positions only
+    (transformers' logits_to_keep; under LoRA, the base model's forward)."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
+
+
+def response_logits(model, batch, trim):
+    """The logits of a batch of labelled rows (input_ids, labels, attention_mask or position_ids), with
+    `trim` (takes_logits_to_keep) only from the first position any row scores: a prompt's positions
+    before it would cost the output layer and its softmax over the whole vocabulary for nothing. The
+    logits are the last logits.shape[1] positions': labels[:, -logits.shape[1]:] are theirs."""
+    labels = batch["labels"]
+    keep = {}
+    if trim:
+        scored = (labels != -100).any(0).nonzero()
+        start = int(scored[0, 0]) if len(scored) else 0
+        keep = {"logits_to_keep": labels.shape[1] - start} if start else {}
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+    return model(**inputs, use_cache=False, **keep).logits
+
+
 def disable_dropout(model):
     """Every dropout layer of `model` at p = 0 (TRL's disable_dropout_in_model): training then computes
     what evaluation does, and a reference or a sampling pass taken in eval mode matches the policy."""
