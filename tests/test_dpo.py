@@ -282,12 +282,17 @@ def _dataset(records):
     return datasets.Dataset.from_list(records)
 
 
-@pytest.mark.parametrize("loss_type, label_smoothing", [("sigmoid", 0.0), ("ipo", 0.0), ("robust", 0.1)])
-def test_loss_and_metrics_equal_trls_dpo_trainer(data, loss_type, label_smoothing, tmp_path):
+@pytest.mark.parametrize(
+    "loss_type, label_smoothing, loss_weights",
+    [("sigmoid", 0.0, None), ("ipo", 0.0, None), ("robust", 0.1, None), (["sigmoid", "sft"], 0.0, [1.0, 0.5])],
+)
+def test_loss_and_metrics_equal_trls_dpo_trainer(data, loss_type, label_smoothing, loss_weights, tmp_path):
     """On one batch of 12 pairs, a policy and another model as the reference (so the rewards are not 0):
     our loss and TRL's metrics of the same batch, as DPOTrainer.evaluate reports them, agree to float
     rounding. bf16=False: TRL's DPOConfig turns bf16 on by default, and its reference model is then
-    computed under bf16 autocast where its policy is not (1e-4 apart here)."""
+    computed under bf16 autocast where its policy is not (1e-4 apart here). RPO (sigmoid + sft): TRL's
+    sft term is the mean over a batch's chosen tokens, ours each pair's own, so TRL evaluates one pair
+    per batch there and the means over the pairs compare."""
     trl = pytest.importorskip("trl")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -311,14 +316,15 @@ def test_loss_and_metrics_equal_trls_dpo_trainer(data, loss_type, label_smoothin
         ]
     ours = {
         k: v.float().mean().item()
-        for k, v in pair_metrics(*logps, batch["targets"], loss_type, 0.3, label_smoothing).items()
+        for k, v in pair_metrics(*logps, batch["targets"], loss_type, 0.3, label_smoothing, loss_weights).items()
     }
     config = trl.DPOConfig(
         output_dir=str(tmp_path / "trl"),
         beta=0.3,
-        loss_type=[loss_type],
+        loss_type=[loss_type] if isinstance(loss_type, str) else loss_type,
+        loss_weights=loss_weights,
         label_smoothing=label_smoothing,
-        per_device_eval_batch_size=12,
+        per_device_eval_batch_size=12 if isinstance(loss_type, str) else 1,
         report_to=[],
         use_cpu=True,
         bf16=False,
@@ -652,6 +658,8 @@ def test_the_recipe_and_the_sweep_file_pass_the_scripts_own_parser(monkeypatch):
     monkeypatch.chdir(REPO)
     args = dpo.parse_args(["--config", "train/configs/dpo_gcide.yaml"])
     assert args.model_name_or_path == "runs/sft" and args.eval_on_start and args.beta == 0.5
+    chat = dpo.parse_args(["--config", "train/configs/dpo_sums.yaml"])  # make train-dpo's, on make train-chat's
+    assert chat.model_name_or_path == "runs/chat" and chat.reward_funcs == ["answer_match"]
     sweep = read_sweep("train/configs/sweep_dpo_gcide.yaml", {"n_trials": None})
     check_against_script(sweep, load_script(sweep["script"]))
     assert sweep["metric"] == "eval_loss" and sweep["direction"] == "minimize"
@@ -673,6 +681,12 @@ def test_label_smoothing_is_refused_where_the_loss_has_none_and_at_half_or_more(
     from train import dpo
 
     assert dpo.parse_args([*map(str, common), "--label_smoothing", "0.2"]).label_smoothing == 0.2
+    line = bad(capsys, *common, "--loss_type", "sigmoid", "sft", "--loss_weights", 1, code=2)
+    assert "--loss_weights has 1 value(s) for 2 --loss_type(s) (sigmoid sft); pass one weight per loss" in line, line
+    line = bad(capsys, *common, "--loss_type", "sft", code=2)
+    assert "--loss_type sft alone learns no preference; pass it beside one that does (sigmoid sft)" in line, line
+    line = bad(capsys, *common, "--loss_type", "sigmoid", "ipo", "--label_smoothing", 0.1, code=2)
+    assert "the ipo loss has no label smoothing" in line, line
 
 
 def test_a_prompt_that_fills_the_length_leaves_its_pair_out_under_truncate_and_drop(data):

@@ -19,6 +19,9 @@ d = (r_chosen - r_rejected) / beta the loss of a pair is
     robust:         (-(1 - e) log s(beta d) + e log s(-beta d)) / (1 - 2e)   (robust DPO, e < 0.5)
     ipo:            (d' - 1 / (2 beta))^2, d' the same with each side's log-ratio divided by its token count
     hinge:          max(0, 1 - beta d)
+    sft:            -log p(y_chosen|x) / its token count   (beside another: RPO, --loss_type sigmoid sft)
+Several --loss_type are summed with --loss_weights (TRL's names). The sft term is each pair's own per-token
+mean, so a pair weighs the same on any layout (TRL takes the mean over a micro-batch's chosen tokens).
 The reference is the model at the start: its log-probabilities of every pair are computed once before
 training by the model prepared as it trains (its dtype, autocast, FSDP2's sharding), in eval mode and
 in evaluation's own batches, so before any step every reward is exactly 0; they are kept beside the
@@ -96,7 +99,7 @@ METRICS = [
     "eval_logps/chosen",
     "eval_logps/rejected",
 ]
-LOSS_TYPES = ("sigmoid", "robust", "ipo", "hinge")
+LOSS_TYPES = ("sigmoid", "robust", "ipo", "hinge", "sft")
 MAX_LENGTH = 1024  # the default --max_seq_length's cap
 
 
@@ -130,8 +133,17 @@ def parse_args(argv=None):
     model.add_argument(
         "--loss_type",
         choices=LOSS_TYPES,
-        default="sigmoid",
-        help="The preference loss (the module docstring has each formula).",
+        nargs="+",
+        default=["sigmoid"],
+        help="The preference loss, or several summed with --loss_weights (TRL's names; sigmoid sft: RPO, DPO "
+        "plus the chosen response's likelihood). The module docstring has each formula.",
+    )
+    model.add_argument(
+        "--loss_weights",
+        type=float,
+        nargs="+",
+        default=None,
+        help="One weight per --loss_type (default 1 each).",
     )
     model.add_argument(
         "--beta",
@@ -152,11 +164,19 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.prompt is None:
         check_training_inputs(parser, args, full_rate=1e-6, lora_rate=5e-5)  # TRL's default for a whole model
-        if args.label_smoothing and args.loss_type in ("ipo", "hinge"):
+        smoothless = [t for t in args.loss_type if t in ("ipo", "hinge")]
+        if args.label_smoothing and smoothless:
             parser.error(
-                f"--label_smoothing {args.label_smoothing}: the {args.loss_type} loss has no label smoothing (sigmoid "
+                f"--label_smoothing {args.label_smoothing}: the {smoothless[0]} loss has no label smoothing (sigmoid "
                 "and robust have); leave it out"
             )
+        if args.loss_weights is not None and len(args.loss_weights) != len(args.loss_type):
+            parser.error(
+                f"--loss_weights has {len(args.loss_weights)} value(s) for {len(args.loss_type)} --loss_type(s) "
+                f"({' '.join(args.loss_type)}); pass one weight per loss"
+            )
+        if args.loss_type == ["sft"]:
+            parser.error("--loss_type sft alone learns no preference; pass it beside one that does (sigmoid sft)")
         if args.label_smoothing >= 0.5:  # (1 - e) log s(beta d) + e log s(-beta d) prefers the rejected side then
             parser.error(
                 f"--label_smoothing {args.label_smoothing}: a share of flipped pairs of 0.5 or more turns the "
@@ -173,29 +193,38 @@ def sequence_logps(logits, labels):
     return -next_token_loss(logits, labels, reduction="none").view(labels.shape).sum(-1)
 
 
-def preference_loss(logps, ref_logps, targets, loss_type, beta, label_smoothing=0.0):
+def preference_loss(logps, ref_logps, targets, loss_type, beta, label_smoothing=0.0, loss_weights=None):
     """Per pair: (loss, chosen reward, rejected reward). `logps`, `ref_logps`, `targets` (scored tokens):
-    one value per row of a PairBatch, the chosen sides then the rejected ones."""
+    one value per row of a PairBatch, the chosen sides then the rejected ones. `loss_type`: a name, or
+    several whose losses are summed with `loss_weights` (default 1 each)."""
+    types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
     chosen_ratio, rejected_ratio = (logps - ref_logps).chunk(2)
     d = chosen_ratio - rejected_ratio
     e = label_smoothing
-    if loss_type == "sigmoid":
-        losses = -(1 - e) * F.logsigmoid(beta * d) - e * F.logsigmoid(-beta * d)
-    elif loss_type == "robust":
-        losses = (-(1 - e) * F.logsigmoid(beta * d) + e * F.logsigmoid(-beta * d)) / (1 - 2 * e)
-    elif loss_type == "ipo":  # per token, as TRL does (and the IPO authors confirmed to it)
-        chosen_tokens, rejected_tokens = targets.clamp(min=1).chunk(2)
-        losses = (chosen_ratio / chosen_tokens - rejected_ratio / rejected_tokens - 1 / (2 * beta)) ** 2
-    elif loss_type == "hinge":
-        losses = torch.relu(1 - beta * d)
-    else:
-        raise ValueError(f"loss_type {loss_type!r}: one of {', '.join(LOSS_TYPES)}")
+    losses = 0
+    for name, weight in zip(types, loss_weights or [1.0] * len(types), strict=True):
+        if name == "sigmoid":
+            loss = -(1 - e) * F.logsigmoid(beta * d) - e * F.logsigmoid(-beta * d)
+        elif name == "robust":
+            loss = (-(1 - e) * F.logsigmoid(beta * d) + e * F.logsigmoid(-beta * d)) / (1 - 2 * e)
+        elif name == "ipo":  # per token, as TRL does (and the IPO authors confirmed to it)
+            chosen_tokens, rejected_tokens = targets.clamp(min=1).chunk(2)
+            loss = (chosen_ratio / chosen_tokens - rejected_ratio / rejected_tokens - 1 / (2 * beta)) ** 2
+        elif name == "hinge":
+            loss = torch.relu(1 - beta * d)
+        elif name == "sft":  # the chosen response's negative log-likelihood per token, each pair's own
+            loss = -logps.chunk(2)[0] / targets.chunk(2)[0].clamp(min=1)
+        else:
+            raise ValueError(f"loss_type {name!r}: one of {', '.join(LOSS_TYPES)}")
+        losses = losses + weight * loss
     return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
 
 
-def pair_metrics(logps, ref_logps, targets, loss_type, beta, label_smoothing):
+def pair_metrics(logps, ref_logps, targets, loss_type, beta, label_smoothing, loss_weights=None):
     """Per pair, TRL's metrics (and the loss), for evaluate_rows' exact means."""
-    losses, chosen, rejected = preference_loss(logps, ref_logps, targets, loss_type, beta, label_smoothing)
+    losses, chosen, rejected = preference_loss(
+        logps, ref_logps, targets, loss_type, beta, label_smoothing, loss_weights
+    )
     chosen_logps, rejected_logps = logps.detach().chunk(2)
     return {
         "loss": losses,
@@ -362,11 +391,13 @@ def main(args):
     model = load_causal_lm(
         args, accelerator, folder, tokenizer
     )  # with --lora_r the pretrained model, frozen, is the reference
+    loss_weights = args.loss_weights or [1.0] * len(args.loss_type)
     trainable, total = describe_model(
         accelerator,
         model,
         args,
-        f"; {args.loss_type} loss, beta {args.beta}"
+        f"; {' + '.join(f'{w:g} x {t}' if w != 1 else t for t, w in zip(args.loss_type, loss_weights, strict=True))} "
+        f"loss, beta {args.beta}"
         + (f", label smoothing {args.label_smoothing}" if args.label_smoothing else "")
         + ("" if args.disable_dropout else "; the reference is taken without dropout, so the rewards start off 0"),
     )
@@ -425,7 +456,13 @@ def main(args):
 
     def per_pair(batch):
         return pair_metrics(
-            logps_of(batch), reference(batch), batch["targets"], args.loss_type, args.beta, args.label_smoothing
+            logps_of(batch),
+            reference(batch),
+            batch["targets"],
+            args.loss_type,
+            args.beta,
+            args.label_smoothing,
+            args.loss_weights,
         )
 
     # accelerate divides each micro-batch's loss by the accumulation steps and DDP averages over processes:
@@ -465,7 +502,13 @@ def main(args):
         with accelerator.accumulate(model):
             ref = reference(batch)
             losses, _, _ = preference_loss(
-                logps_of(batch), ref, batch["targets"], args.loss_type, args.beta, args.label_smoothing
+                logps_of(batch),
+                ref,
+                batch["targets"],
+                args.loss_type,
+                args.beta,
+                args.label_smoothing,
+                args.loss_weights,
             )
             loss = losses.sum() * (scale / batch["step_weight"]).float()
             accelerator.backward(loss)
