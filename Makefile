@@ -40,7 +40,7 @@ SFT_DIR ?= runs/sft/gcide
 # train/dpo.py's demo data: the same words, each definition preferred to the next word's (in dictionary order)
 DPO_DIR ?= runs/dpo/gcide
 
-.PHONY: setup config-file train train-only test images train-images gcide train-lm text-data train-text sft-data train-sft dpo-data train-dpo smollm2 sums train-grpo lint format cluster cluster-down
+.PHONY: setup config-file train train-only test images train-images gcide train-lm text-data train-text sft-data train-sft dpo-data train-dpo-gcide smollm2 sums train-grpo chat-data train-chat dpo-pairs train-dpo test-fast lint format cluster cluster-down
 
 # apt for the offline Fashion-MNIST copy (Debian's dataset-fashion-mnist), pip for the Python packages.
 setup:
@@ -124,11 +124,12 @@ train-sft: config-file sft-data
 	$(PYTHON) train/sft.py --output_dir runs/sft --prompt "Define: Roebuck\n" "Define: Bullbeggar\n" \
 	  "Define: Hypaethral\n" "Define: Targeteer\n"
 
-# train/dpo.py's demo: make train-sft's model (trained first when runs/sft holds none) taught to prefer each
-# word's own definition to its neighbour's; the reward accuracy on unseen words before and after, then four answers
+# train/dpo.py on the GPT you pretrain yourself: make train-sft's model (trained first when runs/sft holds none)
+# taught to prefer each word's own definition to its neighbour's; the reward accuracy on unseen words before and
+# after, then four answers
 DPO_RECIPE := --config train/configs/dpo_gcide.yaml
 
-train-dpo: config-file dpo-data
+train-dpo-gcide: config-file dpo-data
 	@if [ ! -f runs/sft/config.json ]; then $(MAKE) train-sft CONFIG=$(CONFIG); fi
 	$(PYTHON) -m accelerate.commands.launch --config_file $(CONFIG) train/dpo.py $(DPO_RECIPE) \
 	  --train_file $(DPO_DIR)/train.jsonl --validation_file $(DPO_DIR)/validation.jsonl \
@@ -162,9 +163,50 @@ train-grpo: config-file smollm2 sums
 	$(PYTHON) train/grpo.py --output_dir runs/grpo/smollm2 --prompt "What is 47 + 38? Answer with the number only." \
 	  "What is 19 + 64? Answer with the number only." "What is 75 + 26? Answer with the number only."
 
+# train/sft.py's demo on a real chat model: make smollm2's model fine-tuned to answer two-digit sums with the
+# number (the question a user turn, the sum the assistant's), 2 CPU processes; the share of right greedy answers
+# to make train-grpo's 200 validation sums before, halfway and after (docs/sft.md), then three answers
+CHAT_DIR ?= runs/sft/sums
+CHAT_ASK := "What is 47 + 38? Answer with the number only." "What is 19 + 64? Answer with the number only." \
+  "What is 75 + 26? Answer with the number only."
+
+chat-data:
+	@if [ ! -f $(CHAT_DIR)/validation.jsonl ]; then $(PYTHON) -m data.arithmetic --with_responses --output_dir $(CHAT_DIR); fi
+
+train-chat: config-file smollm2 chat-data
+	$(PYTHON) -m accelerate.commands.launch --config_file $(CONFIG) train/sft.py --config train/configs/sft_sums.yaml \
+	  --train_file $(CHAT_DIR)/train.jsonl --validation_file $(CHAT_DIR)/validation.jsonl \
+	  --with_tracking --output_dir runs/chat --overwrite_output_dir $(EXTRA)
+	$(PYTHON) train/sft.py --output_dir runs/chat --prompt $(CHAT_ASK) --max_new_tokens 16
+
+# train/dpo.py's demo: make train-chat's model (trained first when runs/chat holds none) tuned on pairs of its own
+# sampled answers, a right sum chosen over a wrong one (train/sample_pairs.py, 8 answers to each of 800 training
+# questions); the share of right greedy answers to the same 200 validation sums before and after (docs/dpo.md)
+PAIRS_DIR ?= runs/dpo/sums
+
+dpo-pairs: config-file chat-data
+	@if [ ! -f runs/chat/config.json ]; then $(MAKE) train-chat CONFIG=$(CONFIG); fi
+	@if [ ! -f $(PAIRS_DIR)/validation.jsonl ]; then \
+	  $(PYTHON) -m data.arithmetic --with_responses --output_dir $(PAIRS_DIR)/questions --train_rows 800 && \
+	  $(PYTHON) -m accelerate.commands.launch --config_file $(CONFIG) train/sample_pairs.py \
+	    --model_name_or_path runs/chat --train_file $(PAIRS_DIR)/questions/train.jsonl \
+	    --validation_file $(PAIRS_DIR)/questions/validation.jsonl --reward_funcs answer_match \
+	    --num_generations 8 --max_new_tokens 16 --output_dir $(PAIRS_DIR); fi
+
+train-dpo: config-file dpo-pairs
+	$(PYTHON) -m accelerate.commands.launch --config_file $(CONFIG) train/dpo.py --config train/configs/dpo_sums.yaml \
+	  --train_file $(PAIRS_DIR)/train.jsonl --validation_file $(PAIRS_DIR)/validation.jsonl \
+	  --with_tracking --output_dir runs/dpo/chat --overwrite_output_dir $(EXTRA)
+	$(PYTHON) train/dpo.py --output_dir runs/dpo/chat --prompt $(CHAT_ASK) --max_new_tokens 16
+
 # the suite's tests of the real chat model (tests/test_smollm2.py) read make smollm2's folder
 test: setup smollm2
 	$(PYTHON) -m pytest
+
+# The quick subset while working: the suite less its files of multi-process runs, clusters, benches and lm-eval
+# (tests/conftest.py SLOW); CI runs everything
+test-fast: setup
+	$(PYTHON) -m pytest -m "not slow"
 
 # The house's form (pyproject.toml): CI runs `make lint` before the tests; `make format` fixes what it can
 lint:

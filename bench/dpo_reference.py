@@ -1,6 +1,6 @@
 """train/dpo.py beside TRL's DPOTrainer: end-to-end speed and the reward accuracy each reaches.
 
-    python bench/dpo_reference.py                               # make train-dpo's model and data, 2 turns
+    python bench/dpo_reference.py                               # make train-dpo-gcide's model and data, 2 turns
     python bench/dpo_reference.py --max_train_samples 512 --turns 1      # a quick check
 
 Four programs take turns (A/B/C/D, then D/C/B/A, ...), each `python -m accelerate.commands.launch

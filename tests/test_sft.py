@@ -707,6 +707,9 @@ def test_the_recipe_and_the_sweep_file_pass_the_scripts_own_parser(monkeypatch):
     monkeypatch.chdir(REPO)
     args = sft.parse_args(["--config", "train/configs/sft_gcide.yaml"])
     assert args.model_name_or_path == "runs/lm" and args.eval_on_start and args.learning_rate == 2e-3
+    chat = sft.parse_args(["--config", "train/configs/sft_sums.yaml"])  # make train-chat's, on SmolLM2
+    assert chat.messages_column == "messages" and chat.reward_funcs == ["answer_match"]
+    assert chat.metric_for_best_model == "eval_reward"
     sweep = read_sweep("train/configs/sweep_sft_gcide.yaml", {"n_trials": None})
     check_against_script(sweep, load_script(sweep["script"]))
     assert sweep["metric"] == "eval_loss" and sweep["direction"] == "minimize"

@@ -83,10 +83,13 @@ def read_prompts(ds, args, tokenizer, split):
 def main(args):
     import torch
     from accelerate import Accelerator
+    from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from train.core.accelerator import gather_patiently
+    from train.models.pretrained import quiet_transformers
 
+    quiet_transformers()
     funcs = load_reward_funcs(args.reward_funcs)
     weights = reward_weights(funcs, args.reward_weights)
     accelerator = Accelerator()
@@ -105,7 +108,8 @@ def main(args):
         prompts, ids, columns = read_prompts(ds, args, tokenizer, split)
         conversational = any(isinstance(p, list) for p in prompts)
         parts = []
-        for c in round_robin(math.ceil(len(ids) / args.batch_size), accelerator):
+        chunks = round_robin(math.ceil(len(ids) / args.batch_size), accelerator)
+        for c in tqdm(chunks, desc=f"{split} prompts x {n}", disable=not accelerator.is_main_process):
             if c is None:
                 continue
             rows = range(c * args.batch_size, min((c + 1) * args.batch_size, len(ids)))
