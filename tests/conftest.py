@@ -53,6 +53,7 @@ LONGEST_FIRST = (
     "test_sft.py",
     "test_dpo.py",
     "test_grpo.py",
+    "test_lm_eval.py",
     "test_start_checks.py",
     "test_pretrained.py",
     "test_checkpointing.py",
@@ -69,7 +70,22 @@ LONGEST_FIRST = (
 )
 
 
+# The files of multi-process runs, clusters, benches and lm-eval: `make test-fast` (pytest -m "not slow") leaves
+# them out for the quick loop while working; `make test` and CI run everything.
+SLOW = set(LONGEST_FIRST) | {
+    "test_sample_pairs.py",
+    "test_loader_workers.py",
+    "test_tracking.py",
+    "test_data_integrity.py",
+    "test_regression.py",
+    "test_gpu.py",
+}
+
+
 def pytest_collection_modifyitems(items):
+    for item in items:
+        if os.path.basename(str(item.fspath)) in SLOW:
+            item.add_marker(pytest.mark.slow)
     order = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(
         key=lambda item: order.get(os.path.basename(str(item.fspath)), len(order))
