@@ -60,7 +60,7 @@ from train.core.accelerator import gather_patiently, main_process_first
 from train.core.answers import (
     Scoring,
     add_reward_args,
-    evaluate_answers,
+    answering,
     keep_until,
     read_validation_prompts,
     reward_metrics,
@@ -468,15 +468,12 @@ def main(args):
     # accelerate divides each micro-batch's loss by the accumulation steps and DDP averages over processes:
     # this factor undoes both, so the step's gradient is that of (sum of pair losses) / (step's pairs)
     scale = accelerator.num_processes * args.gradient_accumulation_steps
-    answers = os.path.join(args.output_dir, "eval_completions.jsonl")
+    scoring = Scoring(funcs, weights, os.path.join(args.output_dir, "eval_completions.jsonl"))  # the answers
+    chunk = args.per_device_eval_batch_size
+    answer = answering(accelerator, policy, tokenizer, asked, scoring, args.max_new_tokens, chunk)
 
     def evaluate():
-        metrics = evaluate_rows(accelerator, model, loaders["validation"], per_pair)
-        if asked is not None:
-            scoring = Scoring(funcs, weights, answers, loop.step)
-            chunk = args.per_device_eval_batch_size
-            metrics |= evaluate_answers(accelerator, policy, tokenizer, asked, scoring, args.max_new_tokens, chunk)
-        return metrics
+        return evaluate_rows(accelerator, model, loaders["validation"], per_pair) | answer(loop.step)
 
     loop = TrainingLoop(
         accelerator,
@@ -490,7 +487,7 @@ def main(args):
         evaluate=evaluate,
     )
     if accelerator.is_main_process:  # a resumed run answers the steps after its checkpoint again
-        keep_until(answers, loop.step)
+        keep_until(scoring.path, loop.step)
     before = {}
     if args.eval_on_start and loop.step == 0:
         before = evaluate()

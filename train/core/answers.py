@@ -6,6 +6,7 @@ shared out across processes; every process gets every score back, so the means a
 held-out prompts. The answers go to a jsonl (prompt, completion, whether it ended, each reward) that a
 person can read, one line per prompt, with the step."""
 
+import dataclasses
 import json
 import math
 import os
@@ -81,6 +82,19 @@ def evaluate_answers(accelerator, model, tokenizer, prompts, scoring, max_new_to
                     f.write(json.dumps(record) + "\n")
                     k += 1
     return metrics
+
+
+def answering(accelerator, model, tokenizer, prompts, scoring, max_new_tokens, chunk_size):
+    """step -> evaluate_answers' metrics of `prompts` at that step (`scoring` with that step); {} at every
+    step without prompts (no --reward_funcs): what an evaluation of sft.py or dpo.py adds."""
+    if prompts is None:
+        return lambda step: {}
+
+    def at(step):
+        at_step = dataclasses.replace(scoring, step=step)
+        return evaluate_answers(accelerator, model, tokenizer, prompts, at_step, max_new_tokens, chunk_size)
+
+    return at
 
 
 def keep_until(path, step):
