@@ -72,9 +72,11 @@ def test_pairs_are_the_best_and_worst_answers_the_same_on_one_process_and_two(da
         for pair in pairs:  # the functions' own values, the best above the worst, the row's columns along
             assert pair["chosen_reward"] == len(pair["chosen"]) > pair["rejected_reward"] == len(pair["rejected"])
             assert pair["answer"] == pair["prompt"].split()[1]
-        assert f"{split}: {len(pairs):,} pairs from {len(asked):,} prompts x 4 answers" in proc.stdout
+        assert f"{split}: {len(pairs):,} pairs from {len(asked):,} prompts x 4 answers on 1 process(es)" in proc.stdout
     launched = launch("cpu_2proc", "sample_pairs", *args_for(data, two))
-    assert launched.returncode == 0, output_of(launched)
+    # the prompts shared out between the two (each alone would write the same pairs, answering every prompt)
+    assert launched.returncode == 0 and "answers on 2 process(es)" in launched.stdout, output_of(launched)
+    assert launched.stdout.count("train: ") == 1, output_of(launched)  # said once, by the main process
     assert all(records(two / f"{s}.jsonl") == made[s] for s in made)
 
 

@@ -92,7 +92,9 @@ def main(args):
     quiet_transformers()
     funcs = load_reward_funcs(args.reward_funcs)
     weights = reward_weights(funcs, args.reward_weights)
-    accelerator = Accelerator()
+    # cpu=True where no accelerator is visible: only then does accelerate form a CPU process group under
+    # torchrun, and without one every process would answer every prompt (train/core/accelerator.py)
+    accelerator = Accelerator(cpu=not torch.accelerator.is_available())
     tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -141,7 +143,8 @@ def main(args):
                 f.writelines(json.dumps(pair) + "\n" for _, pair in pairs)
             os.replace(path + ".tmp", path)
         accelerator.print(
-            f"{split}: {len(pairs):,} pairs from {len(ids):,} prompts x {n} answers; {len(ids) - len(pairs):,} "
+            f"{split}: {len(pairs):,} pairs from {len(ids):,} prompts x {n} answers on {accelerator.num_processes} "
+            f"process(es); {len(ids) - len(pairs):,} "
             f"prompts whose answers all scored alike gave none -> {os.path.join(args.output_dir, split + '.jsonl')}"
         )
     accelerator.end_training()
