@@ -257,26 +257,40 @@ def prompt_ids(tokenizer, prompt, template=False):
     return context_ids(tokenizer, prompt)
 
 
-def validation_prompts(inputs, tokenizer, columns, room, template=False):
-    """The validation split's rows (load_splits of the same inputs: the rows prepare_prompt_response
-    holds out, each once) as prompts for the model to answer: {"ids": what the model reads before it
-    writes a response, as training presents it (prompt_ids: the prompt column's text or turns, or
-    without one the turns of columns["messages"] before its last assistant turn; a text with
-    `template` as a user turn), the start cut to `room` tokens; "prompts": the texts, or those turns;
-    "columns": every other column by name, the response's included; "conversational"; "cut": how many
-    prompts were cut}."""
-    ds = load_splits(inputs)[0]["validation"]
+def split_prompts(ds, split, columns, tokenizer, template=False):
+    """A split's rows as prompts for a model to answer: (the prompts as reward functions take them, the
+    ids the model reads before it answers each (prompt_ids), every other column by name). The prompt
+    column's text or turns, or without one the turns of columns["messages"] before the conversation's
+    last assistant turn; a text with `template` as a user turn of the chat template."""
     if columns.get("prompt") in ds.column_names:  # a text, or turns (dpo.py's conversational prompts)
         name = columns["prompt"]
         prompts = [p or "" for p in ds[name]]
-    else:  # without a prompt column: the turns before the conversation's last assistant turn
+    elif columns.get("messages") in ds.column_names:
         name = columns["messages"]
         prompts = [turns[: max(i for i, t in enumerate(turns) if t["role"] == "assistant")] for turns in ds[name]]
+    else:
+        named = " or ".join(repr(columns[k]) for k in ("prompt", "messages") if columns.get(k))
+        raise DataError(
+            f"no column {named} in the {split} data (columns: {', '.join(ds.column_names)}); pass "
+            "--prompt_column NAME or --messages_column NAME"
+        )
+    if (template or any(isinstance(p, list) for p in prompts)) and prompts:
+        check_chat_template(tokenizer, f"the {split} prompts are chat turns")
     ids = [prompt_ids(tokenizer, p, template) for p in prompts]
+    return prompts, ids, {c: list(ds[c]) for c in ds.column_names if c != name}
+
+
+def validation_prompts(inputs, tokenizer, columns, room, template=False):
+    """The validation split's rows (load_splits of the same inputs: the rows prepare_prompt_response
+    holds out, each once) as split_prompts gives them: {"ids": cut at their start to `room` tokens,
+    "prompts", "columns" (the response's included), "conversational", "cut": how many were cut}."""
+    prompts, ids, other = split_prompts(
+        load_splits(inputs)[0]["validation"], "validation", columns, tokenizer, template
+    )
     return {
         "ids": [i[-room:] for i in ids],
         "prompts": prompts,
-        "columns": {c: ds[c] for c in ds.column_names if c != name},
+        "columns": other,
         "conversational": any(isinstance(p, list) for p in prompts),
         "cut": sum(len(i) > room for i in ids),
     }

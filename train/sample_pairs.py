@@ -26,8 +26,8 @@ import sys
 if __package__ in (None, ""):  # run as a file: Python put train/ on sys.path, not the repo root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from data.errors import DataError, fail
-from data.prompt_response import prompt_ids
+from data.errors import fail
+from data.prompt_response import split_prompts
 from data.splits import DataInputs, load_splits
 from train.core.rewards import RewardError, answer_texts, load_reward_funcs, reward_weights, rewards_of, score
 from train.core.run import run
@@ -62,24 +62,6 @@ def parse_args(argv=None):
     return args
 
 
-def read_prompts(ds, args, tokenizer, split):
-    """(prompts as the reward functions take them, their ids, the other columns by name)."""
-    if args.prompt_column in ds.column_names:
-        name, prompts = args.prompt_column, list(ds[args.prompt_column])
-    elif args.messages_column in ds.column_names:
-        name = args.messages_column
-        prompts = [t[: max(i for i, turn in enumerate(t) if turn["role"] == "assistant")] for t in ds[name]]
-    else:
-        raise DataError(
-            f"no column {args.prompt_column!r} or {args.messages_column!r} in the {split} data (columns: "
-            f"{', '.join(ds.column_names)}); pass --prompt_column NAME or --messages_column NAME"
-        )
-    if (args.apply_chat_template or any(isinstance(p, list) for p in prompts)) and not tokenizer.chat_template:
-        raise DataError(f"{args.model_name_or_path}'s tokenizer has no chat template for chat prompts")
-    ids = [prompt_ids(tokenizer, p, args.apply_chat_template) for p in prompts]
-    return prompts, ids, {c: list(ds[c]) for c in ds.column_names if c != name}
-
-
 def main(args):
     import torch
     from accelerate import Accelerator
@@ -107,7 +89,8 @@ def main(args):
         del splits["validation"]
     os.makedirs(args.output_dir, exist_ok=True)
     for split, ds in splits.items():
-        prompts, ids, columns = read_prompts(ds, args, tokenizer, split)
+        names = {"prompt": args.prompt_column, "messages": args.messages_column}
+        prompts, ids, columns = split_prompts(ds, split, names, tokenizer, args.apply_chat_template)
         conversational = any(isinstance(p, list) for p in prompts)
         parts = []
         chunks = round_robin(math.ceil(len(ids) / args.batch_size), accelerator)
