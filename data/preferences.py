@@ -61,6 +61,7 @@ def pair_segments(ds, split, columns, tokenizer, template=False):
     prompts = ds[columns["prompt"]] if columns["prompt"] in ds.column_names else None
     if prompts is None and not conversational:
         _column(ds, columns["prompt"], split, "--prompt_column")  # plain text needs its prompt: the one line
+    specials = special_texts(tokenizer) if conversational or template else set()  # once, not per pair
     pairs = []
     for i, (good, bad) in enumerate(zip(chosen, rejected, strict=True)):
         prompt = prompts[i] if prompts is not None else None
@@ -85,7 +86,10 @@ def pair_segments(ds, split, columns, tokenizer, template=False):
             if template:
                 user = [{"role": "user", "content": prompt or ""}]
                 pairs.append(
-                    tuple(_rendered(tokenizer, user, [{"role": "assistant", "content": t}], where) for t in (good, bad))
+                    tuple(
+                        _rendered(tokenizer, user, [{"role": "assistant", "content": t}], where, specials)
+                        for t in (good, bad)
+                    )
                 )
             else:
                 pairs.append(tuple([(prompt or "", False), (text, True)] for text in (good, bad)))
@@ -103,7 +107,7 @@ def pair_segments(ds, split, columns, tokenizer, template=False):
         for name, turns in (("chosen", good), ("rejected", bad)):
             if not any((t["content"] or "").strip() for t in turns):
                 raise DataError(f"{where} has an empty {name} response; fill it in or drop the pair")
-        pairs.append(tuple(_rendered(tokenizer, prompt, turns, where) for turns in (good, bad)))
+        pairs.append(tuple(_rendered(tokenizer, prompt, turns, where, specials) for turns in (good, bad)))
     return pairs, conversational or template
 
 
@@ -114,7 +118,7 @@ def _prompt_text(prompt, response):
     return next((t.get("content") or "" for t in turns if isinstance(t, dict)), "")
 
 
-def _rendered(tokenizer, prompt, response, where):
+def _rendered(tokenizer, prompt, response, where, specials):
     """The segments of prompt turns then response turns, rendered by the chat template: the prompt with
     the generation prompt is context, what the response's turns add after it is the target, less the
     separator the template writes after its last end-of-turn token (data/prompt_response.py)."""
@@ -126,7 +130,7 @@ def _rendered(tokenizer, prompt, response, where):
             f"{where}: the chat template renders the prompt differently once the response follows, so "
             "the response cannot be found; pass the pairs as plain-text prompt/chosen/rejected columns"
         )
-    turn, separator = turn_and_separator(after[len(before) :], special_texts(tokenizer))
+    turn, separator = turn_and_separator(after[len(before) :], specials)
     return [(before, False), (turn, True), (separator, False)]
 
 
