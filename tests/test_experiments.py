@@ -100,6 +100,16 @@ def test_a_missing_config_file_is_one_line(capsys, tmp_path):
 
 
 @pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_metrics_direction_comes_from_its_name_and_rewards_are_always_higher_is_better():
+    from train.core.best_model import lower_is_better
+
+    lower = ["eval_loss", "eval_mse", "eval_bpb", "eval_perplexity", "eval_error_rate", "loss"]
+    higher = ["eval_accuracy", "eval_f1", "eval_reward", "eval_rewards/margins", "eval_rewards/accuracies"]
+    # a reward function's own name never turns its mean into a loss (rewards are maximized)
+    higher += ["eval_rewards/format_error/mean", "eval_rewards/length_loss/mean", "rewards/mse_penalty/mean"]
+    assert [m for m in lower if not lower_is_better(m)] == [] and [m for m in higher if lower_is_better(m)] == []
+
+
 def test_metric_for_best_model_names_what_the_evaluation_reports(tmp_path):
     with pytest.raises(UserError) as e:
         regression.main(regression.parse_args(["--output_dir", str(tmp_path), "--metric_for_best_model", "eval_ms"]))

@@ -27,6 +27,11 @@ LOWER_IS_BETTER = ("loss", "mse", "mae", "error", "perplexity", "bpb")
 
 
 def lower_is_better(metric):
+    """From the metric's name: rewards (eval_reward, eval_rewards/NAME/mean, DPO's eval_rewards/margins) are
+    higher-is-better whatever a reward function is called (`format_error`, `length_loss`); else a loss-like
+    word in the name means lower is better."""
+    if metric.removeprefix("eval_").split("/")[0] in ("reward", "rewards"):
+        return False
     return any(word in metric for word in LOWER_IS_BETTER)
 
 
