@@ -140,6 +140,23 @@ def kill_launch(config, script, kill, *args, timeout=300, max_restarts=None):
     return run_or_dump(cmd, timeout, env=clean_env())
 
 
+def launch_series(config, folder, cases, timeout=600):
+    """One accelerate launch (config) of tests/series_probe.py running train scripts' main() one after
+    the other in the same ranks: `cases` = [{"name", "script", "args", "copy" (optional)}, ...]. The
+    timeout is the hang's, for all of them together. Returns the launch and {case name: its output}."""
+    from series_probe import split_output
+
+    path = os.path.join(folder, "series_cases.json")
+    with open(path, "w") as f:
+        json.dump(cases, f, default=str)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config + ".yaml")]
+    proc = run_or_dump([*cmd, os.path.join("tests", "series_probe.py"), path], timeout, env=clean_env())
+    assert proc.returncode == 0, output_of(proc)
+    parts = split_output(proc.stdout)
+    assert list(parts) == [case["name"] for case in cases], list(parts)
+    return proc, parts
+
+
 # ----------------------------------------------------------------------------- exact resume
 
 
