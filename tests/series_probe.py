@@ -7,6 +7,10 @@ rank) instead of one each. The tests read each case's part of the output by its 
 
 CASES.json: [{"name": NAME, "script": SCRIPT, "args": [...], "copy": [RUN, STEP, NEW] (optional)}, ...]
 
+"stale_latest": R (optional): rank R sees no checkpoint in any folder during the case, as
+tests/fault_probe.py's --stale_latest (what a rank sees when a checkpoint lands between two ranks'
+looks at the folder: only the main process's answer may count).
+
 "copy": before the case, the main process makes NEW as a crash after checkpoint STEP of the run
 folder RUN would have left it (test_checkpointing.resume_copy), for the case to resume from; RUN may
 be an earlier case's folder. Each case prints `series case NAME` (the main process) before its run.
@@ -48,7 +52,9 @@ def main(path):
     import torch.distributed as dist
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
+    import train.core.checkpoint as checkpoint
     from train.core import process
+    from train.core.output_dir import list_checkpoints
     from train.core.run import run
 
     with open(path) as f:
@@ -61,12 +67,15 @@ def main(path):
                 resume_copy(*case["copy"])
         if case.get("copy") and dist.is_initialized():
             dist.barrier()  # the copy is there before any rank looks for it
+        if case.get("stale_latest") == rank:
+            checkpoint.list_checkpoints = lambda output_dir: []
         module = importlib.import_module(f"train.{case['script']}")
         args = module.parse_args([str(a) for a in case["args"]])
         if number == len(cases) - 1:
             run(module.main, args)  # the script's own end: its teardown ends the process group
             break
         module.main(args)
+        checkpoint.list_checkpoints = list_checkpoints
         # run()'s teardown, less the end of the process group, which the next case needs
         process._on_success.clear()
         process._on_failure.clear()
