@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import CONFIGS, clean_env, launch, output_of, probe, run_as_script, run_main, run_or_dump
+from conftest import CONFIGS, clean_env, launch, output_of, run_as_script, run_main, run_or_dump
 from train import mnist, regression
 from train.core.output_dir import list_checkpoints
 
@@ -140,6 +140,23 @@ def kill_launch(config, script, kill, *args, timeout=300, max_restarts=None):
     return run_or_dump(cmd, timeout, env=clean_env())
 
 
+def launch_series(config, folder, cases, timeout=600):
+    """One accelerate launch (config) of tests/series_probe.py running train scripts' main() one after
+    the other in the same ranks: `cases` = [{"name", "script", "args", "copy" (optional)}, ...]. The
+    timeout is the hang's, for all of them together. Returns the launch and {case name: its output}."""
+    from series_probe import split_output
+
+    path = os.path.join(folder, "series_cases.json")
+    with open(path, "w") as f:
+        json.dump(cases, f, default=str)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config + ".yaml")]
+    proc = run_or_dump([*cmd, os.path.join("tests", "series_probe.py"), path], timeout, env=clean_env())
+    assert proc.returncode == 0, output_of(proc)
+    parts = split_output(proc.stdout)
+    assert list(parts) == [case["name"] for case in cases], list(parts)
+    return proc, parts
+
+
 # ----------------------------------------------------------------------------- exact resume
 
 
@@ -192,26 +209,18 @@ def regression_runs(tmp_path_factory):
         pytest.param("cpu_2proc", 63, id="last_step-cpu_2proc"),
     ],
 )
-def test_regression_resume_is_bit_identical(regression_runs, tmp_path, config, step, capsys):
+def test_regression_resume_is_bit_identical(regression_runs, request, tmp_path, config, step, capsys):
     full, batch = regression_runs[config]
-    out = resume_copy(full, step, str(tmp_path / "resumed"))
-    args = [
-        *REGRESSION,
-        "--per_device_train_batch_size",
-        batch,
-        "--resume_from_checkpoint",
-        "latest",
-        "--output_dir",
-        out,
-    ]
     if config == "cpu":
-        run_regression(config, *args)
+        out = resume_copy(full, step, str(tmp_path / "resumed"))
+        args = [*REGRESSION, "--per_device_train_batch_size", batch, "--resume_from_checkpoint", "latest"]
+        run_regression(config, *args, "--output_dir", out)
         printed = capsys.readouterr().out
     else:  # rank 1 is made to see no checkpoint (as when one lands between two ranks' looks at the folder):
-        # resolving 'latest' alone it would start from step 0 and hang the others; the main process's counts
-        proc = probe(config, ["--stale_latest", "--rank", 1], *args, timeout=120)
-        assert proc.returncode == 0, output_of(proc)
-        printed = proc.stdout
+        # resolving 'latest' alone it would start from step 0 and hang the others; the main process's counts.
+        # A case of mnist_2proc_runs' 2-process launch (series_probe's stale_latest, as fault_probe's),
+        # resumed from a copy of step 63 with these arguments
+        out, printed = request.getfixturevalue("mnist_2proc_runs")["regression_last_step"]
     assert f"resumed from {out}/checkpoints/step_{step:08d}" in printed
     assert identical(weights(out), weights(full))
 
@@ -277,22 +286,80 @@ def test_mnist_resume_in_process_with_accumulation_is_bit_identical(mnist_1proc_
     assert [h["epoch"] for h in results["history"]] == [1, 2]  # history survives the resume
 
 
+def mnist_2proc_args(streaming, root):
+    """The arguments of a 2-process MNIST run (batch 8 per process), map-style or streaming, that the
+    runs resumed from its checkpoints must give again."""
+    return [*MNIST, "--per_device_train_batch_size", 8, *(["--streaming", "--parquet_dir", root] if streaming else [])]
+
+
+def sigterm_launch(args, folder, to):
+    """A 2-process MNIST run (args) signalled after optimizer step 9 of 48 (SIGTERM to rank 1 itself or
+    to the launcher); to rank 1 itself, the exit of its ranks restarts them (--max_restarts 1) and the
+    restart resumes. Returns the launch and the run's folder."""
+    out = folder / "preempted"
+    restart = to == "self"
+    proc = kill_launch(
+        "cpu_2proc",
+        "mnist",
+        ["--rank", 1, "--step", 9, "--marker", folder / "signalled", "--sigterm", to],
+        *args,
+        "--output_dir",
+        out,
+        *(["--resume_from_checkpoint", "latest"] if restart else []),
+        max_restarts=1 if restart else None,
+    )
+    return proc, out
+
+
 @pytest.fixture(scope="module")
-def mnist_2proc_runs(fashion_dir, tmp_path_factory):
-    """Uninterrupted 2-process MNIST runs (batch 8 per process), map-style and streaming, with the
-    arguments that runs resumed from their checkpoints must give again."""
-    runs = {}
-    for streaming in (False, True):
-        root = tmp_path_factory.mktemp("streaming" if streaming else "map_style")
-        args = [
-            *MNIST,
-            "--per_device_train_batch_size",
-            8,
-            *(["--streaming", "--parquet_dir", root / "parquet"] if streaming else []),
-        ]
-        proc = launch("cpu_2proc", "mnist", *args, "--output_dir", root / "full")
-        assert proc.returncode == 0, output_of(proc)
-        runs[streaming] = (str(root / "full"), args)
+def mnist_2proc_runs(fashion_dir, regression_runs, tmp_path_factory):
+    """Uninterrupted 2-process MNIST runs, map-style and streaming (True), with the arguments that runs
+    resumed from their checkpoints must give again; and "stopped": the map-style run stopped by a
+    SIGTERM to its launcher (a DataLoader worker per rank), what its folder held then, and the second
+    launch's resume of it. That resume and both uninterrupted runs are one launch of 2 processes
+    (launch_series), the resume first, as a fresh launch runs it; with them, for
+    test_regression_resume_is_bit_identical[last_step-cpu_2proc], regression_runs' 2-process run
+    resumed from its last step's checkpoint, rank 1 seeing no checkpoint ("regression_last_step":
+    its folder and output)."""
+    root = tmp_path_factory.mktemp("mnist_2proc")
+    runs = {
+        streaming: (
+            str(root / ("streaming" if streaming else "map_style")),
+            mnist_2proc_args(streaming, root / "parquet"),
+        )
+        for streaming in (False, True)
+    }
+    stopped_args = [*runs[False][1], "--dataloader_num_workers", 1]  # the data order is the same
+    proc, out = sigterm_launch(stopped_args, root, "launcher")
+    held = {
+        "checkpoints": sorted(os.listdir(out / "checkpoints")) if (out / "checkpoints").is_dir() else None,
+        "finished": (out / "model.safetensors").exists(),
+    }
+    held["checkpoint"] = [sorted(os.listdir(out / "checkpoints" / name)) for name in held["checkpoints"] or []]
+    cases = [
+        {
+            "name": "resumed",
+            "script": "mnist",
+            "args": [*stopped_args, "--resume_from_checkpoint", "latest", "--output_dir", out],
+        },
+        *({"name": name, "script": "mnist", "args": [*args, "--output_dir", name]} for name, args in runs.values()),
+    ]
+    full, batch = regression_runs["cpu_2proc"]
+    regression_out = root / "regression_last_step"
+    resume = [*REGRESSION, "--per_device_train_batch_size", batch, "--resume_from_checkpoint", "latest"]
+    cases.insert(
+        1,
+        {
+            "name": "regression_last_step",
+            "script": "regression",
+            "args": [*resume, "--output_dir", regression_out],
+            "copy": [full, 63, regression_out],
+            "stale_latest": 1,
+        },
+    )
+    _, parts = launch_series("cpu_2proc", root, cases)
+    runs["stopped"] = proc, out, held, parts["resumed"]
+    runs["regression_last_step"] = str(regression_out), parts["regression_last_step"]
     return runs
 
 
@@ -304,20 +371,14 @@ def test_sigterm_saves_one_step_on_every_rank_and_the_resume_is_bit_identical(
     mnist_2proc_runs, tmp_path, streaming, to
 ):
     full, args = mnist_2proc_runs[streaming]
-    args = [*args, "--dataloader_num_workers", 1 if to == "launcher" else 0]  # the data order is the same
-    out = tmp_path / "preempted"
     restart = to == "self"
-    proc = kill_launch(
-        "cpu_2proc",
-        "mnist",
-        ["--rank", 1, "--step", 9, "--marker", tmp_path / "signalled", "--sigterm", to],
-        *args,
-        "--output_dir",
-        out,
-        *(["--resume_from_checkpoint", "latest"] if restart else []),
-        max_restarts=1 if restart else None,
-    )
-    assert (proc.returncode == 0) is restart and (tmp_path / "signalled").exists(), output_of(proc)
+    if restart:
+        proc, out = sigterm_launch([*args, "--dataloader_num_workers", 0], tmp_path, to)
+        signalled = tmp_path / "signalled"
+    else:  # the fixture's: the stopped launch, what its folder held before the resume, the resume's output
+        proc, out, held, resumed = mnist_2proc_runs["stopped"]
+        signalled = out.parent / "signalled"
+    assert (proc.returncode == 0) is restart and signalled.exists(), output_of(proc)
     said = [line for line in output_of(proc).splitlines() if line.startswith("stopped on SIGTERM at step ")]
     assert len(said) == 1, output_of(proc)  # from the first process only
     step = int(said[0].split()[5])
@@ -325,13 +386,14 @@ def test_sigterm_saves_one_step_on_every_rank_and_the_resume_is_bit_identical(
     checkpoint = out / "checkpoints" / f"step_{step:08d}"
     assert f"saved {checkpoint}; resume with: accelerate launch --config_file " in said[0]
     assert said[0].endswith(" --resume_from_checkpoint latest")
-    assert sorted(os.listdir(out / "checkpoints")) == [checkpoint.name]  # one step, saved by both ranks
-    assert {"rank_state_0.pt", "rank_state_1.pt", "meta.json"} <= set(os.listdir(checkpoint))
+    if restart:
+        held = {"checkpoints": sorted(os.listdir(out / "checkpoints")), "checkpoint": [sorted(os.listdir(checkpoint))]}
+        resumed = proc.stdout
+    assert held["checkpoints"] == [checkpoint.name]  # one step, saved by both ranks
+    assert {"rank_state_0.pt", "rank_state_1.pt", "meta.json"} <= set(held["checkpoint"][0])
     if not restart:
-        assert not (out / "model.safetensors").exists()  # the stopped run is not taken for a finished one
-        proc = launch("cpu_2proc", "mnist", *args, "--resume_from_checkpoint", "latest", "--output_dir", out)
-        assert proc.returncode == 0, output_of(proc)
-    assert f"resumed from {checkpoint}" in proc.stdout and "world_size=2 " in proc.stdout  # mid-epoch, 2 ranks
+        assert not held["finished"]  # the stopped run is not taken for a finished one
+    assert f"resumed from {checkpoint}" in resumed and "world_size=2 " in resumed  # mid-epoch, 2 ranks
     assert identical(weights(out), weights(full))
 
 
