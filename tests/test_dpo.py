@@ -19,18 +19,20 @@ import random
 import pytest
 import torch
 
-from conftest import launch, output_of, run_as_script, run_main
+from cases_probe import (
+    case_output,
+    check_crash_case,
+    check_sigterm_case,
+    crash_case,
+    launch_cases,
+    run_case,
+    sigterm_case,
+)
+from conftest import output_of, run_as_script, run_main
 from data.errors import DataError
 from data.preferences import PairBatch, encode_pairs, pair_segments
 from hf_models import WORDS, tiny_bert, tiny_causal_lm
-from test_checkpointing import (
-    crash_during_save_and_resume,
-    identical,
-    largest_difference,
-    resume_copy,
-    sigterm_at_step_one_and_resume,
-    weights,
-)
+from test_checkpointing import identical, largest_difference, resume_copy, weights
 
 N_VALIDATION = 21  # odd: fills no batch of any size used here
 STEPS = [
@@ -150,12 +152,6 @@ def args_for(data, *extra, model="gpt2"):
     ]
 
 
-def dpo_run(config, data, out, *extra, model="gpt2"):
-    proc = launch(config, "dpo", *args_for(data, *extra, model=model), "--output_dir", out)
-    assert proc.returncode == 0, output_of(proc)
-    return proc
-
-
 ACCUMULATED = ["--per_device_train_batch_size", 2, "--gradient_accumulation_steps", 2]
 
 
@@ -188,12 +184,58 @@ def one(data):
     return out
 
 
+# the start's bf16 cases (test_before_any_step_every_reward_is_0_in_every_precision), in the launch of their config
+BF16 = {
+    "ddp-bf16-autocast": ("cpu_2proc", "gpt2", ["--mixed_precision", "bf16"]),
+    "fsdp2-bf16": ("fsdp2_cpu_2proc", "gpt2", ["--mixed_precision", "bf16"]),
+    "ddp-bf16-lora": ("cpu_2proc", "llama", ["--mixed_precision", "bf16", "--lora_r", 4]),
+}
+
+
+def start_case(data, name):
+    config, model, extra = BF16[name]
+    out = data["root"] / f"start_{name}"
+    return run_case(
+        name, "dpo", out, *args_for(data, "--per_device_train_batch_size", 4, *ONE_STEP, *extra, model=model)
+    )
+
+
 @pytest.fixture(scope="module")
-def accumulated(data):
-    """2 processes x 2 pairs x 2 accumulation steps, uninterrupted."""
-    out = data["root"] / "accumulated"
-    dpo_run("cpu_2proc", data, out, *ACCUMULATED, "--eval_on_start", *scored(data), "--max_new_tokens", 6)
-    return out
+def ddp_launch(data):
+    """Every 2-process DDP run of this file, as cases of one launch (tests/cases_probe.py) with 2 restarts:
+    the uninterrupted 2 x 2 x 2 run, the start's bf16 cases, the SIGTERM run (stopped at step 1 and
+    resumed by the first restart; its own token cache) and LoRA's SIGKILL during a save (resumed by
+    the second). Returns the launch."""
+    root = data["root"]
+    sigterm = [*args_for(data, *ACCUMULATED)]
+    sigterm[sigterm.index("--cache_dir") + 1] = root / "sigterm" / "tokens"
+    (root / "sigterm").mkdir()
+    (root / "lora").mkdir()
+    cases = [
+        run_case(
+            "accumulated",
+            "dpo",
+            root / "accumulated",
+            *args_for(data, *ACCUMULATED, "--eval_on_start", *scored(data), "--max_new_tokens", 6),
+        ),
+        *(start_case(data, name) for name, (config, _, _) in BF16.items() if config == "cpu_2proc"),
+        sigterm_case("sigterm", "dpo", root / "sigterm", *sigterm),
+        crash_case("lora", "dpo", 6, root / "lora", *args_for(data, *lora_args(data), model="llama")),
+    ]
+    proc = launch_cases("cpu_2proc", cases, max_restarts=2)
+    assert proc.returncode == 0, output_of(proc)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def accumulated(data, ddp_launch):
+    """2 processes x 2 pairs x 2 accumulation steps, uninterrupted (the first case of ddp_launch)."""
+    return data["root"] / "accumulated"
+
+
+def case_printed(proc, name):
+    """What rank 0 printed (stdout and stderr) during the case NAME of a cases_probe launch."""
+    return case_output(proc.stdout, name) + case_output(proc.stderr, name)
 
 
 def test_answers_are_scored_once_each_and_the_same_on_one_process_and_two(data, one, accumulated):
@@ -347,13 +389,13 @@ def test_loss_and_metrics_equal_trls_dpo_trainer(data, loss_type, label_smoothin
 # ------------------------------------------------------------------------------------ the reference and resume
 
 
-def test_sigterm_saves_at_one_step_and_the_resume_finds_the_reference_and_is_bit_identical(data, accumulated, tmp_path):
+def test_sigterm_saves_at_one_step_and_the_resume_finds_the_reference_and_is_bit_identical(
+    data, ddp_launch, accumulated
+):
     """Its own token cache: the first attempt computes the reference's log-probabilities, the restart finds
-    them and ends where the uninterrupted 2 x 2 x 2 run ended."""
-    args = args_for(data, *ACCUMULATED)
-    args[args.index("--cache_dir") + 1] = tmp_path / "tokens"
-    proc, out = sigterm_at_step_one_and_resume("cpu_2proc", "dpo", 6, tmp_path, *args)
-    printed = output_of(proc)
+    them and ends where the uninterrupted 2 x 2 x 2 run ended (a case of the same launch)."""
+    out = check_sigterm_case(ddp_launch, "sigterm", data["root"] / "sigterm", 6)
+    printed = case_printed(ddp_launch, "sigterm")
     assert printed.count("pairs computed once") == 1 and printed.count("found in") == 1, printed
     assert identical(weights(out), weights(accumulated))
 
@@ -363,31 +405,49 @@ def lora_args(data):
 
 
 @pytest.fixture(scope="module")
-def lora(data, tmp_path_factory):
-    """LoRA on the Llama under 2 processes, SIGKILLed as it publishes checkpoint 6 and resumed from 3."""
-    folder = tmp_path_factory.mktemp("lora")
-    return crash_during_save_and_resume("cpu_2proc", "dpo", 6, folder, *args_for(data, *lora_args(data), model="llama"))
+def lora(data, ddp_launch):
+    """LoRA on the Llama under 2 processes, SIGKILLed as it publishes checkpoint 6 and resumed from 3 (the
+    last case of ddp_launch)."""
+    return ddp_launch, check_crash_case(ddp_launch, data["root"] / "lora", 6)
 
 
 def test_sigkill_then_resume_is_bit_identical_with_lora_whose_reference_is_the_base(data, lora):
     proc, crashed = lora
     assert f"resumed from {crashed}/checkpoints/step_00000003" in proc.stdout
-    assert "reference:" not in proc.stdout  # no precompute: the base with the adapters off
+    assert "reference:" not in case_output(proc.stdout, "lora")  # no precompute: the base with the adapters off
     saved = weights(crashed / "checkpoints" / "step_00000006")
     assert saved and all("lora_" in k for k in saved), sorted(saved)[:4]
     results = json.load(open(crashed / "all_results.json"))
     assert results["eval_rewards/margins"] > 0 and results["eval_samples"] == N_VALIDATION
 
 
-def test_fsdp2_takes_the_steps_of_one_process_with_either_reference(data, one, lora, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def fsdp2_launch(data):
+    """Every FSDP2 run of this file, as cases of one launch: the full model x 4 (the precomputed
+    reference) and LoRA x 4 (the adapters-off reference), both from --eval_on_start, and the start's
+    bf16 case."""
+    root = data["root"]
+    cases = [
+        run_case(
+            "full", "dpo", root / "fsdp2_full", *args_for(data, "--per_device_train_batch_size", 4, "--eval_on_start")
+        ),
+        run_case(
+            "lora", "dpo", root / "fsdp2_lora", *args_for(data, *lora_args(data), "--eval_on_start", model="llama")
+        ),
+        *(start_case(data, name) for name, (config, _, _) in BF16.items() if config == "fsdp2_cpu_2proc"),
+    ]
+    proc = launch_cases("fsdp2_cpu_2proc", cases)
+    assert proc.returncode == 0, output_of(proc)
+    return proc
+
+
+def test_fsdp2_takes_the_steps_of_one_process_with_either_reference(data, one, lora, fsdp2_launch, capsys):
     """2 FSDP2 processes x 4: the steps of 1 process x 8 with the precomputed reference, and LoRA's steps
     under DDP (the run above) with the adapters-off reference."""
-    full = tmp_path / "full"
-    proc = dpo_run("fsdp2_cpu_2proc", data, full, "--per_device_train_batch_size", 4, "--eval_on_start")
-    assert "no autocast, FSDP2, eval mode" in proc.stdout  # the reference computed by the sharded model
-    adapters = tmp_path / "lora"
-    proc = dpo_run("fsdp2_cpu_2proc", data, adapters, *lora_args(data), "--eval_on_start", model="llama")
-    assert "fsdp2: fully_shard over 2 CPU processes" in proc.stdout
+    full, adapters = data["root"] / "fsdp2_full", data["root"] / "fsdp2_lora"
+    # the reference computed by the sharded model
+    assert "no autocast, FSDP2, eval mode" in case_output(fsdp2_launch.stdout, "full")
+    assert "fsdp2: fully_shard over 2 CPU processes" in case_output(fsdp2_launch.stdout, "lora")
     for out in (full, adapters):
         assert_rewards_start_at_0(json.load(open(out / "all_results.json")))
     differences = [
@@ -404,30 +464,25 @@ def test_fsdp2_takes_the_steps_of_one_process_with_either_reference(data, one, l
 ONE_STEP = ["--max_train_steps", 1, "--logging_steps", 1, "--eval_on_start"]
 
 
-@pytest.mark.parametrize(
-    "config, model, extra",
-    [
-        ("cpu_2proc", "gpt2", ["--mixed_precision", "bf16"]),
-        ("fsdp2_cpu_2proc", "gpt2", ["--mixed_precision", "bf16"]),
-        ("cpu_2proc", "llama", ["--mixed_precision", "bf16", "--lora_r", 4]),
-        (None, "gpt2", ["--torch_dtype", "bfloat16", "--pure_low_precision"]),
-    ],
-    ids=["ddp-bf16-autocast", "fsdp2-bf16", "ddp-bf16-lora", "pure-bf16"],
-)
-def test_before_any_step_every_reward_is_0_in_every_precision(data, config, model, extra, tmp_path):
+@pytest.mark.parametrize("case", [*BF16, "pure-bf16"])
+def test_before_any_step_every_reward_is_0_in_every_precision(data, case, request, tmp_path):
     """bf16 autocast under DDP and under FSDP2 (bf16 parameters in the forward), LoRA (its reference the
     base in the step), pure bf16 weights; fp32 under DDP and FSDP2, with and without LoRA, is checked by
     the runs above. The models ship dropout: with it off (the default) the first step's loss, on
-    training batches of other shapes, is log 2 as well."""
-    out = tmp_path / "out"
-    args = [*args_for(data, "--per_device_train_batch_size", 4, *ONE_STEP, *extra, model=model), "--output_dir", out]
-    if config:
-        proc = launch(config, "dpo", *args)
-        assert proc.returncode == 0, output_of(proc)
-        assert "mixed_precision=bf16" in proc.stdout, output_of(proc)
-        assert ("fsdp2: fully_shard" in proc.stdout) == config.startswith("fsdp2"), output_of(proc)
-    else:
-        run_main("dpo", *args, through_run=True)  # one process; --mixed_precision no: bf16 weights compute in bf16
+    training batches of other shapes, is log 2 as well. The bf16 cases are runs of their config's launch
+    (ddp_launch, fsdp2_launch)."""
+    if case in BF16:
+        config = BF16[case][0]
+        proc = request.getfixturevalue("fsdp2_launch" if config.startswith("fsdp2") else "ddp_launch")
+        out = data["root"] / f"start_{case}"
+        printed = case_output(proc.stdout, case)
+        assert "mixed_precision=bf16" in printed, output_of(proc)
+        assert ("fsdp2: fully_shard" in printed) == config.startswith("fsdp2"), output_of(proc)
+    else:  # one process; --mixed_precision no: bf16 weights compute in bf16
+        out = tmp_path / "out"
+        extra = ["--torch_dtype", "bfloat16", "--pure_low_precision"]
+        args = [*args_for(data, "--per_device_train_batch_size", 4, *ONE_STEP, *extra), "--output_dir", out]
+        run_main("dpo", *args, through_run=True)
     assert_rewards_start_at_0(json.load(open(out / "all_results.json")))
     assert first_step_loss(out) == pytest.approx(math.log(2), abs=2e-4)
 

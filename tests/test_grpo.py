@@ -17,15 +17,10 @@ import shutil
 import pytest
 import torch
 
+from cases_probe import check_crash_case, check_sigterm_case, crash_case, launch_cases, run_case, sigterm_case
 from conftest import launch, output_of, run_as_script, run_main
 from hf_models import WORDS, tiny_bert, tiny_causal_lm
-from test_checkpointing import (
-    crash_during_save_and_resume,
-    identical,
-    largest_difference,
-    sigterm_at_step_one_and_resume,
-    weights,
-)
+from test_checkpointing import identical, largest_difference, weights
 
 N_VALIDATION = 7  # odd: fills no evaluation batch of any size used here
 REWARDS = '''
@@ -149,11 +144,35 @@ def one(data):
 
 
 @pytest.fixture(scope="module")
-def accumulated(data):
-    """2 processes x 2 completions x 2 accumulation steps, uninterrupted."""
-    out = data["root"] / "accumulated"
-    grpo_run("cpu_2proc", data, out, *ACCUMULATED, *TOGETHER)
-    return out
+def ddp_launch(data):
+    """The 2-process DDP runs of this file that succeed, as cases of one launch (tests/cases_probe.py) with
+    2 restarts: the uninterrupted 2 x 2 x 2 run, the SIGTERM test's uninterrupted reference (one pass
+    per step), the SIGTERM run (stopped at step 1, resumed by the first restart) and LoRA's SIGKILL
+    during a save (resumed by the second). Returns the launch."""
+    root = data["root"]
+    (root / "sigterm").mkdir()
+    (root / "lora").mkdir()
+    lora = ["--per_device_train_batch_size", 4, "--lora_r", 4, "--learning_rate", 2e-2]
+    cases = [
+        run_case("accumulated", "grpo", root / "accumulated", *args_for(data, *ACCUMULATED, *TOGETHER)),
+        run_case("reference", "grpo", root / "reference", *args_for(data, *ACCUMULATED, "--num_iterations", 1)),
+        sigterm_case(
+            "sigterm",
+            "grpo",
+            root / "sigterm",
+            *args_for(data, *ACCUMULATED, "--num_iterations", 1, "--max_train_steps", 4),
+        ),
+        crash_case("lora", "grpo", 4, root / "lora", *args_for(data, *lora, model="llama")),
+    ]
+    proc = launch_cases("cpu_2proc", cases, max_restarts=2)
+    assert proc.returncode == 0, output_of(proc)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def accumulated(data, ddp_launch):
+    """2 processes x 2 completions x 2 accumulation steps, uninterrupted (the first case of ddp_launch)."""
+    return data["root"] / "accumulated"
 
 
 def records(path):
@@ -288,23 +307,20 @@ def test_a_groups_answers_depend_on_its_seed_alone(data):
 # ------------------------------------------------------------------------------------ resume, LoRA, the folder
 
 
-def test_sigterm_saves_at_one_step_and_the_resume_is_bit_identical(data, accumulated, tmp_path):
-    args = args_for(data, *ACCUMULATED, "--num_iterations", 1, "--max_train_steps", 4)
-    reference = tmp_path / "reference"
-    grpo_run("cpu_2proc", data, reference, *ACCUMULATED, "--num_iterations", 1)
-    proc, out = sigterm_at_step_one_and_resume("cpu_2proc", "grpo", 4, tmp_path, *args)
+def test_sigterm_saves_at_one_step_and_the_resume_is_bit_identical(data, ddp_launch):
+    """Against the uninterrupted reference with one pass per step, a case of the same launch."""
+    reference = data["root"] / "reference"
+    out = check_sigterm_case(ddp_launch, "sigterm", data["root"] / "sigterm", 4)
     assert identical(weights(out), weights(reference))
     for name in ("completions.jsonl", "eval_completions.jsonl"):  # each step's lines once, as uninterrupted
         assert records(out / name) == records(reference / name), name
 
 
 @pytest.fixture(scope="module")
-def lora(data, tmp_path_factory):
+def lora(data, ddp_launch):
     """LoRA on the Llama under 2 processes (KL to the adapters-off model), SIGKILLed as it publishes
-    checkpoint 4 and resumed from 2."""
-    folder = tmp_path_factory.mktemp("lora")
-    extra = ["--per_device_train_batch_size", 4, "--lora_r", 4, "--learning_rate", 2e-2]
-    return crash_during_save_and_resume("cpu_2proc", "grpo", 4, folder, *args_for(data, *extra, model="llama"))
+    checkpoint 4 and resumed from 2 (the last case of ddp_launch)."""
+    return ddp_launch, check_crash_case(ddp_launch, data["root"] / "lora", 4)
 
 
 def test_sigkill_then_resume_is_bit_identical_with_lora_whose_reference_is_the_base(data, lora):

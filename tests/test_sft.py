@@ -20,19 +20,13 @@ import numpy as np
 import pytest
 import torch
 
+from cases_probe import check_crash_case, check_sigterm_case, crash_case, launch_cases, run_case, sigterm_case
 from conftest import launch, output_of, run_as_script, run_main
 from data.errors import DataError
 from data.prompt_response import CausalBatch, chat_segments, encode, pack, prompt_response_segments
 from data.sharding import BatchPlan
 from hf_models import WORDS, tiny_bert, tiny_causal_lm
-from test_checkpointing import (
-    crash_during_save_and_resume,
-    identical,
-    largest_difference,
-    resume_copy,
-    sigterm_at_step_one_and_resume,
-    weights,
-)
+from test_checkpointing import identical, largest_difference, resume_copy, weights
 
 N_VALIDATION = 21  # odd: fills no batch of any size used here
 STEPS = [
@@ -169,12 +163,29 @@ SCORED = lambda data: [*scored(data, "names_the_word", "characters"), "--reward_
 
 
 @pytest.fixture(scope="module")
-def accumulated(data):
+def ddp_launch(data):
+    """Every 2-process DDP run of this file, as cases of one launch (tests/cases_probe.py) with 2 restarts:
+    the uninterrupted 2 x 2 x 2 run, the SIGTERM run (stopped at step 1, resumed by the first restart)
+    and LoRA's SIGKILL during a save (resumed by the second). Returns the launch."""
+    root = data["root"]
+    (root / "sigterm").mkdir()
+    (root / "lora").mkdir()
+    lora = ["--per_device_train_batch_size", 4, "--lora_r", 4, "--lora_dropout", 0.1, *scored(data, "length")]
+    cases = [
+        run_case("accumulated", "sft", root / "accumulated", *args_for(data, *ACCUMULATED, *SCORED(data))),
+        sigterm_case("sigterm", "sft", root / "sigterm", *args_for(data, *ACCUMULATED)),
+        crash_case("lora", "sft", 6, root / "lora", *args_for(data, *lora, model="llama")),
+    ]
+    proc = launch_cases("cpu_2proc", cases, max_restarts=2)
+    assert proc.returncode == 0, output_of(proc)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def accumulated(data, ddp_launch):
     """2 processes x 2 rows x 2 accumulation steps: the reference of the tests below (2 processes
-    without accumulation: the FSDP2 run, 2 x 4)."""
-    out = data["root"] / "accumulated"
-    sft_run("cpu_2proc", data, out, *ACCUMULATED, *SCORED(data))
-    return out
+    without accumulation: the FSDP2 run, 2 x 4); the first case of ddp_launch."""
+    return data["root"] / "accumulated"
 
 
 @pytest.fixture(scope="module")
@@ -309,13 +320,10 @@ def test_the_output_folder_loads_with_from_pretrained_and_generates(data, accumu
     assert proc.returncode == 0 and len(lines) == 2 and lines[0] == f"define water\t{expected}", output_of(proc)
 
 
-def test_sigkill_then_resume_is_bit_identical_with_lora(data, tmp_path):
-    """LoRA on the Llama, with adapter dropout: its draws must come back too. The full fine-tuning's
-    resume: after SIGTERM, below."""
-    extra = ["--per_device_train_batch_size", 4, "--lora_r", 4, "--lora_dropout", 0.1, *scored(data, "length")]
-    proc, crashed = crash_during_save_and_resume(
-        "cpu_2proc", "sft", 6, tmp_path, *args_for(data, *extra, model="llama")
-    )
+def test_sigkill_then_resume_is_bit_identical_with_lora(data, ddp_launch):
+    """LoRA on the Llama, with adapter dropout: its draws must come back too (the last case of
+    ddp_launch). The full fine-tuning's resume: after SIGTERM, below."""
+    proc, crashed = ddp_launch, check_crash_case(ddp_launch, data["root"] / "lora", 6)
     assert f"resumed from {crashed}/checkpoints/step_00000003" in proc.stdout
     # the killed attempt had answered at step 6 too: the resume cut those answers, then answered again
     assert [r["step"] for r in records(crashed / "eval_completions.jsonl")] == [3] * N_VALIDATION + [6] * N_VALIDATION
@@ -358,10 +366,10 @@ def test_fsdp2_takes_the_same_steps_and_its_checkpoint_resumes_in_one_process(da
     assert largest_difference(weights(resumed), weights(out)) < 2e-5
 
 
-def test_sigterm_saves_at_one_step_on_every_rank_and_the_resume_is_bit_identical(data, accumulated, tmp_path):
+def test_sigterm_saves_at_one_step_on_every_rank_and_the_resume_is_bit_identical(data, ddp_launch, accumulated):
     """Stopped and saved at step 1 (after its 2 accumulated micro-batches) on every rank, restarted,
-    it ends where the module's uninterrupted 2 x 2 x 2 run ended."""
-    _, out = sigterm_at_step_one_and_resume("cpu_2proc", "sft", 6, tmp_path, *args_for(data, *ACCUMULATED))
+    it ends where the module's uninterrupted 2 x 2 x 2 run (a case of the same launch) ended."""
+    out = check_sigterm_case(ddp_launch, "sigterm", data["root"] / "sigterm", 6)
     assert identical(weights(out), weights(accumulated))
 
 

@@ -14,17 +14,24 @@ import numpy as np
 import pytest
 import torch
 
+from cases_probe import (
+    case_output,
+    check_crash_case,
+    check_sigterm_case,
+    crash_case,
+    launch_cases,
+    run_case,
+    sigterm_case,
+)
 from conftest import launch, output_of, run_as_script, run_main
 from data.labelled_text import TokenBatch, first_words, label_names, prepare_labelled_text
 from data.sharding import BatchPlan
 from data.splits import DataInputs
 from hf_models import tiny_bert
 from test_checkpointing import (
-    crash_during_save_and_resume,
     identical,
     largest_difference,
     resume_copy,
-    sigterm_at_step_one_and_resume,
     weights,
 )
 from train.core.confusion import confusion_metrics
@@ -108,9 +115,34 @@ SHORT = ["--max_train_steps", 8, "--checkpointing_steps", 3, "--eval_steps", 4, 
 
 
 @pytest.fixture(scope="module")
-def two_launch(data):
-    out = data["root"] / "two"
-    return text_run("cpu_2proc", data, out, *SHORT, "--per_device_train_batch_size", 8), out
+def ddp_launch(data):
+    """Every 2-process DDP run of this file, as cases of one launch (tests/cases_probe.py) with 2 restarts:
+    the uninterrupted 2 x 8 run, the SIGTERM run (stopped at step 1, resumed by the first restart)
+    and LoRA's SIGKILL during a save (resumed by the second). Returns the launch."""
+    root = data["root"]
+    (root / "sigterm").mkdir()
+    (root / "lora").mkdir()
+    cases = [
+        run_case(
+            "two", "text_classification", root / "two", *args_for(data, *SHORT, "--per_device_train_batch_size", 8)
+        ),
+        sigterm_case(
+            "sigterm",
+            "text_classification",
+            root / "sigterm",
+            *args_for(data, *SHORT, "--per_device_train_batch_size", 8),
+        ),
+        crash_case("lora", "text_classification", 6, root / "lora", *args_for(data, *SHORT, *lora_args(data))),
+    ]
+    proc = launch_cases("cpu_2proc", cases, max_restarts=2)
+    assert proc.returncode == 0, output_of(proc)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def two_launch(data, ddp_launch):
+    """The uninterrupted 2 x 8 run: ddp_launch's first case, and what its rank 0 printed."""
+    return case_output(ddp_launch.stdout, "two"), data["root"] / "two"
 
 
 @pytest.fixture(scope="module")
@@ -120,10 +152,10 @@ def two(two_launch):
 
 
 def test_two_processes_count_every_validation_row_once_in_each_evaluation(two_launch):
-    proc, out = two_launch
-    assert "world_size=2 " in proc.stdout
+    printed, out = two_launch
+    assert "world_size=2 " in printed
     assert (
-        proc.stdout.count(
+        printed.count(
             f"384 train, {N_VALIDATION} validation rows (--validation_file), 4 labels (food, music, space, sport)"
         )
         == 1
@@ -230,14 +262,10 @@ def lora_args(data):
 
 
 @pytest.fixture(scope="module")
-def lora(data, tmp_path_factory):
+def lora(data, ddp_launch):
     """LoRA under 2 processes, SIGKILLed as it publishes checkpoint 6 and resumed from 3 (the reference of
-    LoRA under FSDP2, below)."""
-    folder = tmp_path_factory.mktemp("lora")
-    proc, crashed = crash_during_save_and_resume(
-        "cpu_2proc", "text_classification", 6, folder, *args_for(data, *SHORT, *lora_args(data))
-    )
-    return proc, crashed
+    LoRA under FSDP2, below): the last case of ddp_launch."""
+    return ddp_launch, check_crash_case(ddp_launch, data["root"] / "lora", 6)
 
 
 def test_sigkill_then_resume_is_bit_identical_with_lora(data, lora, tmp_path, capsys):
@@ -306,12 +334,10 @@ def test_fsdp2_with_lora_shards_the_bert_layers_takes_ddps_steps_and_resumes_in_
     assert largest_difference(*resumed) < 1e-5
 
 
-def test_sigterm_saves_at_one_step_on_every_rank_and_the_resume_is_bit_identical(data, two, tmp_path):
+def test_sigterm_saves_at_one_step_on_every_rank_and_the_resume_is_bit_identical(data, ddp_launch, two):
     """Stopped and saved at step 1 on every rank, restarted, it ends where the module's
-    uninterrupted 2 x 8 run ended."""
-    _, out = sigterm_at_step_one_and_resume(
-        "cpu_2proc", "text_classification", 8, tmp_path, *args_for(data, *SHORT, "--per_device_train_batch_size", 8)
-    )
+    uninterrupted 2 x 8 run (a case of the same launch) ended."""
+    out = check_sigterm_case(ddp_launch, "sigterm", data["root"] / "sigterm", 8)
     assert identical(weights(out), weights(two))
     finished = [json.load(open(folder / "all_results.json")) for folder in (out, two)]
     assert finished[0]["confusion_matrix"] == finished[1]["confusion_matrix"] and (out / "confusion.png").exists()

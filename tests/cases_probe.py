@@ -1,0 +1,218 @@
+"""Several runs of train/ scripts in one `accelerate launch`: each case is SCRIPT's main() under run(), as
+from its own file, one after the other in the same processes (a launch costs ~15 core-seconds before
+any work: the launcher's imports, then each rank's torch, transformers and dynamo). Each case has an
+Accelerator of its own (accelerate's state is reset between cases; the process group stays, and the
+last case's teardown ends it). Used by the tests of the post-training scripts (tests/test_dpo.py...).
+
+    accelerate launch [--max_restarts N] tests/cases_probe.py CASES.json
+
+CASES.json: [{"name": NAME, "script": SCRIPT, "args": [...], "out": FOLDER, "kill": [...] or null}, ...]
+
+A case whose FOLDER holds all_results.json is finished and skipped: under torch elastic's restart
+(`--max_restarts`) a case that was stopped resumes (its args hold --resume_from_checkpoint latest)
+after the finished ones are passed over. "kill" is tests/kill_at_step.py's arguments (--rank R --step K
+--marker FILE [--during_save [--keep DIR]] [--sigterm self|launcher]), armed for that case alone:
+its step count starts with the case, and its hook goes with it.
+
+Before each case rank 0 writes `CASE_MARK NAME` on a line of its own to stdout and stderr: `case_output`
+cuts a launch's output into each case's part (every attempt's), the rank-0 lines in order.
+"""
+
+import gc
+import json
+import os
+import shutil
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CASE_MARK = "=== cases_probe case"
+
+
+def arm(kill):
+    """kill_at_step.py's kill for one case: the undo (hook removed, os.replace back), or None unarmed."""
+    import argparse
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--step", type=int, required=True)
+    parser.add_argument("--marker", required=True)
+    parser.add_argument("--during_save", action="store_true")
+    parser.add_argument("--keep")
+    parser.add_argument("--sigterm", choices=["self", "launcher"])
+    args = parser.parse_args([str(a) for a in kill])
+    if int(os.environ.get("RANK", 0)) != args.rank or os.path.exists(args.marker):
+        return None
+
+    def die():
+        open(args.marker, "w").close()
+        if args.sigterm is None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        else:
+            os.kill(os.getppid() if args.sigterm == "launcher" else os.getpid(), signal.SIGTERM)
+
+    if args.during_save:
+        real_replace = os.replace
+
+        def replace(src, dst):  # every other rename passes through
+            if os.path.basename(src) == f".tmp-step_{args.step:08d}":
+                if args.keep:
+                    shutil.copytree(src, args.keep)
+                die()
+            return real_replace(src, dst)
+
+        os.replace = replace
+
+        def undo():
+            os.replace = real_replace
+
+        return undo
+    steps = [0]
+
+    def after_step(optimizer, *_):
+        if all(group["lr"] == 0 for group in optimizer.param_groups):
+            return  # torch.distributed.checkpoint's state init for stateless SGD: a step at lr 0, not ours
+        steps[0] += 1
+        if steps[0] == args.step:
+            die()
+
+    return register_optimizer_step_post_hook(after_step).remove
+
+
+def reset_accelerate_state():
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+
+def main(path):
+    from train.core import process
+    from train.core.run import run
+
+    cases = json.load(open(path))
+    for k, case in enumerate(cases):
+        last = k == len(cases) - 1
+        if int(os.environ.get("RANK", 0)) == 0:
+            for stream in (sys.stdout, sys.stderr):
+                stream.write(f"\n{CASE_MARK} {case['name']}\n")
+                stream.flush()
+        if os.path.exists(os.path.join(case["out"], "all_results.json")):
+            continue  # finished before a restart
+        module = __import__(f"train.{case['script']}", fromlist=["main"])
+        undo = arm(case["kill"]) if case.get("kill") else None
+
+        def one_case(args, module=module, last=last):
+            result = module.main(args)
+            if not last:  # the process group stays for the next case: only the last one's teardown ends it
+                process._on_success.clear()
+            return result
+
+        run(one_case, module.parse_args([str(a) for a in case["args"]]))
+        if undo is not None:
+            undo()
+        if not last:
+            gc.collect()
+            reset_accelerate_state()
+
+
+def case_output(text, name):
+    """The part of a launch's output (stdout or stderr) that rank 0 wrote during case NAME, over every
+    attempt of the launch."""
+    parts, mine = [], False
+    for line in text.splitlines(keepends=True):
+        if line.startswith(CASE_MARK + " "):
+            mine = line[len(CASE_MARK) + 1 :].strip() == name
+        elif mine:
+            parts.append(line)
+    return "".join(parts)
+
+
+def launch_cases(config, cases, max_restarts=None, timeout=900):
+    """`accelerate launch --config_file accelerate_configs/CONFIG.yaml tests/cases_probe.py CASES.json`
+    (cases: dicts as above, their args' paths as they are); the CompletedProcess."""
+    import tempfile
+
+    from conftest import CONFIGS, clean_env, run_or_dump
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(
+            [
+                {**c, "args": [*map(str, c["args"])], "kill": [*map(str, c.get("kill") or [])], "out": str(c["out"])}
+                for c in cases
+            ],
+            f,
+        )
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config + ".yaml")]
+    if max_restarts is not None:
+        cmd += ["--max_restarts", str(max_restarts), "--monitor_interval", "0.5"]
+    cmd += [os.path.join("tests", "cases_probe.py"), f.name]
+    try:
+        return run_or_dump(cmd, timeout, env=clean_env())
+    finally:
+        os.unlink(f.name)
+
+
+def run_case(name, script, out, *args):
+    """A case that runs to the end."""
+    return {"name": name, "script": script, "out": out, "args": [*args, "--output_dir", out]}
+
+
+def sigterm_case(name, script, folder, *args):
+    """test_checkpointing.sigterm_at_step_one_and_resume's run as a case: SIGTERM to rank 1 right after
+    its optimizer step 1, every rank stops and saves there, and the restart (the launch's
+    --max_restarts) resumes it to the end. Its folder: FOLDER/stopped."""
+    out = folder / "stopped"
+    kill = ["--rank", 1, "--step", 1, "--marker", folder / "signalled", "--sigterm", "self"]
+    args = [*args, "--resume_from_checkpoint", "latest", "--output_dir", out]
+    return {"name": name, "script": script, "out": out, "args": args, "kill": kill}
+
+
+def check_sigterm_case(proc, name, folder, steps):
+    """sigterm_at_step_one_and_resume's checks of the case NAME's launch; the case's run folder. Its stop
+    line (written once the launcher has exited, after every case) is the only one of the launch; a
+    crash case's restart in the same launch finds its own lock left by a killed process."""
+    out = folder / "stopped"
+    said = [line for line in output_of(proc).splitlines() if line.startswith("stopped on SIGTERM at step ")]
+    assert proc.returncode == 0 and (folder / "signalled").exists() and len(said) == 1, output_of(proc)
+    stop = out / "checkpoints" / "step_00000001"
+    assert said[0].startswith(f"stopped on SIGTERM at step 1 of {steps}, saved {stop}; resume with: "), said[0]
+    assert {"rank_state_0.pt", "rank_state_1.pt", "meta.json"} <= set(os.listdir(stop))
+    assert f"resumed from {stop}" in proc.stdout
+    # the stop let go of its folder
+    assert "was locked by a process that is gone" not in case_output(proc.stdout, name)
+    return out
+
+
+def crash_case(name, script, step, folder, *args):
+    """test_checkpointing.crash_during_save_and_resume's run as a case: rank 0 SIGKILLed as checkpoint
+    `step` is about to be published (its finished files kept aside as the uninterrupted run's state
+    there), the restart resumes from the checkpoint before and saves `step` again. Its folder:
+    FOLDER/crashed."""
+    out, kept = folder / "crashed", folder / f"uninterrupted_step_{step}"
+    kill = ["--rank", 0, "--step", step, "--marker", folder / "killed", "--during_save", "--keep", kept]
+    args = [*args, "--resume_from_checkpoint", "latest", "--output_dir", out]
+    return {"name": name, "script": script, "out": out, "args": args, "kill": kill}
+
+
+def check_crash_case(proc, folder, step):
+    """crash_during_save_and_resume's checks of the case's launch; the case's run folder."""
+    from test_checkpointing import same_checkpoint
+
+    out, kept = folder / "crashed", folder / f"uninterrupted_step_{step}"
+    assert proc.returncode == 0 and (folder / "killed").exists() and kept.is_dir(), output_of(proc)
+    assert f"no checkpoint in {out}/checkpoints yet" in proc.stdout  # the first attempt started fresh
+    same_checkpoint(kept, out / "checkpoints" / f"step_{step:08d}")
+    return out
+
+
+def output_of(proc):
+    return proc.stdout + proc.stderr
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
