@@ -6,13 +6,20 @@ last case's teardown ends it). Used by the tests of the post-training scripts (t
 
     accelerate launch [--max_restarts N] tests/cases_probe.py CASES.json
 
-CASES.json: [{"name": NAME, "script": SCRIPT, "args": [...], "out": FOLDER, "kill": [...] or null}, ...]
+CASES.json: [{"name": NAME, "script": SCRIPT, "args": [...], "out": FOLDER, "kill": [...] or null,
+"copy": [RUN, STEP, NEW] (optional), "stale_latest": R (optional)}, ...]; FOLDER defaults to the args'
+--output_dir.
 
-A case whose FOLDER holds all_results.json is finished and skipped: under torch elastic's restart
-(`--max_restarts`) a case that was stopped resumes (its args hold --resume_from_checkpoint latest)
-after the finished ones are passed over. "kill" is tests/kill_at_step.py's arguments (--rank R --step K
---marker FILE [--during_save [--keep DIR]] [--sigterm self|launcher]), armed for that case alone:
-its step count starts with the case, and its hook goes with it.
+Under torch elastic's restart (`--max_restarts`), a case whose FOLDER holds all_results.json is finished
+and skipped, so a case that was stopped resumes (its args hold --resume_from_checkpoint latest) after the
+finished ones are passed over. "copy": before the case, the main process makes NEW as a crash after
+checkpoint STEP of the run folder RUN would have left it (test_checkpointing.resume_copy), for the case to
+resume from; RUN may be an earlier case's folder. "stale_latest": rank R sees no checkpoint in any folder
+during the case, as tests/fault_probe.py's --stale_latest (what a rank sees when a checkpoint lands
+between two ranks' looks at the folder: only the main process's answer may count). "kill" is
+tests/kill_at_step.py's arguments (--rank R --step K --marker FILE [--during_save [--keep DIR]]
+[--sigterm self|launcher]), armed for that case alone: its step count starts with the case, and its
+hook goes with it.
 
 Before each case rank 0 writes `CASE_MARK NAME` on a line of its own to stdout and stderr: `case_output`
 cuts a launch's output into each case's part (every attempt's), the rank-0 lines in order.
@@ -90,19 +97,37 @@ def reset_accelerate_state():
     PartialState._reset_state()
 
 
+def resume_copy(full_dir, step, new_dir):  # test_checkpointing.resume_copy, without importing the tests
+    os.makedirs(os.path.join(new_dir, "checkpoints"))
+    name = f"step_{step:08d}"
+    shutil.copytree(os.path.join(full_dir, "checkpoints", name), os.path.join(new_dir, "checkpoints", name))
+
+
 def main(path):
+    import torch.distributed as dist
+
+    import train.core.checkpoint as checkpoint
     from train.core import process
     from train.core.run import run
 
     cases = json.load(open(path))
+    rank, restarted = int(os.environ.get("RANK", 0)), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    list_checkpoints = checkpoint.list_checkpoints
     for k, case in enumerate(cases):
         last = k == len(cases) - 1
-        if int(os.environ.get("RANK", 0)) == 0:
+        if rank == 0:
             for stream in (sys.stdout, sys.stderr):
                 stream.write(f"\n{CASE_MARK} {case['name']}\n")
                 stream.flush()
-        if os.path.exists(os.path.join(case["out"], "all_results.json")):
-            continue  # finished before a restart
+        if restarted and os.path.exists(os.path.join(case["out"], "all_results.json")):
+            continue  # finished before the restart
+        if case.get("copy"):
+            if rank == 0 and not os.path.isdir(case["copy"][2]):
+                resume_copy(*case["copy"])
+            if dist.is_initialized():
+                dist.barrier()  # the copy is there before any rank looks for it
+        if case.get("stale_latest") == rank:
+            checkpoint.list_checkpoints = lambda output_dir: []
         module = __import__(f"train.{case['script']}", fromlist=["main"])
         undo = arm(case["kill"]) if case.get("kill") else None
 
@@ -115,6 +140,7 @@ def main(path):
         run(one_case, module.parse_args([str(a) for a in case["args"]]))
         if undo is not None:
             undo()
+        checkpoint.list_checkpoints = list_checkpoints
         if not last:
             gc.collect()
             reset_accelerate_state()
@@ -142,7 +168,13 @@ def launch_cases(config, cases, max_restarts=None, timeout=900):
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(
             [
-                {**c, "args": [*map(str, c["args"])], "kill": [*map(str, c.get("kill") or [])], "out": str(c["out"])}
+                {
+                    **c,
+                    "args": [*map(str, c["args"])],
+                    "kill": [*map(str, c.get("kill") or [])],
+                    "out": str(c.get("out") or c["args"][[str(a) for a in c["args"]].index("--output_dir") + 1]),
+                    **({"copy": [str(c["copy"][0]), int(c["copy"][1]), str(c["copy"][2])]} if c.get("copy") else {}),
+                }
                 for c in cases
             ],
             f,

@@ -141,20 +141,16 @@ def kill_launch(config, script, kill, *args, timeout=300, max_restarts=None):
 
 
 def launch_series(config, folder, cases, timeout=600):
-    """One accelerate launch (config) of tests/series_probe.py running train scripts' main() one after
-    the other in the same ranks: `cases` = [{"name", "script", "args", "copy" (optional)}, ...]. The
-    timeout is the hang's, for all of them together. Returns the launch and {case name: its output}."""
-    from series_probe import split_output
+    """One accelerate launch (config) of tests/cases_probe.py running train scripts one after the other
+    in the same ranks: `cases` = [{"name", "script", "args", "copy" and "stale_latest" (optional)}, ...].
+    The timeout is the hang's, for all of them together. Returns the launch and {case name: its output}."""
+    from cases_probe import CASE_MARK, case_output, launch_cases
 
-    path = os.path.join(folder, "series_cases.json")
-    with open(path, "w") as f:
-        json.dump(cases, f, default=str)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config + ".yaml")]
-    proc = run_or_dump([*cmd, os.path.join("tests", "series_probe.py"), path], timeout, env=clean_env())
+    proc = launch_cases(config, cases, timeout=timeout)
     assert proc.returncode == 0, output_of(proc)
-    parts = split_output(proc.stdout)
-    assert list(parts) == [case["name"] for case in cases], list(parts)
-    return proc, parts
+    names = [line[len(CASE_MARK) + 1 :].strip() for line in proc.stdout.splitlines() if line.startswith(CASE_MARK)]
+    assert names == [case["name"] for case in cases], names
+    return proc, {case["name"]: case_output(proc.stdout, case["name"]) for case in cases}
 
 
 # ----------------------------------------------------------------------------- exact resume
@@ -218,7 +214,7 @@ def test_regression_resume_is_bit_identical(regression_runs, request, tmp_path, 
         printed = capsys.readouterr().out
     else:  # rank 1 is made to see no checkpoint (as when one lands between two ranks' looks at the folder):
         # resolving 'latest' alone it would start from step 0 and hang the others; the main process's counts.
-        # A case of mnist_2proc_runs' 2-process launch (series_probe's stale_latest, as fault_probe's),
+        # A case of mnist_2proc_runs' 2-process launch (cases_probe's stale_latest, as fault_probe's),
         # resumed from a copy of step 63 with these arguments
         out, printed = request.getfixturevalue("mnist_2proc_runs")["regression_last_step"]
     assert f"resumed from {out}/checkpoints/step_{step:08d}" in printed

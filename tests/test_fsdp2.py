@@ -101,7 +101,7 @@ REGRESSION = ["--max_train_steps", 30, "--per_device_train_batch_size", 16]
 @pytest.fixture(scope="module")
 def fsdp2_launch(runs, one_process_resumes, fashion_dir, tmp_path_factory):
     """The FSDP2 runs of the tests below, one after the other in one launch of 2 processes
-    (fsdp2_cpu_2proc.yaml; tests/series_probe.py): a launch's start-up costs more than most of them.
+    (fsdp2_cpu_2proc.yaml; tests/cases_probe.py): a launch's start-up costs more than most of them.
     Values: (folder, its case's output)."""
     root = tmp_path_factory.mktemp("fsdp2_launch")
     lm = ["--dataset_dir", runs["shards"], *ARGS]
