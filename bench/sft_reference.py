@@ -36,7 +36,8 @@ Peak RSS: os.wait4's ru_maxrss of the launch, the largest of the launcher and th
 for, i.e. the largest training process up to its exit (TRL's processes also report their own at the end
 of main(), printed per turn, ~0.1 GB lower: the torch library pages that interpreter exit touches).
 Validation loss: nats per response token over the whole validation set, of the saved model, scored
-after the run (untimed) by this file in one process, alike for all four; beside it each program's own
+after the run (untimed) by this file in one process, alike for all four (one scoring process for the
+whole bench, started after the first run and idle during the others); beside it each program's own
 figure: ours' eval_loss is the same measure; TRL's evaluate() averages its batches' per-token means, and
 under group_by_length transformers groups the evaluation batches by length too, which pulls that figure
 below the per-token one (~0.1 nats on 256 of the demo's pairs). The goal: ours at least 1.25x TRL's
@@ -141,9 +142,9 @@ def score(model, validation_file, max_length, batch_size=32):
 
 
 # ---------------------------------------------------------------------------------- one run
-def launch(name, args, data, scratch):
-    """One run of program `name` in fresh folders, then its model scored: a dict of wall seconds, peak
-    RSS MB, the scored validation loss, the program's own loss and its optimizer steps."""
+def launch(name, args, data, scratch, scorer):
+    """One run of program `name` in fresh folders, then its model scored (by `scorer`, a Scorer): a dict
+    of wall seconds, peak RSS MB, the scored validation loss, the program's own loss and its optimizer steps."""
     run_dir = tempfile.mkdtemp(prefix=name + "_", dir=scratch)
     out = os.path.join(run_dir, "out")
     packed = name.endswith("_packed")
@@ -208,7 +209,7 @@ def launch(name, args, data, scratch):
     if results["world_size"] != 2:
         raise SystemExit(f"error: {PROGRAMS[name]} ran with world size {results['world_size']}, not 2")
     counted = re.search(r"train ([\d,]+) examples, ([\d,]+) response tokens", output)  # ours' data line
-    scored = score_run(out, data["validation"], args.max_seq_length)
+    scored = scorer(out)
     return {
         "wall": wall,
         "rss_mb": rss_mb,
@@ -220,16 +221,50 @@ def launch(name, args, data, scratch):
     }
 
 
-def score_run(model, validation_file, max_length):
-    """score() in a process of its own (this file with --score), so this one never imports torch."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--score", model, "--validation_file", validation_file]
-    cmd += ["--max_seq_length", str(max_length)]
-    env = {**child_env(), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("SCORE ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"error: scoring {model} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return json.loads(lines[-1][len("SCORE ") :])
+class Scorer:
+    """score() in a process of its own (this file with --score -), so this one never imports torch (a
+    child's os.wait4 peak RSS can count its parent's). One such process scores every run's model, one
+    folder per line on its stdin, a SCORE line back for each: started at the first run's end, idle
+    (waiting on its stdin) while the others run, closed by close()."""
+
+    def __init__(self, validation_file, max_length):
+        self.cmd = [sys.executable, os.path.abspath(__file__), "--score", "-", "--validation_file", validation_file]
+        self.cmd += ["--max_seq_length", str(max_length)]
+        self.proc = self.errors = None
+
+    def __call__(self, model):
+        if self.proc is None:
+            self.errors = tempfile.TemporaryFile("w+")
+            env = {**child_env(), "HF_HUB_OFFLINE": "1"}
+            self.proc = subprocess.Popen(
+                self.cmd,
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self.errors,
+                text=True,
+            )
+        lines = []
+        try:
+            self.proc.stdin.write(model + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # it already ended: its output says why
+            pass
+        for line in self.proc.stdout:
+            if line.startswith("SCORE "):
+                return json.loads(line[len("SCORE ") :])
+            lines.append(line)
+        self.proc.wait()
+        self.errors.seek(0)
+        raise SystemExit(f"error: scoring {model} failed:\n{(''.join(lines) + self.errors.read())[-3000:]}")
+
+    def close(self):
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait()
+            self.errors.close()
+            self.proc = self.errors = None
 
 
 def describe(run, tokens):
@@ -278,7 +313,8 @@ def parse_args(argv=None):
         help="The goal's 'equal' validation loss: ours at most this many nats above TRL's.",
     )
     parser.add_argument("--programs", nargs="+", choices=PROGRAMS, default=list(PROGRAMS))
-    parser.add_argument("--score", default=None, help=argparse.SUPPRESS)  # a model folder to score, then exit
+    # a model folder to score, then exit; `-`: one folder per line of stdin, each scored as it comes
+    parser.add_argument("--score", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.score:
         return args
@@ -299,7 +335,9 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     if args.score:
-        print("SCORE " + json.dumps(score(args.score, args.validation_file, args.max_seq_length)), flush=True)
+        for model in sys.stdin if args.score == "-" else [args.score]:
+            result = score(model.rstrip("\n"), args.validation_file, args.max_seq_length)
+            print("SCORE " + json.dumps(result), flush=True)
         return
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -316,10 +354,14 @@ def main(argv=None):
         )
         programs = {name: PROGRAMS[name] for name in args.programs}
         runs = {name: [] for name in programs}
-        for turn in range(args.turns):
-            for name in turn_order(programs, turn):  # the host's drift hits all alike
-                runs[name].append(launch(name, args, data, scratch))
-                print(f"turn {turn + 1}: {PROGRAMS[name]}: {describe(runs[name][-1], tokens)}", flush=True)
+        scorer = Scorer(data["validation"], args.max_seq_length)
+        try:
+            for turn in range(args.turns):
+                for name in turn_order(programs, turn):  # the host's drift hits all alike
+                    runs[name].append(launch(name, args, data, scratch, scorer))
+                    print(f"turn {turn + 1}: {PROGRAMS[name]}: {describe(runs[name][-1], tokens)}", flush=True)
+        finally:
+            scorer.close()
 
     med = {
         name: {key: statistics.median(run[key] for run in rs) for key in ("wall", "rss_mb", "loss", "own_loss")}
