@@ -24,9 +24,11 @@ default is on), ddp_find_unused_parameters=False (as accelerate's DDP), evaluati
 each epoch's end, and the last weights saved (ours: --metric_for_best_model none). Every run gets fresh
 folders (its output, HF_DATASETS_CACHE, our --cache_dir), so each tokenizes afresh. ACCELERATE_USE_CPU=1,
 as bench/text_reference.py explains; a run at another world size than 2 is refused. Not equal, by
-design: ours stores an example of n tokens as n - 1 positions (inputs beside their shifted labels), TRL
-as n, so TRL's packed rows hold a little less and its packed epoch takes a few percent more steps; each
-groups by length with its own sampler.
+design: the order of padded batches under --order grouped (each program's own length-grouped sampler:
+transformers' sorts each group of up to 50 batches longest-first and runs it in that order, ours sorts
+50 steps at a time and shuffles the steps; --order random shuffles both); ours stores an example of n
+tokens as n - 1 positions (inputs beside their shifted labels), TRL as n, so TRL's packed rows hold a
+little less and its packed epoch takes a few percent more steps.
 
 Per run: the wall time from launch to exit (start-up, tokenizing, packing, evaluation and saving
 included, alike for all); response tokens/s = the training set's response tokens x epochs / wall seconds,
@@ -65,6 +67,7 @@ PROGRAMS = {
 }
 MODES = {"padded": ("ours", "trl"), "packed": ("ours_packed", "trl_packed")}  # (ours, TRL's)
 GOAL = 1.25  # ours' response tokens/s over TRL's, at an equal or lower validation loss
+SAMPLING = {"grouped": "group_by_length", "random": "random"}  # --order: TRL's train_sampling_strategy
 MAX_LENGTH = 1024  # the default --max_seq_length's cap, as train/sft.py's
 
 
@@ -142,11 +145,8 @@ def score(model, validation_file, max_length, batch_size=32):
 
 
 # ---------------------------------------------------------------------------------- one run
-def launch(name, args, data, scratch, scorer):
-    """One run of program `name` in fresh folders, then its model scored (by `scorer`, a Scorer): a dict
-    of wall seconds, peak RSS MB, the scored validation loss, the program's own loss and its optimizer steps."""
-    run_dir = tempfile.mkdtemp(prefix=name + "_", dir=scratch)
-    out = os.path.join(run_dir, "out")
+def command(name, args, data, run_dir, out):
+    """The launch of program `name` (accelerate launch, 2 CPU processes) with the bench's settings."""
     packed = name.endswith("_packed")
     common = [
         "--model_name_or_path",
@@ -170,10 +170,10 @@ def launch(name, args, data, scratch, scorer):
         "--output_dir",
         out,
     ]
-    env = reference_env(run_dir)
     if name.startswith("trl"):
         script = "bench/reference/trl_sft.py"
-        extra = ["--max_length", str(args.max_seq_length), *(["--packing"] if packed else [])]
+        extra = ["--max_length", str(args.max_seq_length)]
+        extra += ["--packing"] if packed else ["--train_sampling_strategy", SAMPLING[args.order]]
     else:
         script = "train/sft.py"
         extra = [
@@ -193,11 +193,19 @@ def launch(name, args, data, scratch, scorer):
             "none",
             "--cache_dir",
             os.path.join(run_dir, "tokens"),
-            *(["--packing"] if packed else ["--group_by_length", "true"]),
+            *(["--packing"] if packed else ["--group_by_length", "true" if args.order == "grouped" else "false"]),
         ]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_2PROC, script, *common, *extra]
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", CPU_2PROC, script, *common, *extra]
+
+
+def launch(name, args, data, scratch, scorer):
+    """One run of program `name` in fresh folders, then its model scored (by `scorer`, a Scorer): a dict
+    of wall seconds, peak RSS MB, the scored validation loss, the program's own loss and its optimizer steps."""
+    run_dir = tempfile.mkdtemp(prefix=name + "_", dir=scratch)
+    out = os.path.join(run_dir, "out")
+    cmd = command(name, args, data, run_dir, out)
     log = os.path.join(run_dir, "log.txt")
-    code, wall, rss_mb = run_measured(cmd, log, env)
+    code, wall, rss_mb = run_measured(cmd, log, reference_env(run_dir))
     with open(log, encoding="utf-8", errors="replace") as f:
         output = f.read()
     results = os.path.join(out, "all_results.json")
@@ -306,6 +314,14 @@ def parse_args(argv=None):
         help="Train on this many pairs: the head of the training pairs shuffled with --seed.",
     )
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument(
+        "--order",
+        choices=tuple(SAMPLING),
+        default="grouped",
+        help="Padded runs' batches: grouped by length, each program by its own sampler (the default), or "
+        "random (ours --group_by_length false, TRL's train_sampling_strategy random), for a loss "
+        "comparison in which neither order favours one side.",
+    )
     parser.add_argument(
         "--loss_tolerance",
         type=float,

@@ -535,6 +535,26 @@ def test_sft_reference_runs_ours_and_trls_sft_trainer_padded_and_packed(tmp_path
             assert abs(float(scored) - float(own)) < 1e-3, line
 
 
+@pytest.mark.parametrize("order, ours, trl", [("grouped", "true", "group_by_length"), ("random", "false", "random")])
+def test_sft_reference_order_sets_both_programs_padded_batches_alike(order, ours, trl):
+    """--order grouped: each program's own length-grouped sampler; random: both shuffled (the loss
+    comparison of docs/speed.md). Packed runs take neither flag. TRL's driver takes the value it is given."""
+    from bench import sft_reference
+
+    args = sft_reference.parse_args(["--score", "unused", "--order", order])
+    data = {"train": "t.jsonl", "validation": "v.jsonl"}
+    commands = {name: sft_reference.command(name, args, data, "run", "out") for name in sft_reference.PROGRAMS}
+    flag = lambda cmd, name: cmd[cmd.index(name) + 1] if name in cmd else None  # noqa: E731
+    assert flag(commands["ours"], "--group_by_length") == ours
+    assert flag(commands["trl"], "--train_sampling_strategy") == trl
+    assert "--group_by_length" not in commands["ours_packed"]
+    assert "--train_sampling_strategy" not in commands["trl_packed"]
+    driver = subprocess.run(
+        [sys.executable, "bench/reference/trl_sft.py", "--help"], cwd=REPO, capture_output=True, text=True
+    ).stdout
+    assert "--train_sampling_strategy {group_by_length,random}" in driver, driver
+
+
 def test_shape_memory_runs_each_case_at_two_step_counts(tmp_path, capsys):
     """bench/shape_memory.py on a tiny GPT-2 and BERT: each case run at 2 and 4 steps in a process of its
     own, a peak and a speed per run, and the ratio line per case."""

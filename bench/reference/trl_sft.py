@@ -10,7 +10,8 @@ computation is TRL's.
 The rows are {"prompt": ..., "completion": ...}: TRL's prompt-completion format, end-of-text appended
 to each completion, the loss on the completion's tokens only (completion_only_loss=True). Padded (the
 default): padding_free=False, batches of rows of similar length (train_sampling_strategy=
-"group_by_length", transformers 5's name for group_by_length=True; it groups the evaluation too). --packing:
+"group_by_length", transformers 5's name for group_by_length=True; it groups the evaluation too; or
+--train_sampling_strategy random, a plain shuffle). --packing:
 packing_strategy 'bfd', best-fit decreasing into rows of --max_length that keep each example whole
 (longer ones cut at the end), which TRL then trains padding-free, each example's position_ids starting
 at 0 so the model's attention stays inside it; the validation rows are not packed (eval_packing=False).
@@ -42,6 +43,12 @@ def main():
     parser.add_argument("--max_length", type=int, required=True)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--packing", action="store_true", help="Pack rows ('bfd', padding-free), else pad them.")
+    parser.add_argument(
+        "--train_sampling_strategy",
+        choices=("group_by_length", "random"),
+        default="group_by_length",
+        help="Padded rows' order: transformers' length-grouped sampler (the default) or a plain shuffle.",
+    )
     args = parser.parse_args()
 
     import datasets
@@ -57,7 +64,7 @@ def main():
     layout = (
         {"packing": True, "packing_strategy": "bfd", "eval_packing": False}
         if args.packing
-        else {"packing": False, "padding_free": False, "train_sampling_strategy": "group_by_length"}
+        else {"packing": False, "padding_free": False, "train_sampling_strategy": args.train_sampling_strategy}
     )
     config = SFTConfig(
         output_dir=args.output_dir,
