@@ -29,64 +29,11 @@ import gc
 import json
 import os
 import shutil
-import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 CASE_MARK = "=== cases_probe case"
-
-
-def arm(kill):
-    """kill_at_step.py's kill for one case: the undo (hook removed, os.replace back), or None unarmed."""
-    import argparse
-
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--step", type=int, required=True)
-    parser.add_argument("--marker", required=True)
-    parser.add_argument("--during_save", action="store_true")
-    parser.add_argument("--keep")
-    parser.add_argument("--sigterm", choices=["self", "launcher"])
-    args = parser.parse_args([str(a) for a in kill])
-    if int(os.environ.get("RANK", 0)) != args.rank or os.path.exists(args.marker):
-        return None
-
-    def die():
-        open(args.marker, "w").close()
-        if args.sigterm is None:
-            os.kill(os.getpid(), signal.SIGKILL)
-        else:
-            os.kill(os.getppid() if args.sigterm == "launcher" else os.getpid(), signal.SIGTERM)
-
-    if args.during_save:
-        real_replace = os.replace
-
-        def replace(src, dst):  # every other rename passes through
-            if os.path.basename(src) == f".tmp-step_{args.step:08d}":
-                if args.keep:
-                    shutil.copytree(src, args.keep)
-                die()
-            return real_replace(src, dst)
-
-        os.replace = replace
-
-        def undo():
-            os.replace = real_replace
-
-        return undo
-    steps = [0]
-
-    def after_step(optimizer, *_):
-        if all(group["lr"] == 0 for group in optimizer.param_groups):
-            return  # torch.distributed.checkpoint's state init for stateless SGD: a step at lr 0, not ours
-        steps[0] += 1
-        if steps[0] == args.step:
-            die()
-
-    return register_optimizer_step_post_hook(after_step).remove
 
 
 def reset_accelerate_state():
@@ -107,6 +54,7 @@ def main(path):
     import torch.distributed as dist
 
     import train.core.checkpoint as checkpoint
+    from kill_at_step import arm
     from train.core import process
     from train.core.run import run
 
@@ -129,7 +77,7 @@ def main(path):
         if case.get("stale_latest") == rank:
             checkpoint.list_checkpoints = lambda output_dir: []
         module = __import__(f"train.{case['script']}", fromlist=["main"])
-        undo = arm(case["kill"]) if case.get("kill") else None
+        undo = arm(case["kill"]) if case.get("kill") else None  # kill_at_step.py's kill, for this case alone
 
         def one_case(args, module=module, last=last):
             result = module.main(args)
@@ -198,8 +146,9 @@ def sigterm_case(name, script, folder, *args):
     """test_checkpointing.sigterm_at_step_one_and_resume's run as a case: SIGTERM to rank 1 right after
     its optimizer step 1, every rank stops and saves there, and the restart (the launch's
     --max_restarts) resumes it to the end. Its folder: FOLDER/stopped."""
-    out = folder / "stopped"
-    kill = ["--rank", 1, "--step", 1, "--marker", folder / "signalled", "--sigterm", "self"]
+    from test_checkpointing import sigterm_kill
+
+    out, kill = sigterm_kill(folder)
     args = [*args, "--resume_from_checkpoint", "latest", "--output_dir", out]
     return {"name": name, "script": script, "out": out, "args": args, "kill": kill}
 
@@ -207,17 +156,11 @@ def sigterm_case(name, script, folder, *args):
 def check_sigterm_case(proc, name, folder, steps):
     """sigterm_at_step_one_and_resume's checks of the case NAME's launch; the case's run folder. Its stop
     line (written once the launcher has exited, after every case) is the only one of the launch; a
-    crash case's restart in the same launch finds its own lock left by a killed process."""
-    out = folder / "stopped"
-    said = [line for line in output_of(proc).splitlines() if line.startswith("stopped on SIGTERM at step ")]
-    assert proc.returncode == 0 and (folder / "signalled").exists() and len(said) == 1, output_of(proc)
-    stop = out / "checkpoints" / "step_00000001"
-    assert said[0].startswith(f"stopped on SIGTERM at step 1 of {steps}, saved {stop}; resume with: "), said[0]
-    assert {"rank_state_0.pt", "rank_state_1.pt", "meta.json"} <= set(os.listdir(stop))
-    assert f"resumed from {stop}" in proc.stdout
-    # the stop let go of its folder
-    assert "was locked by a process that is gone" not in case_output(proc.stdout, name)
-    return out
+    crash case's restart in the same launch finds its own lock left by a killed process, so the lock
+    check reads the case's own output."""
+    from test_checkpointing import check_sigterm
+
+    return check_sigterm(proc, steps, folder, case_output(proc.stdout, name))
 
 
 def crash_case(name, script, step, folder, *args):
@@ -225,25 +168,18 @@ def crash_case(name, script, step, folder, *args):
     `step` is about to be published (its finished files kept aside as the uninterrupted run's state
     there), the restart resumes from the checkpoint before and saves `step` again. Its folder:
     FOLDER/crashed."""
-    out, kept = folder / "crashed", folder / f"uninterrupted_step_{step}"
-    kill = ["--rank", 0, "--step", step, "--marker", folder / "killed", "--during_save", "--keep", kept]
+    from test_checkpointing import crash_kill
+
+    out, kill = crash_kill(step, folder)
     args = [*args, "--resume_from_checkpoint", "latest", "--output_dir", out]
     return {"name": name, "script": script, "out": out, "args": args, "kill": kill}
 
 
 def check_crash_case(proc, folder, step):
     """crash_during_save_and_resume's checks of the case's launch; the case's run folder."""
-    from test_checkpointing import same_checkpoint
+    from test_checkpointing import check_crash
 
-    out, kept = folder / "crashed", folder / f"uninterrupted_step_{step}"
-    assert proc.returncode == 0 and (folder / "killed").exists() and kept.is_dir(), output_of(proc)
-    assert f"no checkpoint in {out}/checkpoints yet" in proc.stdout  # the first attempt started fresh
-    same_checkpoint(kept, out / "checkpoints" / f"step_{step:08d}")
-    return out
-
-
-def output_of(proc):
-    return proc.stdout + proc.stderr
+    return check_crash(proc, step, folder)
 
 
 if __name__ == "__main__":

@@ -32,45 +32,55 @@ def die(marker, sigterm=None):
         os.kill(os.getppid() if sigterm == "launcher" else os.getpid(), signal.SIGTERM)
 
 
-def main():
-    split = sys.argv.index("--")
+def arm(argv):
+    """The kill of `argv` (--rank R --step K --marker FILE [--during_save [--keep DIR]] [--sigterm ...]) on
+    this process if it is rank R and the marker is not there yet: its undo (the hook removed, os.replace
+    put back), or None when unarmed. The step count starts now (tests/cases_probe.py arms one per case)."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("script")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--step", type=int, required=True)
     parser.add_argument("--marker", required=True)
     parser.add_argument("--during_save", action="store_true")
     parser.add_argument("--keep")
     parser.add_argument("--sigterm", choices=["self", "launcher"])
-    args = parser.parse_args(sys.argv[1:split])
-    armed = int(os.environ.get("RANK", 0)) == args.rank and not os.path.exists(args.marker)
-
-    if armed and args.during_save:
+    args = parser.parse_args([str(a) for a in argv])
+    if int(os.environ.get("RANK", 0)) != args.rank or os.path.exists(args.marker):
+        return None
+    if args.during_save:
         real_replace = os.replace
 
         def replace(src, dst):  # every other rename passes through
             if os.path.basename(src) == f".tmp-step_{args.step:08d}":
                 if args.keep:
                     shutil.copytree(src, args.keep)
-                die(args.marker)
+                die(args.marker, args.sigterm)
             return real_replace(src, dst)
 
         os.replace = replace
-    elif armed:
-        steps = [0]
 
-        def after_step(optimizer, *_):
-            if all(group["lr"] == 0 for group in optimizer.param_groups):
-                return  # torch.distributed.checkpoint's state init for stateless SGD: a step at lr 0, not ours
-            steps[0] += 1
-            if steps[0] == args.step:
-                die(args.marker, args.sigterm)
+        def undo():
+            os.replace = real_replace
 
-        register_optimizer_step_post_hook(after_step)
+        return undo
+    steps = [0]
+
+    def after_step(optimizer, *_):
+        if all(group["lr"] == 0 for group in optimizer.param_groups):
+            return  # torch.distributed.checkpoint's state init for stateless SGD: a step at lr 0, not ours
+        steps[0] += 1
+        if steps[0] == args.step:
+            die(args.marker, args.sigterm)
+
+    return register_optimizer_step_post_hook(after_step).remove
+
+
+def main():
+    split = sys.argv.index("--")
+    arm(sys.argv[2:split])
 
     from train.core.run import run
 
-    module = __import__(f"train.{args.script}", fromlist=["main"])
+    module = __import__(f"train.{sys.argv[1]}", fromlist=["main"])
     run(module.main, module.parse_args(sys.argv[split + 1 :]))
 
 

@@ -100,15 +100,36 @@ def crash_during_save_and_resume(config, script, step, folder, *args):
     finished: kept aside as the uninterrupted run's state there), then torch elastic's restart
     resumes from the checkpoint before it and saves `step` again, which must be the same. Returns
     the launch (its output holds both attempts') and the folder of the resumed run."""
-    out, kept = folder / "crashed", folder / f"uninterrupted_step_{step}"
-    kill = ["--rank", 0, "--step", step, "--marker", folder / "killed", "--during_save", "--keep", kept]
+    out, kill = crash_kill(step, folder)
     proc = kill_launch(
         config, script, kill, *args, "--resume_from_checkpoint", "latest", "--output_dir", out, max_restarts=1
     )
+    return proc, check_crash(proc, step, folder)
+
+
+def crash_kill(step, folder):
+    """crash_during_save_and_resume's run folder and kill_at_step.py's arguments."""
+    kept = folder / f"uninterrupted_step_{step}"
+    return folder / "crashed", [
+        "--rank",
+        0,
+        "--step",
+        step,
+        "--marker",
+        folder / "killed",
+        "--during_save",
+        "--keep",
+        kept,
+    ]
+
+
+def check_crash(proc, step, folder):
+    """crash_during_save_and_resume's checks of its launch; the resumed run's folder."""
+    out, kept = folder / "crashed", folder / f"uninterrupted_step_{step}"
     assert proc.returncode == 0 and (folder / "killed").exists() and kept.is_dir(), output_of(proc)
-    assert "no checkpoint in" in proc.stdout  # the first attempt started fresh
+    assert f"no checkpoint in {out}/checkpoints yet" in proc.stdout  # the first attempt started fresh
     same_checkpoint(kept, out / "checkpoints" / f"step_{step:08d}")
-    return proc, out
+    return out
 
 
 def sigterm_at_step_one_and_resume(config, script, steps, folder, *args):
@@ -116,19 +137,30 @@ def sigterm_at_step_one_and_resume(config, script, steps, folder, *args):
     (train/core/preemption.py), so every rank stops there and saves that step with its state; torch
     elastic's restart resumes from it and runs to the end (`steps`). Returns the launch and the run's
     folder, to compare with an uninterrupted run."""
-    out = folder / "stopped"
-    kill = ["--rank", 1, "--step", 1, "--marker", folder / "signalled", "--sigterm", "self"]
+    out, kill = sigterm_kill(folder)
     proc = kill_launch(
         config, script, kill, *args, "--resume_from_checkpoint", "latest", "--output_dir", out, max_restarts=1
     )
+    return proc, check_sigterm(proc, steps, folder, proc.stdout)
+
+
+def sigterm_kill(folder):
+    """sigterm_at_step_one_and_resume's run folder and kill_at_step.py's arguments."""
+    return folder / "stopped", ["--rank", 1, "--step", 1, "--marker", folder / "signalled", "--sigterm", "self"]
+
+
+def check_sigterm(proc, steps, folder, own_output):
+    """sigterm_at_step_one_and_resume's checks of its launch (`own_output`: the run's part of the launch's
+    stdout, all of it when the launch holds one run); the run's folder."""
+    out = folder / "stopped"
     said = [line for line in output_of(proc).splitlines() if line.startswith("stopped on SIGTERM at step ")]
     assert proc.returncode == 0 and (folder / "signalled").exists() and len(said) == 1, output_of(proc)
     stop = out / "checkpoints" / "step_00000001"
     assert said[0].startswith(f"stopped on SIGTERM at step 1 of {steps}, saved {stop}; resume with: "), said[0]
     assert {"rank_state_0.pt", "rank_state_1.pt", "meta.json"} <= set(os.listdir(stop))
     assert f"resumed from {stop}" in proc.stdout
-    assert "was locked by a process that is gone" not in proc.stdout  # the stop let go of its folder
-    return proc, out
+    assert "was locked by a process that is gone" not in own_output  # the stop let go of its folder
+    return out
 
 
 def kill_launch(config, script, kill, *args, timeout=300, max_restarts=None):
