@@ -204,7 +204,7 @@ class TrainingLoop:
             yield from self._batches()
         except BaseException:  # end the progress bar's line, so an error message starts on its own
             self.progress.close()
-            self.preemption.close()  # a SIGTERM from here on ends the process as it would have
+            self.preemption.failed()  # SIGTERM as before, but for the first process's line under a launcher
             raise
 
     def _batches(self):
