@@ -212,39 +212,45 @@ def log_text(out):
     return open(f"{out}.log", errors="replace").read() if os.path.exists(f"{out}.log") else ""
 
 
-def frozen_until_signalled(job_id, out):
-    """Until the job ends: its launchers stopped from the moment they appear until the batch script
-    has had the time-limit signal of their start, so that every start's ranks get the SIGTERM before
-    any step (or no launcher starts at all). The number of starts."""
-    frozen, starts = set(), 0
+def signalled_before_any_step(job_id, out):
+    """Until the job ends, in every start: its launchers stopped from the moment they appear, and once
+    both nodes' are, the batch script signalled as slurmctld signals it ahead of the time limit
+    (`--signal=B:USR1`: the batch shell alone, `scancel --batch`); they go on once it has said so, so
+    every start's ranks get the SIGTERM before any step. The number of starts."""
+    frozen, signalled_starts, starts = set(), 0, 0
 
     def hold():
-        nonlocal starts
-        signalled = log_text(out).count("time limit in 120 s")
+        nonlocal starts, signalled_starts
+        said = log_text(out).count("time limit in 120 s")
         starts = int(job(job_id).get("Restarts") or 0) + 1
-        if signalled < starts:
-            frozen.update(launchers_of("node1", job_id) + launchers_of("node2", job_id))
+        if said < starts:
+            launchers = launchers_of("node1", job_id) + launchers_of("node2", job_id)
+            frozen.update(launchers)
             send(frozen, signal.SIGSTOP)
+            if signalled_starts < starts and len(launchers) == 2:
+                scancel = ["scancel", "--batch", "--signal", "USR1", job_id]
+                subprocess.run(scancel, env=slurm_env(), check=True)
+                signalled_starts = starts
         else:
             send(frozen, signal.SIGCONT)
             frozen.clear()
         return finished(job_id)
 
     try:
-        wait_for(hold, 400, "the job ending")
+        wait_for(hold, 300, "the job ending")
     finally:
         send(frozen, signal.SIGCONT)
     return starts
 
 
 def test_a_time_limit_that_leaves_no_time_to_train_ends_the_job_after_two_starts(tmp_path):
-    """A job whose time limit's signal comes before its first step (here: its launchers frozen from
-    the moment they appear until the signal is sent, in every start) saves nothing. The first such
-    start is requeued once more, the second ends the job failed with one line saying why and what
-    to change, instead of requeueing without end."""
+    """A job whose time limit's signal comes before its first step (here: the signal sent as soon as
+    its launchers appear, and they are frozen until it is handled; the real limit's signal is the test
+    above's) saves nothing. The first such start is requeued once more, the second ends the job failed
+    with one line saying why and what to change, instead of requeueing without end."""
     out = tmp_path / "run"
-    job_id = sbatch(out, "--nodes", "2", "--time", "2")  # the signal, 120 s before the limit, is due at once
-    starts = frozen_until_signalled(job_id, out)
+    job_id = sbatch(out, "--nodes", "2")
+    starts = signalled_before_any_step(job_id, out)
     log = log_text(out)
     assert starts == 2 and job(job_id)["JobState"] == "FAILED", (starts, job(job_id), log[-3000:])
     assert log.count("time limit in 120 s") == 2 and log.count("requeueing job") == 1, log[-3000:]
