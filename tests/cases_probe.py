@@ -106,9 +106,9 @@ def case_output(text, name):
     return "".join(parts)
 
 
-def launch_cases(config, cases, max_restarts=None, timeout=900):
-    """`accelerate launch --config_file accelerate_configs/CONFIG.yaml tests/cases_probe.py CASES.json`
-    (cases: dicts as above, their args' paths as they are); the CompletedProcess."""
+def launch_cases(config, cases, max_restarts=None, timeout=900, launch_args=()):
+    """`accelerate launch --config_file accelerate_configs/CONFIG.yaml [LAUNCH_ARGS] tests/cases_probe.py
+    CASES.json` (cases: dicts as above, their args' paths as they are); the CompletedProcess."""
     import tempfile
 
     from conftest import CONFIGS, clean_env, run_or_dump
@@ -128,6 +128,7 @@ def launch_cases(config, cases, max_restarts=None, timeout=900):
             f,
         )
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(CONFIGS, config + ".yaml")]
+    cmd += [*map(str, launch_args)]
     if max_restarts is not None:
         cmd += ["--max_restarts", str(max_restarts), "--monitor_interval", "0.5"]
     cmd += [os.path.join("tests", "cases_probe.py"), f.name]

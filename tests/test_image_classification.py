@@ -12,12 +12,13 @@ import pytest
 import torch
 from PIL import Image
 
+from cases_probe import case_output, check_crash_case, crash_case, launch_cases
 from conftest import launch, output_of, reset_accelerate_state, run_as_script, run_script
 from data.image_pixels import image_transforms, keep_budget
 from data.images import TENSOR_OVERHEAD, ImageFileSource, ImageFolderDataset, load_image, scan_image_folder
 from data.mnist import CLASS_NAMES, write_image_folders
 from data.sharding import ShardedIterableDataset
-from test_checkpointing import crash_during_save_and_resume, weights
+from test_checkpointing import weights
 from train import image_classification
 
 CLASSES = sorted(CLASS_NAMES["fashion_mnist"])
@@ -39,35 +40,41 @@ def folders(fashion_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trained(folders, tmp_path_factory):
-    """The map-style run of the tests below, with a DataLoader worker per rank: 2 processes, 3 epochs of
-    18 steps; rank 0 SIGKILLed as checkpoint 28 (mid epoch 2) is published, then torch elastic's restart
-    resumes from 24 and must save the same 28 (crash_during_save_and_resume), and trains to the end."""
+def crashes(folders, tmp_path_factory):
+    """Both data paths' runs of the tests below in one launch (tests/cases_probe.py), each with rank 0
+    SIGKILLed as a checkpoint mid epoch 2 is published, then resumed by torch elastic's restart, which
+    must save the same checkpoint (crash_during_save_and_resume's checks, as cases): map-style with a
+    DataLoader worker per rank, 3 epochs of 18 steps, killed at 28 (resumed from 24); streaming without
+    workers, 2 x 10 steps, killed at 16 (resumed from 12). The launch and each case's resumed folder."""
     train_dir, validation_dir = folders
-    return crash_during_save_and_resume(
-        "cpu_2proc",
-        "image_classification",
-        28,
-        tmp_path_factory.mktemp("trained"),
-        "--train_dir",
-        train_dir,
-        "--validation_dir",
-        validation_dir,
-        *SMALL,
-        "--num_train_epochs",
-        3,
-        "--checkpointing_steps",
-        4,
-    )
+    root = tmp_path_factory.mktemp("crashes")
+    common = ["--train_dir", train_dir, "--validation_dir", validation_dir, *SMALL, "--checkpointing_steps", 4]
+    streaming = ["--max_train_samples", 320, "--num_train_epochs", 2, "--streaming", "--dataloader_num_workers", 0]
+    steps = {"map_style": 28, "streaming": 16}
+    for name in steps:
+        (root / name).mkdir()
+    cases = [
+        crash_case("map_style", "image_classification", 28, root / "map_style", *common, "--num_train_epochs", 3),
+        crash_case("streaming", "image_classification", 16, root / "streaming", *common, *streaming),
+    ]
+    proc = launch_cases("cpu_2proc", cases, max_restarts=2)
+    return proc, {name: check_crash_case(proc, root / name, step) for name, step in steps.items()}
+
+
+@pytest.fixture(scope="module")
+def trained(crashes):
+    """The map-style run: its part of the launch's output (both of its attempts) and its folder."""
+    proc, folders = crashes
+    return case_output(proc.stdout, "map_style"), folders["map_style"]
 
 
 def test_two_processes_learn_well_above_chance_and_count_every_image_once(trained):
-    proc, out = trained
-    assert "world_size=2 " in proc.stdout
+    output, out = trained
+    assert "world_size=2 " in output
     # once per attempt (the crashed one and its restart): the main process's line only
-    assert proc.stdout.count("train: 600 images in 10 classes; validation: 299 images in 10 classes") == 2
+    assert output.count("train: 600 images in 10 classes; validation: 299 images in 10 classes") == 2
     # 600 x 28^2 + 299 x 32^2 RGB; the pixels kept without workers: the streaming run's
-    assert proc.stdout.count("images: 4 MB decoded, decoded again each time (DataLoader workers)") == 2
+    assert output.count("images: 4 MB decoded, decoded again each time (DataLoader workers)") == 2
     results = json.load(open(out / "all_results.json"))
     assert results["eval_samples"] == 299 and results["world_size"] == 2 and results["train_samples"] == 600
     assert [h["eval_samples"] for h in results["history"]] == [299] * 3  # the epochs before the crash kept
@@ -89,38 +96,20 @@ def test_predict_agrees_with_the_evaluation(trained, folders, capsys):
     assert one.returncode == 0 and one.stdout.count("\n") == 1
 
 
-@pytest.mark.parametrize("streaming", [False, True], ids=["map_style", "streaming"])
-def test_resume_after_a_crash_is_bit_identical_under_two_processes(request, folders, tmp_path, streaming):
+@pytest.mark.parametrize("path", ["map_style", "streaming"])
+def test_resume_after_a_crash_is_bit_identical_under_two_processes(crashes, path):
     # a SIGKILL as a checkpoint mid epoch 2 is published: the restart resumes from the one before and must
-    # save the same (crash_during_save_and_resume compares every rank's RNG streams too: torch's global
-    # generator, which a mid-epoch iterator of a resumed run would draw its workers' base seed from
+    # save the same (crash_during_save_and_resume's checks compare every rank's RNG streams too: torch's
+    # global generator, which a mid-epoch iterator of a resumed run would draw its workers' base seed from
     # without the loader's own generator); map-style with a DataLoader worker per rank at the SIGKILL
-    # (the `trained` run: 28, resumed from 24), streaming without (16 of 2 x 10 steps, from 12)
-    if not streaming:
-        proc, crashed = request.getfixturevalue("trained")
-        assert f"resumed from {crashed}/checkpoints/step_00000024" in proc.stdout
-        return
-    args = [
-        "--train_dir",
-        folders[0],
-        "--validation_dir",
-        folders[1],
-        *SMALL,
-        "--max_train_samples",
-        320,
-        "--num_train_epochs",
-        2,
-        "--checkpointing_steps",
-        4,
-        "--streaming",
-        "--dataloader_num_workers",
-        0,
-    ]
-    proc, crashed = crash_during_save_and_resume("cpu_2proc", "image_classification", 16, tmp_path, *args)
-    assert f"resumed from {crashed}/checkpoints/step_00000012" in proc.stdout
+    # (28, resumed from 24), streaming without (16 of 2 x 10 steps, from 12)
+    proc, folders = crashes
+    crashed, resumed = folders[path], {"map_style": 24, "streaming": 12}[path]
+    output = case_output(proc.stdout, path)
+    assert f"resumed from {crashed}/checkpoints/step_{resumed:08d}" in output
     assert (crashed / "model.safetensors").exists()
-    # without workers each process keeps the pixels it decodes (320 x 28^2 + 299 x 32^2 RGB)
-    assert proc.stdout.count("images: 3 MB decoded, kept by each process as it decodes them") == 2
+    if path == "streaming":  # without workers each process keeps the pixels it decodes (320 x 28^2 + 299 x 32^2 RGB)
+        assert output.count("images: 3 MB decoded, kept by each process as it decodes them") == 2
 
 
 def test_streaming_source_reads_each_image_once_per_epoch_split_across_ranks(folders):

@@ -3,12 +3,14 @@
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import launch, output_of, run_as_script
+from cases_probe import case_output, launch_cases, run_case
+from conftest import output_of, run_as_script
 from data.errors import UserError
 from train import mnist
 
@@ -38,14 +40,23 @@ SMALL_RUN = [
 STEPS = 1280 // 64  # drop_last: whole global batches of 2 x 32
 
 
-def launch_bf16(*args):
-    return launch("cpu_2proc", "mnist", *SMALL_RUN, *args, launch_args=["--mixed_precision", "bf16"])
+@pytest.fixture(scope="module")
+def launched(fashion_dir, tmp_path_factory):
+    """Both launched runs in one launch (tests/cases_probe.py), bf16 asked of the launcher: map-style,
+    then --streaming with its parquet shards prepared in the run. The launch and the folder."""
+    root = tmp_path_factory.mktemp("mnist")
+    cases = [
+        run_case("map_style", "mnist", root / "map", *SMALL_RUN),
+        run_case("streaming", "mnist", root / "out", *SMALL_RUN, "--streaming", "--parquet_dir", root / "parquet"),
+    ]
+    return launch_cases("cpu_2proc", cases, launch_args=["--mixed_precision", "bf16"]), root
 
 
 @pytest.fixture(scope="module")
-def map_style_run(fashion_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("map")
-    return launch_bf16("--output_dir", out), out
+def map_style_run(launched):
+    proc, root = launched
+    mine = {stream: case_output(getattr(proc, stream), "map_style") for stream in ("stdout", "stderr")}
+    return SimpleNamespace(returncode=proc.returncode, **mine), root / "map"
 
 
 def test_two_processes_train_and_count_eval_exactly(fashion_dir, map_style_run):
@@ -68,12 +79,11 @@ def test_two_processes_train_and_count_eval_exactly(fashion_dir, map_style_run):
     assert json.load(open(tmp_path / "args.json"))["max_eval_samples"] == EVAL_SAMPLES
 
 
-def test_streaming_path_under_two_processes_matches_map_style(map_style_run, tmp_path):
-    proc = launch_bf16("--streaming", "--parquet_dir", tmp_path / "parquet", "--output_dir", tmp_path / "out")
+def test_streaming_path_under_two_processes_matches_map_style(launched, map_style_run):
+    proc, tmp_path = launched
+    output = case_output(proc.stdout, "streaming")
     assert proc.returncode == 0, output_of(proc)
-    assert (
-        "world_size=2 " in proc.stdout and "sharded iterable" in proc.stdout and "mixed_precision=bf16" in proc.stdout
-    )
+    assert "world_size=2 " in output and "sharded iterable" in output and "mixed_precision=bf16" in output
     # the prepare step wrote 8 train + 8 test shards + manifest, and left its (released) lock file
     assert sorted(set(os.listdir(tmp_path / "parquet")) - {".lock"}) == sorted(
         [f"{split}-{i:05d}-of-00008.parquet" for split in ("test", "train") for i in range(8)] + ["manifest.json"]
