@@ -69,12 +69,12 @@ class Preemption:
             self._previous = None
 
     def failed(self):
-        """The loop ends in an error. Under torch elastic's agent the first process ignores SIGTERM from here on:
-        when another rank failed, this one learns it only as that rank exits and closes its sockets,
-        and the agent's SIGTERM to the survivors follows within its monitor interval (0.1 s), often
-        before this process has read the failure and printed the line that names the rank. Its
-        handler (a flag) covered the collective that failed; the default would end it mid-line. Any
-        other process: SIGTERM does what it did before."""
+        """The loop ends in an error. Under torch elastic's agent the first process ignores SIGTERM
+        from here on: when another rank failed, this one learns it only as that rank exits and closes
+        its sockets, and the agent's SIGTERM to the survivors follows within its monitor interval
+        (0.1 s), often before this process has read the failure and printed the line that names the
+        rank. The handler (a flag) covered the collective that failed; the default would end the
+        process before that line. Any other process: SIGTERM does what it did before."""
         if self._previous is not None and os.environ.get("LOCAL_RANK") == "0" and "TORCHELASTIC_RUN_ID" in os.environ:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             self._previous = None
