@@ -1,6 +1,7 @@
 """train/sft.py beside TRL's SFTTrainer: end-to-end speed, peak memory and the validation loss each reaches.
 
-    python bench/sft_reference.py                                       # make train-sft's model and data, 2 turns
+    python bench/sft_reference.py                            # SmolLM2 on 1,024 sums (make smollm2 chat-data), 2 turns
+    python bench/sft_reference.py --preset small_gpt         # make train-lm's GPT on make sft-data's pairs
     python bench/sft_reference.py --max_train_samples 256 --turns 1     # a quick check
 
 Four programs take turns (A/B/C/D, then D/C/B/A, ...), each `python -m accelerate.commands.launch
@@ -12,9 +13,9 @@ examples into rows of the max sequence length by best-fit decreasing and keep th
 restarting at 0 ('wrapped' would cut examples and let attention cross them); TRL flattens a batch's rows
 into one (padding-free), ours keeps --packed_batch_size rows; TRL draws its packed rows at random.
 
-Equal: the model (default: make train-lm's runs/lm, which make train-sft fine-tunes), the pairs (make
-sft-data's runs/sft/gcide, copied with the columns prompt and completion; ours reads them with
---response_column completion), rows per process, epochs, learning rate, linear schedule after the same
+Equal: the model and the pairs (--preset, below), copied with the columns prompt and completion (ours
+reads them with --response_column completion; a conversation rendered once, here, with the model's chat
+template), rows per process, epochs, learning rate, linear schedule after the same
 warmup, max sequence length (ours: --max_seq_length, TRL: max_length; default the model's limit, at most
 1,024; longer examples cut at the end), seed, clipping at 1.0, no weight decay, fp32 (ours:
 --mixed_precision no; TRL: bf16=False, fp16=False, as SFTConfig turns bf16 on), the loss on the
@@ -29,6 +30,11 @@ transformers' sorts each group of up to 50 batches longest-first and runs it in 
 50 steps at a time and shuffles the steps; --order random shuffles both); ours stores an example of n
 tokens as n - 1 positions (inputs beside their shifted labels), TRL as n, so TRL's packed rows hold a
 little less and its packed epoch takes a few percent more steps.
+
+--preset smollm2 (the default once make smollm2 has written its folder): SmolLM2-135M-Instruct on 1,024
+of make chat-data's sums, 8 rows per process, learning rate 1e-4, no warmup. --preset small_gpt: make
+train-lm's GPT (runs/lm) on every pair of make sft-data's runs/sft/gcide, 16 rows, 2e-3, 30 warmup steps.
+A flag given on the command line wins over its preset's value.
 
 Per run: the wall time from launch to exit (start-up, tokenizing, packing, evaluation and saving
 included, alike for all); response tokens/s = the training set's response tokens x epochs / wall seconds,
@@ -69,18 +75,61 @@ MODES = {"padded": ("ours", "trl"), "packed": ("ours_packed", "trl_packed")}  # 
 GOAL = 1.25  # ours' response tokens/s over TRL's, at an equal or lower validation loss
 SAMPLING = {"grouped": "group_by_length", "random": "random"}  # --order: TRL's train_sampling_strategy
 MAX_LENGTH = 1024  # the default --max_seq_length's cap, as train/sft.py's
+# What the programs train and with what, unless a flag says otherwise: a model people fine-tune when make
+# smollm2 has written it (SmolLM2-135M-Instruct on make chat-data's sums, at a rate and batch that suit a
+# pretrained 135M model: the docs/sft.md comparison's), else make train-lm's 3.4M-parameter GPT on GCIDE
+PRESETS = {
+    "smollm2": {
+        "model_name_or_path": "runs/models/SmolLM2-135M-Instruct",
+        "train_file": "runs/sft/sums/train.jsonl",
+        "validation_file": "runs/sft/sums/validation.jsonl",
+        "per_device_train_batch_size": 8,
+        "learning_rate": 1e-4,
+        "num_warmup_steps": 0,
+        "max_train_samples": 1024,
+        "make": "make smollm2 chat-data",
+    },
+    "small_gpt": {
+        "model_name_or_path": "runs/lm",
+        "train_file": "runs/sft/gcide/train.jsonl",
+        "validation_file": "runs/sft/gcide/validation.jsonl",
+        "per_device_train_batch_size": 16,
+        "learning_rate": 2e-3,
+        "num_warmup_steps": 30,
+        "max_train_samples": None,
+        "make": "make sft-data (it trains runs/lm first)",
+    },
+}
+
+
+def default_preset():
+    """smollm2 where make smollm2 has written its folder, else small_gpt."""
+    folder = os.path.join(REPO, PRESETS["smollm2"]["model_name_or_path"])
+    return "smollm2" if os.path.isfile(os.path.join(folder, "config.json")) else "small_gpt"
 
 
 # ---------------------------------------------------------------------------------- the data
-def copy_pairs(src, dst, max_rows=None, seed=0):
-    """src's prompt/response rows as prompt/completion (TRL's names), the head of them shuffled with
-    `seed` when max_rows: [(prompt, completion)]."""
+def copy_pairs(src, dst, max_rows=None, seed=0, tokenizer=None):
+    """src's rows as prompt/completion (TRL's names), the head of them shuffled with `seed` when max_rows:
+    [(prompt, completion)]. A row is prompt/response, or a conversation ("messages"), rendered with
+    `tokenizer`'s chat template: the prompt is every turn before the last (an assistant's) with the
+    template's opening of the assistant's turn, the completion that turn's text; both programs then add
+    the end of text (a chat model's end of turn), so both read the same strings."""
     with open(src, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()]
     if max_rows:
         random.Random(seed).shuffle(rows)
         rows = rows[:max_rows]
-    pairs = [(row["prompt"], row["response"]) for row in rows]
+    pairs = []
+    for row in rows:
+        if "messages" not in row:
+            pairs.append((row["prompt"], row["response"]))
+            continue
+        *before, last = row["messages"]
+        if last["role"] != "assistant" or tokenizer is None:
+            raise SystemExit(f"error: {src}: a conversation must end with an assistant's turn, read with a chat model")
+        prompt = tokenizer.apply_chat_template(before, add_generation_prompt=True, tokenize=False)
+        pairs.append((prompt, last["content"]))
     with open(dst, "w", encoding="utf-8") as f:
         f.writelines(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in pairs)
     return pairs
@@ -290,17 +339,25 @@ def describe(run, tokens):
 # ---------------------------------------------------------------------------------- the bench
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model_name_or_path", default="runs/lm", help="A causal LM folder (make train-lm's).")
-    parser.add_argument("--train_file", default="runs/sft/gcide/train.jsonl", help="jsonl rows: prompt, response.")
-    parser.add_argument("--validation_file", default="runs/sft/gcide/validation.jsonl")
+    parser.add_argument(
+        "--preset",
+        choices=tuple(PRESETS),
+        default=None,
+        help="The model, data, rows per process, learning rate, warmup and pairs below, unless given: smollm2 "
+        "(make smollm2's SmolLM2-135M-Instruct on make chat-data's sums; the default where it is there) or "
+        "small_gpt (make train-lm's GPT on make sft-data's GCIDE pairs).",
+    )
+    parser.add_argument("--model_name_or_path", default=None, help="A causal LM folder.")
+    parser.add_argument("--train_file", default=None, help="jsonl rows: prompt, response; or conversations (messages).")
+    parser.add_argument("--validation_file", default=None)
     parser.add_argument("--turns", type=int, default=2, help="Runs of each program, in alternating order.")
     parser.add_argument("--num_train_epochs", type=int, default=1)
-    parser.add_argument("--per_device_train_batch_size", type=int, default=16, help="Padded rows per process.")
+    parser.add_argument("--per_device_train_batch_size", type=int, default=None, help="Padded rows per process.")
     parser.add_argument(
         "--packed_batch_size", type=int, default=2, help="Packed rows of --max_seq_length tokens per process."
     )
-    parser.add_argument("--learning_rate", type=float, default=2e-3)
-    parser.add_argument("--num_warmup_steps", type=int, default=30)
+    parser.add_argument("--learning_rate", type=float, default=None)
+    parser.add_argument("--num_warmup_steps", type=int, default=None)
     parser.add_argument(
         "--max_seq_length",
         type=int,
@@ -334,16 +391,17 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.score:
         return args
+    args.preset = args.preset or default_preset()
+    preset = PRESETS[args.preset]
+    for key, value in preset.items():
+        if key != "make" and getattr(args, key) is None:
+            setattr(args, key, value)
     model = os.path.join(REPO, args.model_name_or_path)
     if not os.path.isfile(os.path.join(model, "config.json")):
-        parser.error(
-            f"{args.model_name_or_path} holds no model: make train-lm trains one (or pass --model_name_or_path)"
-        )
+        parser.error(f"{args.model_name_or_path} holds no model: {preset['make']} (or pass --model_name_or_path)")
     for path in (args.train_file, args.validation_file):
         if not os.path.isfile(os.path.join(REPO, path)):
-            parser.error(
-                f"{path} is missing: make sft-data writes the demo's pairs (or pass --train_file and --validation_file)"
-            )
+            parser.error(f"{path} is missing: {preset['make']} (or pass --train_file and --validation_file)")
     args.max_seq_length = args.max_seq_length or model_limit(model)
     return args
 
@@ -358,14 +416,18 @@ def main(argv=None):
 
     with tempfile.TemporaryDirectory() as scratch:
         data = {"train": os.path.join(scratch, "train.jsonl"), "validation": os.path.join(scratch, "validation.jsonl")}
-        pairs = copy_pairs(os.path.join(REPO, args.train_file), data["train"], args.max_train_samples, args.seed)
-        validation = copy_pairs(os.path.join(REPO, args.validation_file), data["validation"])
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(os.path.join(REPO, args.model_name_or_path))
+        train_file, validation_file = (os.path.join(REPO, f) for f in (args.train_file, args.validation_file))
+        pairs = copy_pairs(train_file, data["train"], args.max_train_samples, args.seed, tokenizer)
+        validation = copy_pairs(validation_file, data["validation"], tokenizer=tokenizer)
         tokens = response_tokens(os.path.join(REPO, args.model_name_or_path), pairs, args.max_seq_length)
         print(
             f"{len(pairs):,} training pairs ({tokens:,} response tokens) x {args.num_train_epochs} epoch(s), "
             f"{len(validation):,} validation pairs; padded: {args.per_device_train_batch_size} rows per process, "
             f"packed: {args.packed_batch_size} rows of {args.max_seq_length} tokens per process; 2 CPU processes, "
-            f"fp32, learning rate {args.learning_rate}; model {args.model_name_or_path}",
+            f"fp32, learning rate {args.learning_rate}; model {args.model_name_or_path} (--preset {args.preset})",
             flush=True,
         )
         programs = {name: PROGRAMS[name] for name in args.programs}

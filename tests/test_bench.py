@@ -506,6 +506,8 @@ def test_sft_reference_runs_ours_and_trls_sft_trainer_padded_and_packed(tmp_path
         (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
     sft_reference.main(
         [
+            "--preset",
+            "small_gpt",
             "--model_name_or_path",
             tiny_causal_lm(tmp_path / "gpt2"),
             "--train_file",
@@ -553,6 +555,56 @@ def test_sft_reference_order_sets_both_programs_padded_batches_alike(order, ours
         [sys.executable, "bench/reference/trl_sft.py", "--help"], cwd=REPO, capture_output=True, text=True
     ).stdout
     assert "--train_sampling_strategy {group_by_length,random}" in driver, driver
+
+
+def test_sft_reference_presets_fill_what_is_not_given_and_conversations_become_template_pairs(
+    tmp_path, monkeypatch, capsys
+):
+    """--preset smollm2 where make smollm2's folder is, else small_gpt; each fills the model, data, rows,
+    learning rate, warmup and pairs the command line leaves out, a flag given wins, and a missing model
+    names the make target. A conversation becomes the prompt the model's chat template opens the
+    assistant's turn with, and that turn's text: what the template writes for the whole conversation
+    starts with the two."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from bench import sft_reference
+    from hf_models import tiny_causal_lm
+
+    monkeypatch.setattr(sft_reference, "REPO", str(tmp_path))
+    assert sft_reference.default_preset() == "small_gpt"
+    with pytest.raises(SystemExit):
+        sft_reference.parse_args([])
+    assert "runs/lm holds no model: make sft-data (it trains runs/lm first)" in capsys.readouterr().err
+    folder = tmp_path / "runs" / "models" / "SmolLM2-135M-Instruct"
+    tiny_causal_lm(folder, "llama", chat=True)
+    assert sft_reference.default_preset() == "smollm2"
+    sums = tmp_path / "runs" / "sft" / "sums"
+    sums.mkdir(parents=True)
+    rows = [
+        {"messages": [{"role": "user", "content": f"What is {a} + 1?"}, {"role": "assistant", "content": str(a + 1)}]}
+        for a in range(5)
+    ]
+    for split in ("train", "validation"):
+        (sums / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = sft_reference.parse_args(["--learning_rate", "3e-4"])
+    chosen = (args.preset, args.model_name_or_path, args.per_device_train_batch_size, args.learning_rate)
+    assert chosen == ("smollm2", "runs/models/SmolLM2-135M-Instruct", 8, 3e-4)
+    assert (args.num_warmup_steps, args.max_train_samples, args.train_file) == (0, 1024, "runs/sft/sums/train.jsonl")
+    small = sft_reference.parse_args(
+        ["--preset", "small_gpt", "--model_name_or_path", str(folder)]
+        + [f"--{split}_file={sums / f'{split}.jsonl'}" for split in ("train", "validation")]
+    )
+    assert (small.per_device_train_batch_size, small.learning_rate, small.num_warmup_steps) == (16, 2e-3, 30)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    pairs = sft_reference.copy_pairs(sums / "train.jsonl", tmp_path / "pairs.jsonl", tokenizer=tokenizer)
+    for row, (prompt, completion) in zip(rows, pairs, strict=True):
+        assert completion == row["messages"][1]["content"]
+        assert prompt == tokenizer.apply_chat_template(row["messages"][:1], add_generation_prompt=True, tokenize=False)
+        assert tokenizer.apply_chat_template(row["messages"], tokenize=False).startswith(prompt + completion)
+    written = [json.loads(line) for line in open(tmp_path / "pairs.jsonl")]
+    assert written == [{"prompt": p, "completion": c} for p, c in pairs]
 
 
 def test_shape_memory_runs_each_case_at_two_step_counts(tmp_path, capsys):
