@@ -457,7 +457,7 @@ def main(argv=None):
         ratio = f" ({speed[name] / speed[theirs[name]]:.2f}x)" if theirs[name] in speed else ""
         m = med[name]
         print(
-            f"| {PROGRAMS[name]} | {speed[name]:,.0f}{ratio} | {m['rss_mb']:,.0f} | "
+            f"| {PROGRAMS[name]} | {speed[name]:,.{0 if speed[name] >= 100 else 2}f}{ratio} | {m['rss_mb']:,.0f} | "
             f"{m['loss']:.4f} ({m['own_loss']:.4f}) | {m['wall']:.1f} |"
         )
     for mode, (ours, trl) in MODES.items():
