@@ -362,6 +362,40 @@ def test_the_line_names_a_rank_that_failed_and_not_one_that_vanished(tmp_path, m
     assert capsys.readouterr().err.startswith("error: lost contact with ")
 
 
+@pytest.mark.parametrize(
+    "env, ignored",
+    [
+        ({"LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "x"}, True),
+        ({"LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "x"}, False),
+        ({"LOCAL_RANK": "0"}, False),
+        ({}, False),
+    ],
+    ids=["first_under_agent", "other_rank", "no_agent", "no_launcher"],
+)
+def test_a_loop_ending_in_an_error_leaves_sigterm_ignored_in_the_first_process_under_the_agent_only(
+    monkeypatch, env, ignored
+):
+    """The test below's race, without the race: the agent's SIGTERM can reach rank 0 between the loop's end
+    and its line, so the first process under torch elastic ignores it from the loop's error on; any other
+    process gets back the handler it had before the loop."""
+    import signal
+
+    from train.core.preemption import Preemption
+
+    for name in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        preemption = Preemption(accelerator=None)
+        assert signal.getsignal(signal.SIGTERM) == preemption._on_signal
+        preemption.failed()
+        assert signal.getsignal(signal.SIGTERM) == (signal.SIG_IGN if ignored else before)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 @pytest.mark.parametrize("kind", ["exception", "user_error", "sigkill"])
 def test_rank_0_names_rank_1_that_raised_and_says_lost_contact_for_one_killed(tmp_path, kind):
     """2 processes, rank 1 fails at its 3rd step: a ValueError (its own traceback stays), one of the
