@@ -150,10 +150,7 @@ def scored_examples(tokenizer, pairs, max_length):
     return examples
 
 
-def response_tokens(model, pairs, max_length):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model)
+def response_tokens(tokenizer, pairs, max_length):
     return sum(sum(label != -100 for label in labels) for _, labels in scored_examples(tokenizer, pairs, max_length))
 
 
@@ -422,7 +419,7 @@ def main(argv=None):
         train_file, validation_file = (os.path.join(REPO, f) for f in (args.train_file, args.validation_file))
         pairs = copy_pairs(train_file, data["train"], args.max_train_samples, args.seed, tokenizer)
         validation = copy_pairs(validation_file, data["validation"], tokenizer=tokenizer)
-        tokens = response_tokens(os.path.join(REPO, args.model_name_or_path), pairs, args.max_seq_length)
+        tokens = response_tokens(tokenizer, pairs, args.max_seq_length)
         print(
             f"{len(pairs):,} training pairs ({tokens:,} response tokens) x {args.num_train_epochs} epoch(s), "
             f"{len(validation):,} validation pairs; padded: {args.per_device_train_batch_size} rows per process, "

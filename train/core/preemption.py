@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from train.core.process import first_local_process
+
 
 class Preempted(Exception):
     """The run stopped on a SIGTERM once its checkpoint was saved: run() prints the message (one line,
@@ -75,7 +77,7 @@ class Preemption:
         (0.1 s), often before this process has read the failure and printed the line that names the
         rank. The handler (a flag) covered the collective that failed; the default would end the
         process before that line. Any other process: SIGTERM does what it did before."""
-        if self._previous is not None and os.environ.get("LOCAL_RANK") == "0" and "TORCHELASTIC_RUN_ID" in os.environ:
+        if self._previous is not None and first_local_process() and "TORCHELASTIC_RUN_ID" in os.environ:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             self._previous = None
         self.close()
